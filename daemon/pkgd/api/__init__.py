@@ -1,0 +1,1 @@
+"""OpenAI-compatible API server (runs in its own processes; never imports torch)."""

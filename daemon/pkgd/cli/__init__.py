@@ -1,0 +1,1 @@
+"""Command line: `main()` dispatches to lazily imported subcommands."""

@@ -1,0 +1,59 @@
+"""The one helper every config field is declared with.
+
+Each leaf of the `VllmConfig` tree carries, besides its type and default, two pieces of
+metadata that the rest of pkgd reads from the JSON schema:
+
+* ``x-cli-aliases``: the vLLM-style flags that set it (``--tensor-parallel-size``). A plain
+  flag takes a value; ``"--flag=CONST"`` is a switch that sets the field to ``CONST``
+  (``"--data-parallel-external-lb=external"``); boolean fields also accept ``--no-<flag>``.
+* ``x-reload``: what a SIGHUP reload must do when the field changes (see `ReloadClass`).
+
+Keeping both in the schema gives the flag surface, ``--help`` and the reload planner one
+source (STYLE.md practices 5 and 7).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import Field
+
+
+class ReloadClass(str, enum.Enum):
+    """What a change of a field costs on SIGHUP, least disruptive first."""
+
+    LIVE = "live"  # applied in place by the running processes
+    API = "api"  # rolling restart of API servers on the held socket
+    ENGINE = "engine"  # new engine cores, switch, drain the old ones
+    RESTART = "restart"  # cannot be applied by reload; needs a full daemon restart
+
+
+RELOAD_ORDER = [ReloadClass.LIVE, ReloadClass.API, ReloadClass.ENGINE, ReloadClass.RESTART]
+
+
+def field(
+    default: Any = ...,
+    description: str = "",
+    *,
+    aliases: tuple[str, ...] | list[str] = (),
+    reload: ReloadClass = ReloadClass.ENGINE,
+    default_factory: Any = None,
+    **constraints: Any,
+) -> Any:
+    """Declare a config leaf with its description, CLI aliases and reload class.
+
+    ``constraints`` are pydantic's (``ge``, ``le``, ``min_length`` …). The description is
+    mandatory in spirit: a test fails for any leaf without one.
+    """
+    extra: dict[str, Any] = {"x-reload": reload.value}
+    if aliases:
+        extra["x-cli-aliases"] = list(aliases)
+    if default_factory is not None:
+        return Field(
+            default_factory=default_factory,
+            description=description,
+            json_schema_extra=extra,
+            **constraints,
+        )
+    return Field(default, description=description, json_schema_extra=extra, **constraints)

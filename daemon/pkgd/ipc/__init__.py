@@ -1,0 +1,1 @@
+"""Inter-process communication: msgspec wire messages over ZeroMQ, and the async EngineClient."""

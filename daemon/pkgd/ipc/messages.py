@@ -1,0 +1,181 @@
+"""Every message that crosses a process boundary, as versioned msgspec structs.
+
+One module so the protocol reads in one place (STYLE.md practice 12). Frames are msgpack;
+nothing is pickled. Each frame is a tagged union member (``type`` field), so a receiver
+dispatches by type through a table. ``PROTOCOL_VERSION`` is checked in the handshake: a
+client speaking another version is refused with a clear error.
+
+Directions:
+    API server -> engine core: `Hello`, `AddRequest`, `AbortRequests`, `Shutdown`.
+    engine core -> API server: `Handshake`, `EngineOutputs`, `EngineError`.
+    engine core -> supervisor (ready pipe): `Handshake` once loaded, or `EngineError`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from pkgd.engine.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; names match OpenAI's ``finish_reason`` (plus abort/error)."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class Message(msgspec.Struct, tag_field="type", omit_defaults=True, kw_only=True):
+    """Base of every frame."""
+
+
+# ---- API server -> engine core -------------------------------------------------------
+
+
+class Hello(Message, tag="hello"):
+    """First frame of a client; the core answers with `Handshake`."""
+
+    version: int
+    client_id: str
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A tokenized request. ``eos_token_id`` None means the model has none.
+
+    ``arrival_time`` is Unix time in seconds; lower ``priority`` runs first under
+    ``scheduler.policy: priority``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class AddRequest(Message, tag="add"):
+    request: EngineCoreRequest
+
+
+class AbortRequests(Message, tag="abort"):
+    """Abort these requests (client gone, stop string hit, timeout); unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Shutdown(Message, tag="shutdown"):
+    """Finish nothing more: abort everything and exit (the supervisor drains first)."""
+
+
+# ---- engine core -> API server / supervisor -------------------------------------------
+
+
+class Handshake(Message, tag="handshake"):
+    """The engine core is loaded and serving; what a frontend needs to know about it.
+
+    ``max_model_len`` is effective (tokens); ``num_kv_blocks`` × ``block_size`` is the KV
+    capacity in tokens.
+    """
+
+    version: int
+    engine_index: int
+    pid: int
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    num_kv_blocks: int
+    block_size: int
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: ``token_ids[0]`` is the sampled/prompt token, then top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """New tokens of one request this step; ``finish_reason`` set on its last output.
+
+    ``stop_reason`` is the stop token id that ended it, None for EOS/length.
+    ``num_cached_tokens`` (prompt tokens hit in the prefix cache) is sent with the first
+    output.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Engine gauges and counters for ``/metrics`` (vLLM's metric meanings).
+
+    ``kv_cache_usage`` is the used fraction of KV blocks in [0, 1]; the prefix-cache and
+    preemption counters are cumulative since the engine started.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineOutputs(Message, tag="outputs"):
+    """One step's outputs for the requests of one client, plus the engine's stats.
+
+    ``timestamp`` is Unix time in seconds when the step finished.
+    """
+
+    engine_index: int
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineError(Message, tag="error"):
+    """The engine core failed (load error, crash in a step); ``request_ids`` get an error."""
+
+    engine_index: int
+    message: str
+    request_ids: list[str] = msgspec.field(default_factory=list)
+
+
+ClientMessage = Hello | AddRequest | AbortRequests | Shutdown
+EngineMessage = Handshake | EngineOutputs | EngineError
+
+_encoder = msgspec.msgpack.Encoder()
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of one frame."""
+    return _encoder.encode(msg)
+
+
+def decode_client(data: bytes) -> ClientMessage:
+    """Decode a frame sent to an engine core; raises `msgspec.DecodeError` on garbage."""
+    return _client_decoder.decode(data)
+
+
+def decode_engine(data: bytes) -> EngineMessage:
+    """Decode a frame sent by an engine core; raises `msgspec.DecodeError` on garbage."""
+    return _engine_decoder.decode(data)

@@ -1,0 +1,1 @@
+"""Model execution: weights, models, attention, sampling."""

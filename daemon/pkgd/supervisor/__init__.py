@@ -1,0 +1,1 @@
+"""Supervisor: sockets, child processes, signals, reload, sd_notify."""
