@@ -1,0 +1,96 @@
+"""structlog set-up shared by every pkgd process (DESIGN.md §4 "Logs").
+
+One event per line, each with ``pid``, ``role`` (supervisor / engine-core / api-server / cli),
+``dp_rank`` and, where one is bound with `bind_request`, ``request_id``. JSON lines when
+``logging.format`` is ``json``, or ``auto`` and stderr is not a TTY or systemd's journal is
+attached (``JOURNAL_STREAM`` set); readable console lines otherwise.
+
+Usage::
+
+    from pkgd import log
+    log.configure(cfg.logging, role="engine-core", dp_rank=0)
+    logger = log.get_logger(__name__)
+    logger.info("engine_ready", num_kv_blocks=1024)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+if TYPE_CHECKING:
+    from pkgd.config.sections import LoggingConfig
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+def wants_json(fmt: str) -> bool:
+    """Whether ``logging.format`` resolves to JSON lines here."""
+    if fmt != "auto":
+        return fmt == "json"
+    return bool(os.environ.get("JOURNAL_STREAM")) or not sys.stderr.isatty()
+
+
+def configure(
+    cfg: LoggingConfig | None = None,
+    *,
+    role: str,
+    dp_rank: int | None = None,
+    stream: Any = None,
+) -> None:
+    """Configure structlog (and stdlib logging, so library logs share the format).
+
+    Call once per process, as early as possible; call again to change the level live.
+    """
+    level_name = cfg.level if cfg is not None else "info"
+    fmt = cfg.format if cfg is not None else "auto"
+    level = _LEVELS[level_name]
+    stream = stream or sys.stderr
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(pid=os.getpid(), role=role)
+    if dp_rank is not None:
+        structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
+    renderer: Any
+    if wants_json(fmt):
+        renderer = structlog.processors.JSONRenderer()
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=max(level, logging.WARNING), stream=stream, force=True)
+
+
+def set_level(level_name: str) -> None:
+    """Change the level in place (a live SIGHUP reload of ``logging.level``)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level_name]))
+
+
+def get_logger(name: str | None = None) -> Any:
+    """A structlog logger; ``name`` is bound as ``logger``."""
+    return structlog.get_logger(name) if name is None else structlog.get_logger().bind(logger=name)
+
+
+def bind_request(request_id: str) -> Any:
+    """Context manager binding ``request_id`` to every log line inside it."""
+    return structlog.contextvars.bound_contextvars(request_id=request_id)
