@@ -87,8 +87,8 @@ def set_level(level_name: str) -> None:
 
 
 def get_logger(name: str | None = None) -> Any:
-    """A structlog logger; ``name`` is bound as ``logger``."""
-    return structlog.get_logger(name) if name is None else structlog.get_logger().bind(logger=name)
+    """A structlog logger; ``name`` is bound as ``logger_name``."""
+    return structlog.get_logger() if name is None else structlog.get_logger(logger_name=name)
 
 
 def bind_request(request_id: str) -> Any:
