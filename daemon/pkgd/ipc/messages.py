@@ -8,7 +8,8 @@ client speaking another version is refused with a clear error.
 Directions:
     API server -> engine core: `Hello`, `AddRequest`, `AbortRequests`, `Shutdown`.
     engine core -> API server: `Handshake`, `EngineOutputs`, `EngineError`.
-    engine core -> supervisor (ready pipe): `Handshake` once loaded, or `EngineError`.
+    child -> supervisor (ready pipe, one frame then close): `Handshake` (engine core) or
+        `ApiServerReady` (API server) once serving, or `ChildFailed` when start-up failed.
 """
 
 from __future__ import annotations
@@ -158,12 +159,28 @@ class EngineError(Message, tag="error"):
     request_ids: list[str] = msgspec.field(default_factory=list)
 
 
+class ApiServerReady(Message, tag="api_ready"):
+    """An API server is accepting connections on its inherited socket(s)."""
+
+    server_index: int
+    pid: int
+
+
+class ChildFailed(Message, tag="failed"):
+    """A child could not start (model missing, bad address …); ``message`` is for the log."""
+
+    role: str
+    message: str
+
+
 ClientMessage = Hello | AddRequest | AbortRequests | Shutdown
 EngineMessage = Handshake | EngineOutputs | EngineError
+ReadyMessage = Handshake | ApiServerReady | ChildFailed
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_ready_decoder = msgspec.msgpack.Decoder(ReadyMessage)
 
 
 def encode(msg: Message) -> bytes:
@@ -179,3 +196,8 @@ def decode_client(data: bytes) -> ClientMessage:
 def decode_engine(data: bytes) -> EngineMessage:
     """Decode a frame sent by an engine core; raises `msgspec.DecodeError` on garbage."""
     return _engine_decoder.decode(data)
+
+
+def decode_ready(data: bytes) -> ReadyMessage:
+    """Decode the one frame a child writes to its ready pipe."""
+    return _ready_decoder.decode(data)
