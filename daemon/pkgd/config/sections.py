@@ -95,6 +95,24 @@ class ParallelConfig(Section):
     )
     enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel",))
     enable_elastic_ep: bool = field(False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",))
+    remote_engines: list[str] = field(
+        default_factory=list,
+        description="Engine cores run by other pkgd instances (started with frontend.headless: true), "
+        "as their 'tcp://HOST:PORT' addresses (a headless node's rank r listens on "
+        "tcp://dp_address:dp_rpc_port + r). This instance's API servers balance over its own "
+        "engine cores and these.",
+        aliases=("--remote-engine",),
+        reload=A,
+    )
+
+    @field_validator("remote_engines")
+    @classmethod
+    def _tcp_addresses(cls, v: list[str]) -> list[str]:
+        for address in v:
+            host, sep, port = address.removeprefix("tcp://").rpartition(":")
+            if not address.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{address!r} is not an engine address of the form tcp://HOST:PORT")
+        return v
 
 
 class LBConfig(Section):
@@ -193,6 +211,14 @@ class SupervisorConfig(Section):
     engine_ready_timeout: float = field(900.0, "Seconds an engine core may take to load before start-up fails.", reload=L, gt=0)
     runtime_dir: str | None = field(None, "Directory of the IPC and control sockets; null = $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/pkgd, else /tmp/pkgd-UID.", reload=R)
     watchdog: bool = field(True, "Send WATCHDOG=1 while children are healthy when systemd sets WATCHDOG_USEC.", reload=L)
+    engine_swap: Literal["auto", "overlap", "stop_first"] = field(
+        "auto",
+        "How a reload replaces engine cores. overlap: start the new cores, switch the API servers "
+        "to them, then drain the old (no pause, twice the memory for a while); stop_first: "
+        "drain and stop the old cores, then start the new (requests queue meanwhile); auto: "
+        "overlap on CPU when available memory holds a second set, else stop_first.",
+        reload=L,
+    )
 
 
 class LoggingConfig(Section):

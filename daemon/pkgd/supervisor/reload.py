@@ -1,0 +1,282 @@
+"""SIGHUP reload: re-compose, validate, and apply the difference with the least disruption.
+
+A reload never leaves the daemon worse off. An invalid config changes nothing (each problem
+is logged with its dotted path). A valid one is applied by the most disruptive reload class
+among its changed fields (``x-reload`` in the schema, `pkgd.config.fields.ReloadClass`):
+
+* ``live`` — rewrite ``config.json`` and SIGHUP every child; they re-read it (log level, API
+  keys, CORS, served names) and so does the supervisor (its own log level, restart policy).
+* ``api`` — rolling restart of the API servers on the held socket(s): start a new set, wait
+  for every ready frame, make it current, then drain the old set in the background. The
+  listening socket never closes, so no connection is refused.
+* ``engine`` — ``overlap``: start new engine cores (new generation, new IPC addresses) and a
+  new API-server set wired to them, switch, then drain the old API servers and stop the old
+  cores. ``stop_first`` (when memory cannot hold both, or headless cores whose TCP addresses
+  are fixed): drain and stop the old set, then start the new one while connections wait in the
+  listen backlog; if the new set fails, the old config is started again.
+* ``restart`` — cannot be applied in place (``frontend.headless``, ``supervisor.runtime_dir``):
+  the reload is refused and says so.
+
+A new set that fails to start is stopped and the old config stays in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from pkgd import log
+from pkgd.config.fields import RELOAD_ORDER, ReloadClass
+from pkgd.config.vllm_config import ServePlan, VllmConfig
+from pkgd.supervisor.children import Child, ChildStartError
+from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
+from pkgd.supervisor.topology import api_specs, engine_specs
+
+if TYPE_CHECKING:
+    from pkgd.supervisor.supervisor import Supervisor
+
+logger = log.get_logger(__name__)
+
+OVERLAP_MEMORY_FACTOR = 1.25  # headroom over the current engine cores' RSS to start a second set
+
+
+class ReloadFailed(Exception):
+    """The new config was valid but its children could not start; the old config still serves."""
+
+
+class RollbackFailed(Exception):
+    """A stop-first swap failed and the old config could not be started again either."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadPlan:
+    """Changed leaves (dotted path → reload class) between two valid configs."""
+
+    changes: dict[str, ReloadClass]
+
+    @property
+    def reload_class(self) -> ReloadClass | None:
+        """The most disruptive class among the changes; None when nothing changed."""
+        return max(self.changes.values(), key=RELOAD_ORDER.index, default=None)
+
+    def paths(self, reload_class: ReloadClass) -> list[str]:
+        return [p for p, c in self.changes.items() if c is reload_class]
+
+
+def plan_reload(old: VllmConfig, new: VllmConfig) -> ReloadPlan:
+    """Diff two configs leaf by leaf, classifying each change by its field's ``x-reload``."""
+    changes: dict[str, ReloadClass] = {}
+    _diff(old, new, "", changes)
+    return ReloadPlan(changes)
+
+
+def _diff(old: BaseModel, new: BaseModel, prefix: str, out: dict[str, ReloadClass]) -> None:
+    for name, info in type(old).model_fields.items():
+        a, b = getattr(old, name), getattr(new, name)
+        if a == b:
+            continue
+        if isinstance(a, BaseModel) and isinstance(b, BaseModel):
+            _diff(a, b, f"{prefix}{name}.", out)
+            continue
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        out[f"{prefix}{name}"] = ReloadClass(extra.get("x-reload", ReloadClass.ENGINE.value))
+
+
+def config_problems(exc: BaseException) -> list[str]:
+    """One line per problem of a failed re-compose (ConfigError, pydantic, or anything else)."""
+    problems = getattr(exc, "problems", None)
+    if problems:
+        return [str(p) for p in problems]
+    if isinstance(exc, ValidationError):
+        return [f"{'.'.join(str(x) for x in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
+    return [f"{type(exc).__name__}: {exc}"]
+
+
+async def reload(sup: Supervisor) -> dict[str, Any]:
+    """Run one reload; the outcome as reported to ``pkgd reload`` and the log."""
+    started = time.monotonic()
+    try:
+        new = await asyncio.to_thread(sup.recompose)
+    except Exception as exc:  # any failure to compose is a rejected reload, never a crash
+        return _outcome("rejected", started, problems=config_problems(exc))
+    plan = plan_reload(sup.config, new)
+    cls = plan.reload_class
+    if cls is None:
+        return _outcome("unchanged", started)
+    changed = sorted(plan.changes)
+    if cls is ReloadClass.RESTART:
+        fields = ", ".join(plan.paths(ReloadClass.RESTART))
+        return _outcome("rejected", started, cls, changed, [f"{fields}: cannot change by reload; restart pkgd (systemctl restart pkgd)"])
+    apply = {ReloadClass.LIVE: _apply_live, ReloadClass.API: _apply_api, ReloadClass.ENGINE: _apply_engine}[cls]
+    try:
+        await apply(sup, new)
+    except (ReloadFailed, BindError, ChildStartError) as exc:
+        sup.runtime.write_config(sup.config)
+        return _outcome("failed", started, cls, changed, [str(exc)])
+    sup.adopt_config(new)
+    return _outcome("applied", started, cls, changed)
+
+
+def _outcome(result: str, started: float, cls: ReloadClass | None = None, changed: list[str] | None = None, problems: list[str] | None = None) -> dict[str, Any]:
+    return {
+        "ok": result in ("applied", "unchanged"),
+        "result": result,
+        "reload_class": cls.value if cls else None,
+        "changed": changed or [],
+        "problems": problems or [],
+        "duration_s": round(time.monotonic() - started, 3),
+    }
+
+
+async def _apply_live(sup: Supervisor, new: VllmConfig) -> None:
+    sup.runtime.write_config(new)
+    for child in sup.fleet.current():
+        child.signal(signal.SIGHUP)
+
+
+async def _apply_api(sup: Supervisor, new: VllmConfig) -> None:
+    plan = new.serve_plan()
+    listeners, fresh = _listeners_for(sup, new, plan)
+    sup.runtime.write_config(new)
+    fleet = sup.fleet
+    addresses = {rank: c.spec.address for rank, c in fleet.engines.items()}
+    specs = api_specs(new, plan, sup.runtime, listeners, addresses, fleet.api_generation + 1, sup.entry, sup.api_env())
+    try:
+        apis = await fleet.start_set(specs)
+    except BaseException:
+        _close(fresh)
+        raise
+    old = fleet.install(apis=apis)
+    for child in fleet.engines.values():
+        child.signal(signal.SIGHUP)  # live fields that changed alongside
+    sup.swap_listeners(listeners)
+    sup.retire(old)
+
+
+async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
+    plan = new.serve_plan()
+    listeners, fresh = _listeners_for(sup, new, plan)
+    overlap, why = can_overlap(sup, new, plan)
+    logger.info("engine_swap", strategy="overlap" if overlap else "stop_first", reason=why)
+    sup.runtime.write_config(new)
+    try:
+        if overlap:
+            await _swap_overlap(sup, new, plan, listeners)
+        else:
+            await _swap_stop_first(sup, new, plan, listeners)
+    except BaseException:
+        _close(fresh)
+        raise
+    sup.swap_listeners(listeners)
+
+
+async def _start_engines_and_apis(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> tuple[dict[int, Child], dict[int, Child]]:
+    fleet = sup.fleet
+    specs = engine_specs(new, plan, sup.runtime, fleet.engine_generation + 1, sup.entry, sup.engine_env())
+    engines = await fleet.start_set(specs)
+    addresses = {rank: c.spec.address for rank, c in engines.items()}
+    try:
+        apis = await fleet.start_set(api_specs(new, plan, sup.runtime, listeners, addresses, fleet.api_generation + 1, sup.entry, sup.api_env()))
+    except BaseException:
+        await fleet.stop_all(engines.values(), grace=2.0)
+        raise
+    return engines, apis
+
+
+async def _swap_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
+    engines, apis = await _start_engines_and_apis(sup, new, plan, listeners)
+    sup.retire(sup.fleet.install(engines=engines, apis=apis))
+
+
+async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
+    fleet = sup.fleet
+    old = fleet.install(engines={}, apis={})
+    await sup.stop_in_order(old)
+    try:
+        engines, apis = await _start_engines_and_apis(sup, new, plan, listeners)
+    except ChildStartError as exc:
+        logger.error("engine_swap_failed", error=str(exc), action="starting the previous configuration again")
+        sup.runtime.write_config(sup.config)
+        try:
+            old_engines = await fleet.start_set([c.spec for c in old if c.spec.role == "engine-core"])
+            old_apis = await fleet.start_set([c.spec for c in old if c.spec.role == "api-server"])
+        except ChildStartError as again:
+            raise RollbackFailed(f"new config failed ({exc}) and the previous one too ({again})") from again
+        fleet.install(engines=old_engines, apis=old_apis)
+        raise ReloadFailed(str(exc)) from exc
+    fleet.install(engines=engines, apis=apis)
+
+
+def can_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[bool, str]:
+    """Whether old and new engine cores may run side by side, and why."""
+    if plan.mode == "headless" or sup.plan.mode == "headless":
+        return False, "headless engine cores keep their TCP addresses"
+    choice = new.supervisor.engine_swap
+    if choice != "auto":
+        return choice == "overlap", f"supervisor.engine_swap: {choice}"
+    if new.parallel.device == "cuda" or (new.parallel.device == "auto" and os.path.exists("/dev/nvidiactl")):
+        return False, "engine cores hold most of the GPU memory"
+    rss = sum(_tree_rss(c.pid) for c in sup.fleet.engines.values())
+    need = rss * OVERLAP_MEMORY_FACTOR * plan.dp_local / max(1, len(sup.fleet.engines))
+    available = _mem_available()
+    return available > need, f"{available / 2**30:.1f} GiB available, a second set needs ~{need / 2**30:.1f} GiB"
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and its descendants (tensor-parallel workers), from /proc."""
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _listeners_for(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[list[Listener], list[Listener]]:
+    """Listeners the new config needs (held ones reused) and which of them are freshly bound."""
+    specs = listen_specs(new, plan)
+    if any(lst.from_systemd for lst in sup.listeners):
+        if specs != [lst.spec for lst in sup.listeners]:
+            if len(specs) != len(sup.listeners):
+                raise BindError(f"this change needs {len(specs)} listening socket(s) but systemd passed {len(sup.listeners)}; restart pkgd with pkgd.socket changed")
+            logger.warning("frontend_address_ignored", reason="listening sockets come from systemd (pkgd.socket); change them there")
+        return sup.listeners, []
+    held = {lst.spec: lst for lst in sup.listeners}
+    out: list[Listener] = []
+    fresh: list[Listener] = []
+    try:
+        for spec in specs:
+            if spec in held:
+                out.append(held[spec])
+            else:
+                fresh.append(bind(spec))
+                out.append(fresh[-1])
+    except BindError:
+        _close(fresh)
+        raise
+    return out, fresh
+
+
+def _close(listeners: list[Listener]) -> None:
+    for listener in listeners:
+        listener.close()

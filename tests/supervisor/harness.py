@@ -1,0 +1,39 @@
+"""Runs a `Supervisor` on a YAML config file with the fake children (tests/supervisor/fakes).
+
+``python harness.py CONFIG.yaml``: the file is read and validated at start and again on each
+reload, standing in for the config engineer's Hydra composition (a broken file makes the
+reload fail exactly as a broken /etc/pkgd layer would).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from pkgd import log
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.supervisor.supervisor import Supervisor
+from pkgd.supervisor.topology import Entrypoints
+
+FAKES = Path(__file__).parent / "fakes"
+ENTRYPOINTS = Entrypoints(
+    engine_core=(sys.executable, str(FAKES / "fake_engine.py")),
+    api_server=(sys.executable, str(FAKES / "fake_api.py")),
+)
+
+
+def load(path: str) -> VllmConfig:
+    return VllmConfig.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+
+def main() -> int:
+    path = sys.argv[1]
+    config = load(path)
+    log.configure(config.logging, role="supervisor")
+    return Supervisor(config, lambda: load(path), entrypoints=ENTRYPOINTS).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

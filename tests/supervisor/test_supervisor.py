@@ -1,0 +1,96 @@
+"""Start-up and shutdown of a real supervisor process (fake children, real sockets)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import httpx
+
+from conftest import pid_alive
+
+
+def test_ready_line_then_sigterm_leaves_no_process(start_daemon):
+    d = start_daemon({"frontend": {"api_server_count": 2}, "parallel": {"dp": 2}})
+    url = d.wait_ready()
+    port = int(url.rsplit(":", 1)[1])
+    assert url == f"http://127.0.0.1:{port}" and port != 0  # port 0 resolved to the real one
+    r = d.get("/generate")
+    assert r.status_code == 200
+    pids = d.all_child_pids()
+    assert len(pids) == 4  # 2 engine cores + 2 API servers
+    assert all(pid_alive(p) for p in pids)
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit(20) == 0
+    assert not [p for p in pids if pid_alive(p)]
+    assert not (d.runtime_dir / "config.json").exists()  # the secrets file is removed
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
+
+
+def test_port_in_use_exits_2_before_any_child(start_daemon):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        d = start_daemon({"frontend": {"port": port}})
+        assert d.wait_exit(20) == 2
+    err = d.find("startup_failed")[0]["error"]
+    assert "frontend.port" in err and f"127.0.0.1:{port} is already in use" in err
+    assert not d.find("child_started")  # failed before any engine core (model load) started
+
+
+def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
+    first = start_daemon()
+    first.wait_ready()
+    second = start_daemon({"supervisor": {"runtime_dir": str(first.runtime_dir)}})
+    assert second.wait_exit(20) == 2
+    assert "in use by another pkgd" in second.find("startup_failed")[0]["error"]
+    assert first.get("/health").status_code == 200
+
+
+def test_sigterm_during_engine_load_exits_within_2s(start_daemon):
+    d = start_daemon({"model": {"source": "fake:load=60"}})
+    engine = d.wait_event("child_started")["child_pid"]
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit(10) == 0
+    assert time.monotonic() - t0 < 2.0
+    assert not pid_alive(engine)
+
+
+def test_engine_that_fails_to_start_exits_1_with_its_message(start_daemon):
+    d = start_daemon({"model": {"source": "fake:fail=weights not found at /nowhere"}})
+    assert d.wait_exit(20) == 1
+    assert "weights not found at /nowhere" in d.find("startup_failed")[0]["error"]
+    assert not d.find("ready")
+
+
+def test_drain_lets_inflight_requests_finish_and_refuses_new_ones(start_daemon):
+    d = start_daemon({"supervisor": {"drain_timeout": 5}})
+    url = d.wait_ready()
+    api = d.child_pids("api-server")["api-server-0"]
+    result: dict[str, object] = {}
+
+    def slow() -> None:
+        result["response"] = httpx.get(url + "/slow?s=1.5", timeout=10)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.5)  # the request is in flight
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    try:
+        refused = httpx.get(url + "/health", timeout=2).status_code != 200
+    except httpx.HTTPError:
+        refused = True
+    assert refused  # stopped accepting
+    t.join(10)
+    assert result["response"].status_code == 200  # the in-flight request finished
+    assert result["response"].json()["pid"] == api
+    assert d.wait_exit(20) == 0
+    assert time.monotonic() - t0 >= 0.9  # it waited for the drain, not cut it short
