@@ -1,0 +1,151 @@
+"""``pkgd status`` and ``pkgd reload``: talk to a running daemon over its control socket.
+
+The daemon listens on ``RUNTIME_DIR/control.sock`` (`pkgd.supervisor.control`). Which runtime
+directory: ``--runtime-dir``, else ``$PKGD_SUPERVISOR__RUNTIME_DIR`` (the config's environment
+layer), else the first of the defaults the daemon would pick that holds a control socket
+(``$RUNTIME_DIRECTORY``, ``$XDG_RUNTIME_DIR/pkgd``, ``/tmp/pkgd-UID``), then ``/run/pkgd``
+(the systemd unit's ``RuntimeDirectory=``; ``/run/pkgd/NAME`` for ``pkgd@NAME``).
+
+Light on purpose: no Hydra, no torch. Exit status: 0 success; 1 the daemon answered with a
+failure (reload rejected or failed); 2 no daemon reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pkgd.supervisor.control import ControlError, send_command
+from pkgd.supervisor.runtime import CONTROL_SOCKET, default_runtime_dir
+
+
+def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None) -> Path:
+    """The runtime directory to use (see module docstring)."""
+    env = os.environ if environ is None else environ
+    if explicit:
+        return Path(explicit)
+    if env.get("PKGD_SUPERVISOR__RUNTIME_DIR"):
+        return Path(env["PKGD_SUPERVISOR__RUNTIME_DIR"])
+    candidates = [default_runtime_dir(env), Path(f"/tmp/pkgd-{os.getuid()}"), Path("/run/pkgd")]
+    for candidate in candidates:
+        if (candidate / CONTROL_SOCKET).exists():
+            return candidate
+    return candidates[0]
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runtime-dir", metavar="DIR", help="runtime directory of the daemon (holds control.sock); default: found as the daemon resolves it")
+    parser.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
+
+
+def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
+    path = find_runtime_dir(args.runtime_dir) / CONTROL_SOCKET
+    try:
+        return send_command(path, command)
+    except ControlError as exc:
+        print(f"pkgd {command}: {exc}", file=sys.stderr)
+        return None
+
+
+class StatusCommand:
+    """``pkgd status``: children, PIDs, uptime, config hash, serve mode, endpoint health."""
+
+    name = "status"
+
+    def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
+        parser = subparsers.add_parser(self.name, help="show the running daemon's state", description=self.__doc__)
+        _add_common(parser)
+        return parser
+
+    def cmd(self, args: argparse.Namespace) -> int:
+        reply = _ask(args, "status")
+        if reply is None:
+            return 2
+        if args.json:
+            print(json.dumps(reply, indent=2))
+        else:
+            print(format_status(reply["status"]))
+        return 0
+
+
+class ReloadCommand:
+    """``pkgd reload``: re-compose and apply the config, as SIGHUP does, and wait for the outcome."""
+
+    name = "reload"
+
+    def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
+        parser = subparsers.add_parser(self.name, help="reload the running daemon's configuration", description=self.__doc__)
+        _add_common(parser)
+        return parser
+
+    def cmd(self, args: argparse.Namespace) -> int:
+        reply = _ask(args, "reload")
+        if reply is None:
+            return 2
+        if args.json:
+            print(json.dumps(reply, indent=2))
+        else:
+            print(format_reload(reply))
+        return 0 if reply.get("ok") else 1
+
+
+def cmd_init() -> list[Any]:
+    """The subcommands this module adds to ``pkgd``."""
+    return [StatusCommand(), ReloadCommand()]
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """Human-readable ``pkgd status``."""
+    lines = [
+        f"pkgd pid {s['pid']}  {s['state']}  mode {s['mode']}  up {_duration(s['uptime_s'])}  config {s['config_hash']}",
+        f"model    {s['model']}",
+    ]
+    health = {h["url"]: h for h in s["health"]}
+    for url in s["urls"]:
+        h = health.get(url)
+        shown = "not probed yet" if h is None else ("healthy" if h["healthy"] else f"unhealthy ({h['status'] or h['error']})")
+        lines.append(f"listen   {url}  {shown}")
+    lines.append(f"{'ROLE':<12} {'INDEX':>5} {'PID':>8}  {'STATE':<10} {'UPTIME':>8} {'RESTARTS':>8}  ADDRESS")
+    for c in s["children"]:
+        lines.append(f"{c['role']:<12} {c['index']:>5} {c['pid']:>8}  {c['state']:<10} {_duration(c['uptime_s']):>8} {c['restarts']:>8}  {c['address']}")
+    if s.get("last_reload"):
+        lines.append("last reload: " + format_reload(s["last_reload"]))
+    return "\n".join(lines)
+
+
+def format_reload(r: dict[str, Any]) -> str:
+    """One line (plus one per problem) describing a reload outcome."""
+    text = r["result"]
+    if r.get("reload_class"):
+        text += f" ({r['reload_class']}: {', '.join(r['changed'])})"
+    if "duration_s" in r:
+        text += f" in {r['duration_s']:.2f} s"
+    return "\n".join([text, *(f"  {p}" for p in r.get("problems", []))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (``python -m pkgd.cli.ctl status``) until ``pkgd`` wires the table."""
+    parser = argparse.ArgumentParser(prog="pkgd")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    commands = {c.name: c for c in cmd_init()}
+    for c in commands.values():
+        c.subparser_init(subparsers)
+    args = parser.parse_args(argv)
+    return commands[args.command].cmd(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""``pkgd status`` / ``pkgd reload`` against a running supervisor, over its control socket."""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from pkgd.cli.ctl import find_runtime_dir
+
+
+def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pkgd.cli.ctl", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_status_lists_children_pids_uptime_hash_and_mode(start_daemon):
+    d = start_daemon({"frontend": {"api_server_count": 2}})
+    d.wait_ready()
+    r = ctl("status", "--runtime-dir", str(d.runtime_dir), "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["status"]
+    assert s["pid"] == d.proc.pid and s["state"] == "running" and s["mode"] == "multi_api"
+    assert len(s["config_hash"]) == 12 and s["uptime_s"] >= 0
+    roles = sorted((c["role"], c["index"]) for c in s["children"])
+    assert roles == [("api-server", 0), ("api-server", 1), ("engine-core", 0)]
+    assert {c["pid"] for c in s["children"]} == d.all_child_pids()
+    text = ctl("status", "--runtime-dir", str(d.runtime_dir)).stdout
+    assert f"pid {d.proc.pid}" in text and "multi_api" in text and s["config_hash"] in text
+    assert all(str(c["pid"]) in text for c in s["children"])
+    mode = stat.S_IMODE((d.runtime_dir / "control.sock").stat().st_mode)
+    assert mode & 0o077 == 0 and stat.S_IMODE(d.runtime_dir.stat().st_mode) == 0o700
+
+
+def test_reload_reports_the_outcome_and_the_hash_changes(start_daemon):
+    d = start_daemon()
+    d.wait_ready()
+    before = d.status()["config_hash"]
+    d.write_config({**d.config, "model": {"name": "renamed"}})
+    r = ctl("reload", "--runtime-dir", str(d.runtime_dir), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    outcome = json.loads(r.stdout)
+    assert outcome["result"] == "applied" and outcome["reload_class"] == "live"
+    assert outcome["changed"] == ["model.name"]
+    assert d.status()["config_hash"] != before
+
+    d.write_config("frontend: [not, a, mapping")
+    r = ctl("reload", "--runtime-dir", str(d.runtime_dir))
+    assert r.returncode == 1 and "rejected" in r.stdout
+
+
+def test_no_daemon_is_a_clear_error(workdir):
+    r = ctl("status", "--runtime-dir", str(workdir))
+    assert r.returncode == 2 and "no pkgd daemon is listening" in r.stderr
+
+
+def test_unknown_command_gets_an_error_reply(start_daemon):
+    d = start_daemon()
+    d.wait_ready()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(d.runtime_dir / "control.sock"))
+        s.sendall(b'{"command": "explode"}\n')
+        reply = json.loads(s.makefile().readline())
+    assert reply == {"ok": False, "error": "unknown command 'explode'; known: reload, status"}
+    assert d.status()["state"] == "running"
+
+
+def test_runtime_dir_lookup_order(tmp_path):
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    assert find_runtime_dir("/x", env) == Path("/x")
+    assert find_runtime_dir(None, {**env, "PKGD_SUPERVISOR__RUNTIME_DIR": "/y"}) == Path("/y")
+    assert find_runtime_dir(None, {**env, "RUNTIME_DIRECTORY": "/run/pkgd/a"}) == Path("/run/pkgd/a")
+    assert find_runtime_dir(None, env) == tmp_path / "pkgd"
