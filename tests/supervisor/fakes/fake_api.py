@@ -81,8 +81,12 @@ async def amain(args) -> int:
     loop = asyncio.get_running_loop()
 
     def on_term():
+        # Stop accepting first, give connections accepted a moment ago time to send their
+        # request, and only then let hypercorn close idle connections and drain: hypercorn
+        # alone marks a just-accepted connection idle and closes it unanswered.
         state["draining"] = True
-        stop.set()
+        loop.remove_reader(args.listen_fd)
+        loop.call_later(0.5, stop.set)
 
     def on_hup():
         state["cfg"] = load_config(args.config_file)

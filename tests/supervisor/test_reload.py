@@ -1,0 +1,161 @@
+"""SIGHUP reload: rejected, live, rolling API restart, engine swap — real processes under load."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from conftest import Load, merge, pid_alive
+from pkgd.config.fields import ReloadClass
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.supervisor.reload import config_problems, plan_reload
+
+
+def reload_and_wait(d, config, timeout: float = 60.0) -> dict:
+    mark = d.mark()
+    if config is not None:
+        d.write_config(config if isinstance(config, str) else merge(d.config, config))
+    d.signal(signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [e for e in d.events[mark:] if e.get("event", "").startswith("reload_") and e["event"] != "reload_started"]
+        if done:
+            return done[0]
+        time.sleep(0.05)
+    raise AssertionError("reload did not finish:\n" + "\n".join(d.lines[-20:]))
+
+
+def test_plan_classifies_changed_leaves():
+    old = VllmConfig()
+    new = VllmConfig.model_validate({"logging": {"level": "debug"}, "frontend": {"port": 9000, "cors": {"allowed_origins": ["*"]}}, "cache": {"block_size": 32}})
+    plan = plan_reload(old, new)
+    assert plan.changes == {
+        "logging.level": ReloadClass.LIVE,
+        "frontend.port": ReloadClass.API,
+        "frontend.cors.allowed_origins": ReloadClass.LIVE,
+        "cache.block_size": ReloadClass.ENGINE,
+    }
+    assert plan.reload_class is ReloadClass.ENGINE
+    assert plan_reload(old, VllmConfig()).reload_class is None
+    assert plan_reload(old, VllmConfig.model_validate({"frontend": {"headless": True}})).reload_class is ReloadClass.RESTART
+
+
+def test_problems_of_a_validation_error_name_the_dotted_path():
+    with pytest.raises(Exception) as info:
+        VllmConfig.model_validate({"parallel": {"tp": 0}})
+    assert config_problems(info.value) == ["parallel.tp: Input should be greater than or equal to 1"]
+
+
+def test_broken_file_keeps_serving_and_says_why(start_daemon, notify_socket):
+    d = start_daemon(env={"NOTIFY_SOCKET": str(notify_socket.path)})
+    d.wait_ready()
+    pids = d.child_pids()
+    config_json = (d.runtime_dir / "config.json").read_text()
+    mark = len(notify_socket.messages)
+    outcome = reload_and_wait(d, {"parallel": {"tp": 0}, "scheduler": {"max_num_seqs": -1}})
+    assert outcome["event"] == "reload_rejected"
+    problems = {e["problem"] for e in d.find("reload_rejected")}
+    assert {p.split(":")[0] for p in problems} == {"parallel.tp", "scheduler.max_num_seqs"}  # every problem logged
+    ready = notify_socket.wait_for("READY", "1", after=mark)
+    assert "last reload rejected" in ready["STATUS"] and "parallel.tp" in ready["STATUS"]
+    assert d.child_pids() == pids and d.get("/generate").status_code == 200
+    assert (d.runtime_dir / "config.json").read_text() == config_json
+
+
+def test_live_change_applies_in_place(start_daemon):
+    d = start_daemon({"model": {"name": "before"}})
+    d.wait_ready()
+    pids = d.child_pids()
+    assert reload_and_wait(d, {"model": {"name": "after"}, "logging": {"level": "debug"}})["event"] == "reload_applied"
+    assert d.child_pids() == pids  # nothing restarted
+    assert d.get("/whoami").json()["model_name"] == "after"  # the API server re-read config.json on SIGHUP
+    assert json.loads((d.runtime_dir / "config.json").read_text())["model"]["name"] == "after"
+
+
+def test_restart_class_change_is_refused(start_daemon):
+    d = start_daemon()
+    d.wait_ready()
+    outcome = reload_and_wait(d, {"supervisor": {"runtime_dir": str(d.workdir / "elsewhere")}})
+    assert outcome["event"] == "reload_rejected" and "supervisor.runtime_dir" in outcome["problem"]
+
+
+def test_frontend_change_rolls_api_servers_without_a_failed_request(start_daemon):
+    d = start_daemon()
+    url = d.wait_ready()
+    before = d.child_pids()
+    load = Load(url, clients=4)
+    time.sleep(0.5)
+    outcome = reload_and_wait(d, {"frontend": {"api_server_count": 2}})
+    time.sleep(0.5)
+    load.stop()
+    assert outcome["event"] == "reload_applied" and outcome["reload_class"] == "api"
+    assert load.failures == [] and load.ok > 20
+    after = d.child_pids()
+    assert after["engine-core-0"] == before["engine-core-0"]  # engine untouched
+    assert set(after) == {"engine-core-0", "api-server-0", "api-server-1"}
+    assert before["api-server-0"] not in after.values()
+    deadline = time.monotonic() + 10
+    while pid_alive(before["api-server-0"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(before["api-server-0"])  # the old one drained and left
+    assert d.status()["api_generation"] == 1
+
+
+@pytest.mark.parametrize("swap", ["overlap", "stop_first"])
+def test_engine_change_swaps_cores_without_a_failed_request(start_daemon, swap):
+    d = start_daemon({"parallel": {"dp": 2}, "supervisor": {"engine_swap": swap}, "model": {"source": "fake:load=0.3"}})
+    url = d.wait_ready()
+    before = d.child_pids()
+    load = Load(url, clients=4)
+    time.sleep(0.5)
+    outcome = reload_and_wait(d, {"model": {"source": "fake:load=0.5"}})
+    time.sleep(0.5)
+    load.stop()
+    assert outcome["event"] == "reload_applied" and outcome["reload_class"] == "engine"
+    assert d.find("engine_swap")[0]["strategy"] == swap
+    assert load.failures == [] and load.ok > 10
+    after = d.child_pids()
+    assert not set(before.values()) & set(after.values())  # every child replaced
+    served = {d.get("/generate").json()["engine_pid"] for _ in range(6)}
+    assert served == {after["engine-core-0"], after["engine-core-1"]}  # the new cores answer
+    assert "engine-1-0.sock" in d.get("/whoami").json()["engines"][0]  # generation 1 addresses
+    deadline = time.monotonic() + 15
+    while any(pid_alive(p) for p in before.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in before.values() if pid_alive(p)]
+
+
+def test_engine_change_that_fails_keeps_the_old_cores(start_daemon):
+    d = start_daemon({"supervisor": {"engine_swap": "overlap"}})
+    d.wait_ready()
+    before = d.child_pids()
+    config_json = (d.runtime_dir / "config.json").read_text()
+    outcome = reload_and_wait(d, {"model": {"source": "fake:fail=no such model"}})
+    assert outcome["event"] == "reload_failed" and "no such model" in outcome["problem"]
+    assert d.child_pids() == before and d.get("/generate").status_code == 200
+    assert (d.runtime_dir / "config.json").read_text() == config_json
+
+
+def test_stop_first_failure_starts_the_previous_config_again(start_daemon):
+    d = start_daemon({"supervisor": {"engine_swap": "stop_first"}})
+    d.wait_ready()
+    outcome = reload_and_wait(d, {"model": {"source": "fake:fail=no such model"}})
+    assert outcome["event"] == "reload_failed"
+    assert d.get("/generate").status_code == 200
+    assert d.status()["state"] == "running"
+
+
+def test_port_change_moves_to_the_new_socket(start_daemon):
+    d = start_daemon()
+    old_url = d.wait_ready()
+    outcome = reload_and_wait(d, {"frontend": {"host": "127.0.0.2"}})
+    assert outcome["event"] == "reload_applied"
+    new_url = d.status()["urls"][0]
+    assert new_url.startswith("http://127.0.0.2:")
+    assert d.get("/generate", url=new_url).status_code == 200
+    time.sleep(0.5)
+    with pytest.raises(Exception):
+        d.get("/health", url=old_url, timeout=2)
