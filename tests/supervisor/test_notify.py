@@ -60,3 +60,25 @@ def test_children_do_not_inherit_systemd_variables(start_daemon, notify_socket):
         assert not [v for v in env if v.startswith((b"NOTIFY_SOCKET=", b"WATCHDOG_USEC=", b"LISTEN_FDS="))]
         metrics = f"PROMETHEUS_MULTIPROC_DIR={d.runtime_dir}/metrics-0".encode()
         assert (metrics in env) == name.startswith("api-server")
+
+
+def test_watchdog_stops_while_an_endpoint_hangs_and_resumes_after(start_daemon, notify_socket):
+    d = start_daemon(env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "600000"})
+    d.wait_ready()
+    notify_socket.wait_for("WATCHDOG", "1")
+    api = d.child_pids()["api-server-0"]
+    mark = d.mark()
+    os.kill(api, signal.SIGSTOP)  # alive, "ready", but answering nothing: hung
+    try:
+        d.wait_event("watchdog_withheld", after=mark, timeout=15)
+        t0 = time.monotonic()
+        time.sleep(1.0)
+        assert not [t for t, m in notify_socket.messages if "WATCHDOG" in m and t > t0]
+    finally:
+        os.kill(api, signal.SIGCONT)
+    t1 = time.monotonic()
+    deadline = t1 + 10
+    while not [t for t, m in notify_socket.messages if "WATCHDOG" in m and t > t1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [t for t, m in notify_socket.messages if "WATCHDOG" in m and t > t1]
+    assert d.child_pids()["api-server-0"] == api  # the watchdog is systemd's call, not a restart

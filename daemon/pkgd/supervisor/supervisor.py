@@ -129,6 +129,7 @@ class Supervisor:
         await control.start()
         try:
             await self._start()
+            self.health.timeout = min(3.0, max(0.5, self._probe_interval()))
             self.fleet.restarts_enabled = True
             self.state = "running"
             self._announce_ready()
