@@ -32,14 +32,14 @@ def test_plan_classifies_changed_leaves():
     old = VllmConfig()
     new = VllmConfig.model_validate({"logging": {"level": "debug"}, "frontend": {"port": 9000, "cors": {"allowed_origins": ["*"]}}, "cache": {"block_size": 32}})
     plan = plan_reload(old, new)
-    assert plan.changes == {
+    assert {c.key: c.reload for c in plan.changes} == {
         "logging.level": ReloadClass.LIVE,
         "frontend.port": ReloadClass.API,
         "frontend.cors.allowed_origins": ReloadClass.LIVE,
         "cache.block_size": ReloadClass.ENGINE,
     }
     assert plan.reload_class is ReloadClass.ENGINE
-    assert plan_reload(old, VllmConfig()).reload_class is None
+    assert plan_reload(old, VllmConfig()).is_noop
     assert plan_reload(old, VllmConfig.model_validate({"frontend": {"headless": True}})).reload_class is ReloadClass.RESTART
 
 

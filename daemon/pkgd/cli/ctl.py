@@ -55,9 +55,13 @@ class StatusCommand:
     """``pkgd status``: children, PIDs, uptime, config hash, serve mode, endpoint health."""
 
     name = "status"
+    help = "show the running daemon's processes and configuration"
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """Nothing to check before `cmd`."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help="show the running daemon's state", description=self.__doc__)
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.__doc__)
         _add_common(parser)
         return parser
 
@@ -76,9 +80,13 @@ class ReloadCommand:
     """``pkgd reload``: re-compose and apply the config, as SIGHUP does, and wait for the outcome."""
 
     name = "reload"
+    help = "make the running daemon compose its configuration again"
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """Nothing to check before `cmd`."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help="reload the running daemon's configuration", description=self.__doc__)
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.__doc__)
         _add_common(parser)
         return parser
 

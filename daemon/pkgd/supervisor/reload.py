@@ -55,28 +55,44 @@ class RollbackFailed(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class ReloadPlan:
-    """Changed leaves (dotted path → reload class) between two valid configs."""
+class LeafChange:
+    """One changed leaf and the reload class of its field."""
 
-    changes: dict[str, ReloadClass]
+    key: str
+    old: Any
+    new: Any
+    reload: ReloadClass
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadPlan:
+    """The changed leaves and the most disruptive class among them (LIVE when none changed).
+
+    The same shape as the config engineer's `pkgd.config.reload.ReloadPlan`, which replaces
+    this local planner once it is on main.
+    """
+
+    changes: tuple[LeafChange, ...]
+    reload_class: ReloadClass
 
     @property
-    def reload_class(self) -> ReloadClass | None:
-        """The most disruptive class among the changes; None when nothing changed."""
-        return max(self.changes.values(), key=RELOAD_ORDER.index, default=None)
+    def is_noop(self) -> bool:
+        return not self.changes
 
-    def paths(self, reload_class: ReloadClass) -> list[str]:
-        return [p for p, c in self.changes.items() if c is reload_class]
+    @property
+    def changed(self) -> tuple[str, ...]:
+        return tuple(c.key for c in self.changes)
 
 
 def plan_reload(old: VllmConfig, new: VllmConfig) -> ReloadPlan:
     """Diff two configs leaf by leaf, classifying each change by its field's ``x-reload``."""
-    changes: dict[str, ReloadClass] = {}
+    changes: list[LeafChange] = []
     _diff(old, new, "", changes)
-    return ReloadPlan(changes)
+    worst = max((c.reload for c in changes), key=RELOAD_ORDER.index, default=ReloadClass.LIVE)
+    return ReloadPlan(tuple(changes), worst)
 
 
-def _diff(old: BaseModel, new: BaseModel, prefix: str, out: dict[str, ReloadClass]) -> None:
+def _diff(old: BaseModel, new: BaseModel, prefix: str, out: list[LeafChange]) -> None:
     for name, info in type(old).model_fields.items():
         a, b = getattr(old, name), getattr(new, name)
         if a == b:
@@ -85,7 +101,7 @@ def _diff(old: BaseModel, new: BaseModel, prefix: str, out: dict[str, ReloadClas
             _diff(a, b, f"{prefix}{name}.", out)
             continue
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        out[f"{prefix}{name}"] = ReloadClass(extra.get("x-reload", ReloadClass.ENGINE.value))
+        out.append(LeafChange(f"{prefix}{name}", a, b, ReloadClass(extra.get("x-reload", ReloadClass.ENGINE.value))))
 
 
 def config_problems(exc: BaseException) -> list[str]:
@@ -106,12 +122,11 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
     except Exception as exc:  # any failure to compose is a rejected reload, never a crash
         return _outcome("rejected", started, problems=config_problems(exc))
     plan = plan_reload(sup.config, new)
-    cls = plan.reload_class
-    if cls is None:
+    if plan.is_noop:
         return _outcome("unchanged", started)
-    changed = sorted(plan.changes)
+    cls, changed = plan.reload_class, list(plan.changed)
     if cls is ReloadClass.RESTART:
-        fields = ", ".join(plan.paths(ReloadClass.RESTART))
+        fields = ", ".join(c.key for c in plan.changes if c.reload is ReloadClass.RESTART)
         return _outcome("rejected", started, cls, changed, [f"{fields}: cannot change by reload; restart pkgd (systemctl restart pkgd)"])
     apply = {ReloadClass.LIVE: _apply_live, ReloadClass.API: _apply_api, ReloadClass.ENGINE: _apply_engine}[cls]
     try:
