@@ -49,6 +49,8 @@ def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
     assert second.wait_exit(20) == 2
     assert "in use by another pkgd" in second.find("startup_failed")[0]["error"]
     assert first.get("/health").status_code == 200
+    assert (first.runtime_dir / "config.json").exists()  # the refused one touched nothing
+    assert first.status()["state"] == "running"  # control socket still there
 
 
 def test_sigterm_during_engine_load_exits_within_2s(start_daemon):

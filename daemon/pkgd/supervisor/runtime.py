@@ -138,10 +138,12 @@ class RuntimeDir:
         return self.config_file
 
     def release(self) -> None:
-        """Remove the secrets file, sockets and metrics, then drop the lock."""
+        """Remove the secrets file, sockets and metrics, then drop the lock (if held: the
+        files of another daemon that holds the directory are left alone)."""
+        if self._lock_fd is None:
+            return
         self.config_file.unlink(missing_ok=True)
-        if self._lock_fd is not None:
-            self._remove_stale()
-            (self.path / LOCK_FILE).unlink(missing_ok=True)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._remove_stale()
+        (self.path / LOCK_FILE).unlink(missing_ok=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None

@@ -141,7 +141,7 @@ class Supervisor:
                     await self._reload()
         except StopRequested:
             pass
-        except ChildStartError as exc:
+        except (ChildStartError, OSError) as exc:  # OSError: a child program cannot be executed
             logger.error("startup_failed", error=str(exc))
             self.exit_code = EXIT_FAILURE
         except reloading.RollbackFailed as exc:
