@@ -220,10 +220,11 @@ def notify_socket(workdir):
 
 
 class Load:
-    """``clients`` threads sending requests on fresh connections until stopped; counts failures."""
+    """``clients`` threads sending requests until stopped, on fresh connections or keep-alive
+    ones (as most HTTP clients do); counts failures."""
 
-    def __init__(self, url: str, path: str = "/generate", clients: int = 4) -> None:
-        self.url, self.path = url, path
+    def __init__(self, url: str, path: str = "/generate", clients: int = 4, keepalive: bool = False) -> None:
+        self.url, self.path, self.keepalive = url, path, keepalive
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -233,9 +234,10 @@ class Load:
             t.start()
 
     def _run(self) -> None:
+        client = httpx.Client(timeout=30, headers={} if self.keepalive else {"connection": "close"})
         while not self._stop.is_set():
             try:
-                r = httpx.get(self.url + self.path, timeout=30, headers={"connection": "close"})
+                r = client.get(self.url + self.path)
                 failure = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:100]}"
             except httpx.HTTPError as exc:
                 failure = f"{type(exc).__name__}: {exc}"

@@ -82,11 +82,12 @@ def test_restart_class_change_is_refused(start_daemon):
     assert outcome["event"] == "reload_rejected" and "supervisor.runtime_dir" in outcome["problem"]
 
 
-def test_frontend_change_rolls_api_servers_without_a_failed_request(start_daemon):
+@pytest.mark.parametrize("keepalive", [False, True])
+def test_frontend_change_rolls_api_servers_without_a_failed_request(start_daemon, keepalive):
     d = start_daemon()
     url = d.wait_ready()
     before = d.child_pids()
-    load = Load(url, clients=4)
+    load = Load(url, clients=4, keepalive=keepalive)
     time.sleep(0.5)
     outcome = reload_and_wait(d, {"frontend": {"api_server_count": 2}})
     time.sleep(0.5)

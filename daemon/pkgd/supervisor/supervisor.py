@@ -350,6 +350,7 @@ class Supervisor:
             "engine_generation": self.fleet.engine_generation,
             "api_generation": self.fleet.api_generation,
             "children": self.fleet.describe(),
+            "retiring": len(set(self.fleet.alive()) - set(self.fleet.current())),  # replaced, still draining
             "health": [e.as_dict() for e in self.health.endpoints.values()],
             "crashes_in_window": self.fleet.policy.crashes_in_window(time.monotonic()),
             "last_reload": self.last_reload,

@@ -81,9 +81,10 @@ async def amain(args) -> int:
     loop = asyncio.get_running_loop()
 
     def on_term():
-        # Stop accepting first, give connections accepted a moment ago time to send their
-        # request, and only then let hypercorn close idle connections and drain: hypercorn
-        # alone marks a just-accepted connection idle and closes it unanswered.
+        # Stop accepting first; answer with "Connection: close" for a moment, so keep-alive
+        # clients and connections accepted a moment ago get their answer and go elsewhere;
+        # only then let hypercorn close idle connections and drain. Hypercorn alone closes
+        # a just-accepted or idle keep-alive connection at once, racing the client's request.
         state["draining"] = True
         loop.remove_reader(args.listen_fd)
         loop.call_later(0.5, stop.set)
@@ -96,7 +97,10 @@ async def amain(args) -> int:
 
     async def respond(send, status, body):
         data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+        headers = [(b"content-type", b"application/json")]
+        if state["draining"]:  # keep-alive clients must not send another request on this connection
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
     async def app(scope, receive, send):
