@@ -70,12 +70,24 @@ def test_killed_api_server_is_restarted_while_the_other_keeps_serving(start_daem
 
 
 def test_crash_loop_exits_non_zero_and_leaves_nothing(start_daemon):
-    d = start_daemon({"model": {"source": "fake:crash_after=0.3"}, "supervisor": {"max_restarts": 2, "restart_backoff": 0.1}})
+    d = start_daemon({"supervisor": {"max_restarts": 2, "restart_backoff": 0.1}})
     d.wait_ready()
-    assert d.wait_exit(30) == 1
+    for crash in range(3):
+        mark = d.mark()
+        os.kill(d.child_pids()["engine-core-0"], signal.SIGKILL)
+        if crash < 2:
+            d.wait_event("child_restarted", after=mark)
+    assert d.wait_exit(30) == 1  # the third crash within restart_window is one too many
     assert len(d.find("child_died")) == 3
     assert "supervisor.max_restarts" in d.find("crash_loop")[0]["reason"]
     assert not [p for p in d.all_child_pids() if pid_alive(p)]
+
+
+def test_engine_that_keeps_crashing_by_itself_ends_the_daemon(start_daemon):
+    d = start_daemon({"model": {"source": "fake:crash_after=3"}, "supervisor": {"max_restarts": 1, "restart_backoff": 0.1}})
+    d.wait_ready()
+    assert d.wait_exit(30) == 1
+    assert [e["how"] for e in d.find("child_died")] == ["exit code 3", "exit code 3"]
 
 
 def test_restart_that_fails_to_start_counts_as_a_crash(start_daemon):
