@@ -73,3 +73,9 @@ def test_runtime_dir_lookup_order(tmp_path):
     assert find_runtime_dir(None, {**env, "PKGD_SUPERVISOR__RUNTIME_DIR": "/y"}) == Path("/y")
     assert find_runtime_dir(None, {**env, "RUNTIME_DIRECTORY": "/run/pkgd/a"}) == Path("/run/pkgd/a")
     assert find_runtime_dir(None, env) == tmp_path / "pkgd"
+
+
+def test_ctl_and_the_supervisor_stay_light():
+    code = "import sys, pkgd.cli.ctl, pkgd.supervisor.supervisor; print(sorted(m for m in ('torch', 'hydra', 'transformers') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stderr  # the daemon's parent process never loads torch

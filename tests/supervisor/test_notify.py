@@ -82,3 +82,19 @@ def test_watchdog_stops_while_an_endpoint_hangs_and_resumes_after(start_daemon, 
         time.sleep(0.05)
     assert [t for t, m in notify_socket.messages if "WATCHDOG" in m and t > t1]
     assert d.child_pids()["api-server-0"] == api  # the watchdog is systemd's call, not a restart
+
+
+def test_status_line_tells_of_a_restarting_child(start_daemon, notify_socket):
+    d = start_daemon({"supervisor": {"restart_backoff": 3.0}}, env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "400000"})
+    d.wait_ready()
+    notify_socket.wait_for("READY", "1")
+    mark = len(notify_socket.messages)
+    os.kill(d.child_pids()["engine-core-0"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any("restarting engine-core-0" in m.get("STATUS", "") for _, m in notify_socket.messages[mark:]):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError([m for _, m in notify_socket.messages[mark:] if "STATUS" in m])
+    d.wait_event("child_restarted")

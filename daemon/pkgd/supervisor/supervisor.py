@@ -283,6 +283,9 @@ class Supervisor:
         text = f"{self.plan.mode}: {len(self.fleet.engines)} engine core(s), {len(self.fleet.apis)} API server(s) on {where}"
         if self.health.summary():
             text += f"; {self.health.summary()}"
+        down = [c["role"] + "-" + str(c["index"]) for c in self.fleet.describe() if c["state"] != "ready"]
+        if down and self.state == "running":
+            text += f"; restarting {', '.join(down)}"
         if self.last_reload and not self.last_reload["ok"]:
             text += f"; last reload {self.last_reload['result']}: {'; '.join(self.last_reload['problems'])}"
         return text
@@ -314,13 +317,14 @@ class Supervisor:
             await asyncio.sleep(interval)
 
     async def _probe_loop(self) -> None:
+        """Probe the endpoints; update ``STATUS=`` when the status line changes."""
         last = ""
         while True:
             await self.health.probe_all(self.listeners)
-            summary = self.health.summary()
-            if summary != last and self.state == "running":
-                self.notifier.status(self._status_line())
-                last = summary
+            line = self._status_line()
+            if line != last and self.state == "running":
+                self.notifier.status(line)
+                last = line
             await asyncio.sleep(self._probe_interval())
 
     # ---- control socket ---------------------------------------------------------------
