@@ -129,6 +129,8 @@ def format_status(s: dict[str, Any]) -> str:
     lines.append(f"{'ROLE':<12} {'INDEX':>5} {'PID':>8}  {'STATE':<10} {'UPTIME':>8} {'RESTARTS':>8}  ADDRESS")
     for c in s["children"]:
         lines.append(f"{c['role']:<12} {c['index']:>5} {c['pid']:>8}  {c['state']:<10} {_duration(c['uptime_s']):>8} {c['restarts']:>8}  {c['address']}")
+    if s.get("retiring"):
+        lines.append(f"retiring {s['retiring']} replaced child(ren), draining")
     if s.get("last_reload"):
         lines.append("last reload: " + format_reload(s["last_reload"]))
     return "\n".join(lines)

@@ -75,7 +75,7 @@ class ControlServer:
         handler = self.handlers.get(command) if isinstance(command, str) else None
         if handler is None:
             return {"ok": False, "error": f"unknown command {command!r}; known: {', '.join(sorted(self.handlers))}"}
-        logger.info("control_command", command=command)
+        (logger.debug if command == "status" else logger.info)("control_command", command=command)
         return await handler()
 
 
