@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import threading
@@ -96,3 +97,35 @@ def test_drain_lets_inflight_requests_finish_and_refuses_new_ones(start_daemon):
     assert result["response"].json()["pid"] == api
     assert d.wait_exit(20) == 0
     assert time.monotonic() - t0 >= 0.9  # it waited for the drain, not cut it short
+
+
+def test_children_die_with_a_killed_supervisor(start_daemon):
+    d = start_daemon({"parallel": {"dp": 2}})
+    d.wait_ready()
+    pids = d.all_child_pids()
+    d.signal(signal.SIGKILL)  # no chance to stop anything: PR_SET_PDEATHSIG must do it
+    d.wait_exit(10)
+    deadline = time.monotonic() + 5
+    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)]
+
+
+def test_second_sigterm_kills_without_waiting_for_the_drain(start_daemon):
+    d = start_daemon({"supervisor": {"drain_timeout": 30}})
+    url = d.wait_ready()
+    def slow() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut off by the kill, as it should be
+            httpx.get(url + "/slow?s=20", timeout=30)
+
+    t = threading.Thread(target=slow, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    d.signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert d.proc.poll() is None  # draining the 20 s request
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit(10) == 0
+    assert time.monotonic() - t0 < 3
+    assert not [p for p in d.all_child_pids() if pid_alive(p)]
