@@ -130,7 +130,6 @@ class Supervisor:
         try:
             await self._start()
             self.health.timeout = min(3.0, max(0.5, self._probe_interval()))
-            self.fleet.restarts_enabled = True
             self.state = "running"
             self._announce_ready()
             self._loops = [asyncio.ensure_future(self._watchdog_loop()), asyncio.ensure_future(self._probe_loop())]
@@ -156,6 +155,7 @@ class Supervisor:
         fleet = self.fleet
         engines = await fleet.start_set(engine_specs(self.config, self.plan, self.runtime, 0, self.entry, self.engine_env()))
         fleet.install(engines=engines)
+        fleet.restarts_enabled = True  # a core that dies while the API servers start is restarted
         addresses = {rank: c.spec.address for rank, c in engines.items()}
         specs = api_specs(self.config, self.plan, self.runtime, self.listeners, addresses, 0, self.entry, self.api_env())
         fleet.install(apis=await fleet.start_set(specs))
