@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -160,3 +161,25 @@ def test_port_change_moves_to_the_new_socket(start_daemon):
     time.sleep(0.5)
     with pytest.raises(Exception):
         d.get("/health", url=old_url, timeout=2)
+
+
+def test_swap_strategy_auto_follows_memory_and_mode(monkeypatch):
+    from types import SimpleNamespace
+
+    from pkgd.supervisor import reload as rl
+
+    def sup(plan_mode="single", rss_pids=(os.getpid(),)):
+        engines = {i: SimpleNamespace(pid=p) for i, p in enumerate(rss_pids)}
+        return SimpleNamespace(plan=SimpleNamespace(mode=plan_mode), fleet=SimpleNamespace(engines=engines))
+
+    cpu = VllmConfig.model_validate({"parallel": {"device": "cpu"}})
+    assert rl.can_overlap(sup(), cpu, cpu.serve_plan())[0]  # this test process is small
+    monkeypatch.setattr(rl, "_mem_available", lambda: 1)
+    ok, why = rl.can_overlap(sup(), cpu, cpu.serve_plan())
+    assert not ok and "GiB available" in why
+    forced = VllmConfig.model_validate({"parallel": {"device": "cpu"}, "supervisor": {"engine_swap": "overlap"}})
+    assert rl.can_overlap(sup(), forced, forced.serve_plan())[0]
+    cuda = VllmConfig.model_validate({"parallel": {"device": "cuda"}})
+    assert not rl.can_overlap(sup(), cuda, cuda.serve_plan())[0]
+    headless = VllmConfig.model_validate({"frontend": {"headless": True}, "supervisor": {"engine_swap": "overlap"}})
+    assert rl.can_overlap(sup(), headless, headless.serve_plan()) == (False, "headless engine cores keep their TCP addresses")
