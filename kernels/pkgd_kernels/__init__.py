@@ -1,4 +1,13 @@
 """pkgd_kernels: Triton kernels for pkgd's hot paths, each beside its PyTorch reference.
 """
 
+from pkgd_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 from pkgd_kernels.cache import reshape_and_cache, reshape_and_cache_ref, reshape_and_cache_triton
+from pkgd_kernels.norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_ref,
+    fused_add_rms_norm_triton,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+)

@@ -70,7 +70,8 @@ def check_dtype(op: str, name: str, tensor: torch.Tensor, dtypes: Sequence[torch
     """
     if tensor.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{op}: {name} must be {names}, got {str(tensor.dtype).removeprefix('torch.')}")
+        got = str(tensor.dtype).removeprefix("torch.")
+        raise ValueError(f"{op}: {name} must be {names}, got {got}")
 
 
 def check_same(op: str, tensors: dict[str, torch.Tensor], *, dtype: bool = True) -> None:

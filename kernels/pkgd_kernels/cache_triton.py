@@ -28,7 +28,9 @@ def _reshape_and_cache_kernel(
     dims = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
     src_k = key_ptr + token * stride_k_t + heads[:, None] * stride_k_h + dims[None, :] * stride_k_d
-    src_v = value_ptr + token * stride_v_t + heads[:, None] * stride_v_h + dims[None, :] * stride_v_d
+    src_v = (
+        value_ptr + token * stride_v_t + heads[:, None] * stride_v_h + dims[None, :] * stride_v_d
+    )
     dst_k = (
         key_cache_ptr + block * stride_kc_b + offset * stride_kc_o
         + heads[:, None] * stride_kc_h + dims[None, :] * stride_kc_d
@@ -51,7 +53,7 @@ def launch_reshape_and_cache(
     block_h: int,
     block_d: int,
 ) -> None:
-    """Launch on checked inputs; ``block_h``/``block_d`` are powers of 2, ``block_d >= head_dim``."""
+    """Launch on checked inputs; ``block_h``, ``block_d`` powers of 2, ``block_d >= head_dim``."""
     num_tokens, num_kv_heads, head_dim = key.shape
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _reshape_and_cache_kernel[grid](

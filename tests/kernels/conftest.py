@@ -1,9 +1,11 @@
 """Fixtures for the kernel tests: Triton's CPU interpreter, confined to these tests.
 
-``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a kernel, so the fixture sets the
-variable only while it (re)imports the ``pkgd_kernels.*_triton`` modules and restores it
-afterwards: other tests and the processes they start never see it. The interpreted kernels then
-run on CPU tensors through the public ``*_triton`` functions.
+``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a function, Triton's own language
+helpers included, so Triton must first be imported with the variable set. The session fixture
+does that on first use and (re)imports the ``pkgd_kernels.*_triton`` modules; the per-test
+fixture keeps the variable set only while an interpreter test runs, so other tests and the
+processes they start never see it. The interpreted kernels run on CPU tensors through the
+public ``*_triton`` functions.
 """
 
 from __future__ import annotations
@@ -16,21 +18,40 @@ import torch
 
 TRITON_MODULES = (
     "cache_triton",
+    "norm_triton",
+    "activation_triton",
 )
 
 
 @pytest.fixture(scope="session")
-def triton_interpreter() -> None:
-    """Make every ``pkgd_kernels`` Triton kernel run under Triton's interpreter on CPU."""
-    pytest.importorskip("triton")
+def _interpreted_kernels() -> None:
+    """Import Triton and the kernel modules with ``TRITON_INTERPRET=1``, once per session."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(standard.sigmoid).__name__ != "InterpretedFunction":
+        pytest.fail(
+            "Triton was imported in compiled mode before the kernel tests ran, so its language "
+            "helpers cannot be interpreted; run tests/kernels in a pytest process of its own"
+        )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
+        pytest.importorskip("triton")
+        importlib.import_module("triton.experimental.gluon")  # imported lazily on first launch
         for name in TRITON_MODULES:
             module = f"pkgd_kernels.{name}"
             if module in sys.modules:  # decorated earlier, maybe without the interpreter
                 importlib.reload(sys.modules[module])
             else:
                 importlib.import_module(module)
+
+
+@pytest.fixture
+def triton_interpreter(_interpreted_kernels, monkeypatch) -> None:
+    """Run this test's Triton kernels under Triton's interpreter on CPU tensors.
+
+    The variable stays set for the test itself too, for anything Triton imports lazily at
+    launch; monkeypatch removes it when the test ends.
+    """
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -42,7 +42,9 @@ def test_reference_matches_per_token_loop(generator, block_size):
     "block_size,num_kv_heads,head_dim",
     [(1, 1, 16), (4, 3, 24), (16, 2, 64), (8, 5, 6)],
 )
-def test_triton_matches_reference(triton_interpreter, generator, block_size, num_kv_heads, head_dim):
+def test_triton_matches_reference(
+    triton_interpreter, generator, block_size, num_kv_heads, head_dim
+):
     key, value, key_cache, value_cache, slots = _inputs(
         generator, 9, 10, block_size, num_kv_heads, head_dim
     )
@@ -98,7 +100,9 @@ def test_dispatcher_on_cpu_runs_reference(generator):
 @pytest.mark.parametrize("op", [reshape_and_cache_ref, reshape_and_cache_triton])
 def test_bad_shapes_raise_and_write_nothing(generator, op, mutate, message):
     key, value, key_cache, value_cache, slots = _inputs(generator, 4, 2, 4, 2, 4)
-    args = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots)
+    args = dict(
+        key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots
+    )
     mutate(args)
     with pytest.raises(ValueError, match=message):
         op(**args)
