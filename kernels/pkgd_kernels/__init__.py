@@ -11,3 +11,4 @@ from pkgd_kernels.norm import (
     rms_norm_ref,
     rms_norm_triton,
 )
+from pkgd_kernels.rotary import rotary_embedding, rotary_embedding_ref, rotary_embedding_triton

@@ -20,6 +20,7 @@ TRITON_MODULES = (
     "cache_triton",
     "norm_triton",
     "activation_triton",
+    "rotary_triton",
 )
 
 
