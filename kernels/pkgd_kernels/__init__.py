@@ -2,6 +2,14 @@
 """
 
 from pkgd_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+from pkgd_kernels.attention import (
+    paged_attention_decode,
+    paged_attention_decode_ref,
+    paged_attention_decode_triton,
+    paged_attention_prefill,
+    paged_attention_prefill_ref,
+    paged_attention_prefill_triton,
+)
 from pkgd_kernels.cache import reshape_and_cache, reshape_and_cache_ref, reshape_and_cache_triton
 from pkgd_kernels.norm import (
     fused_add_rms_norm,

@@ -18,6 +18,8 @@ import torch
 
 TRITON_MODULES = (
     "cache_triton",
+    "attention_decode_triton",
+    "attention_prefill_triton",
     "norm_triton",
     "activation_triton",
     "rotary_triton",

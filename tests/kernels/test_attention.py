@@ -1,0 +1,231 @@
+"""Paged attention: references vs dense causal attention over the unpaged K/V, Triton kernels
+(interpreted) vs the references, and input errors.
+
+Tolerances: float32 atol/rtol 1e-5 against the float64 naive result and 2e-6 between kernel and
+reference (summation order and the online softmax's rescaling); float16 atol 2e-3 / rtol 1e-2
+(P is rounded to float16 before the P @ V product, as on GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pkgd_kernels import (
+    paged_attention_decode,
+    paged_attention_decode_ref,
+    paged_attention_decode_triton,
+    paged_attention_prefill,
+    paged_attention_prefill_ref,
+    paged_attention_prefill_triton,
+)
+
+from .paged import dense_causal_attention, make_batch
+
+NAIVE = dict(atol=1e-5, rtol=1e-5)
+KERNEL = dict(atol=2e-6, rtol=2e-6)
+
+# (seq_lens, num_heads, num_kv_heads, head_dim, block_size): ragged lengths, GQA 1/2/4/3,
+# a head_dim that is not a power of two, block sizes 1 to 16, an empty padding slot (0).
+DECODE_CASES = [
+    ([1, 5, 17], 2, 2, 8, 4),
+    ([9, 3, 0, 12], 4, 2, 16, 8),
+    ([33, 2], 4, 1, 12, 16),
+    ([6, 7], 3, 1, 8, 1),
+]
+
+
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
+def test_decode_reference_matches_dense_attention(
+    generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size
+):
+    batch = make_batch(generator, seq_lens, [1] * len(seq_lens), num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    # The empty slot has no query row in the naive sum; the reference gives zeros there.
+    batch.q_lens = [1 if n else 0 for n in seq_lens]
+    scale = head_dim**-0.5
+    got = paged_attention_decode_ref(*batch.decode_args, scale)
+    keep = torch.tensor(seq_lens) > 0
+    want = dense_causal_attention(_drop_empty(batch), scale)
+    torch.testing.assert_close(got[keep].double(), want, **NAIVE)
+    assert torch.equal(got[~keep], torch.zeros_like(got[~keep]))
+
+
+def _drop_empty(batch):
+    """The batch's non-empty sequences with their one query row each (for the naive sum)."""
+    keep = [s for s, q in enumerate(batch.q_lens) if q]
+    batch.query = batch.query[keep]
+    batch.keys = [batch.keys[s] for s in keep]
+    batch.values = [batch.values[s] for s in keep]
+    batch.q_lens = [1] * len(keep)
+    return batch
+
+
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
+@pytest.mark.parametrize("partition_size", [None, 16])
+def test_decode_triton_matches_reference(
+    triton_interpreter, generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+    partition_size,
+):
+    from pkgd_kernels import attention_decode_triton
+
+    batch = make_batch(generator, seq_lens, [1] * len(seq_lens), num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    scale = head_dim**-0.5
+    want = paged_attention_decode_ref(*batch.decode_args, scale)
+    out = torch.empty_like(batch.query)
+    attention_decode_triton.launch_decode(
+        *batch.decode_args, scale, out, partition_size=partition_size, block_n=16
+    )
+    torch.testing.assert_close(out, want, **KERNEL)
+
+
+def test_decode_triton_public_function_fp16(triton_interpreter, generator):
+    batch = make_batch(generator, [20, 3, 11], [1, 1, 1], num_heads=4, num_kv_heads=2,
+                       head_dim=16, block_size=4, dtype=torch.float16)
+    got = paged_attention_decode_triton(*batch.decode_args, 0.25)
+    want = paged_attention_decode_ref(*batch.decode_args, 0.25)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-2)
+
+
+def test_decode_dispatcher_on_cpu_runs_the_reference(generator):
+    batch = make_batch(generator, [4, 9], [1, 1], num_heads=2, num_kv_heads=1, head_dim=8,
+                       block_size=4)
+    got = paged_attention_decode(*batch.decode_args, 0.5)
+    assert torch.equal(got, paged_attention_decode_ref(*batch.decode_args, 0.5))
+
+
+# (seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size): whole prompts, chunks
+# after cached context (chunked prefill / prefix hits), decodes and a sequence with no query
+# rows this step, mixed in one batch.
+PREFILL_CASES = [
+    ([7, 20, 5, 16], [7, 5, 1, 16], 2, 2, 8, 4),
+    ([40, 3, 9], [18, 3, 0], 4, 1, 16, 8),
+    ([17, 1, 30], [17, 1, 2], 6, 2, 12, 16),
+    ([5, 6], [3, 6], 3, 3, 8, 1),
+]
+
+
+@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size",
+                         PREFILL_CASES)  # fmt: skip
+def test_prefill_reference_matches_dense_causal_attention(
+    generator, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size
+):
+    batch = make_batch(generator, seq_lens, q_lens, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    scale = head_dim**-0.5
+    got = paged_attention_prefill_ref(*batch.prefill_args, scale)
+    torch.testing.assert_close(got.double(), dense_causal_attention(batch, scale), **NAIVE)
+
+
+@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size",
+                         PREFILL_CASES)  # fmt: skip
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
+def test_prefill_triton_matches_reference(
+    triton_interpreter, generator, seq_lens, q_lens, num_heads, num_kv_heads, head_dim,
+    block_size, block_m, block_n,
+):
+    from pkgd_kernels import attention_prefill_triton
+
+    batch = make_batch(generator, seq_lens, q_lens, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    scale = head_dim**-0.5
+    want = paged_attention_prefill_ref(*batch.prefill_args, scale)
+    out = torch.full_like(batch.query, float("nan"))
+    attention_prefill_triton.launch_prefill(
+        *batch.prefill_args, scale, out, block_m=block_m, block_n=block_n
+    )
+    torch.testing.assert_close(out, want, **KERNEL)
+
+
+def test_prefill_triton_public_function_fp16(triton_interpreter, generator):
+    batch = make_batch(generator, [24, 6], [10, 6], num_heads=4, num_kv_heads=2, head_dim=16,
+                       block_size=4, dtype=torch.float16)
+    got = paged_attention_prefill_triton(*batch.prefill_args, 0.25)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, paged_attention_prefill_ref(*batch.prefill_args, 0.25),
+                               atol=2e-3, rtol=1e-2)  # fmt: skip
+
+
+def test_prefill_with_one_token_each_equals_decode(generator):
+    batch = make_batch(generator, [3, 14, 8], [1, 1, 1], num_heads=4, num_kv_heads=2,
+                       head_dim=8, block_size=4)
+    torch.testing.assert_close(paged_attention_prefill_ref(*batch.prefill_args, 0.3),
+                               paged_attention_decode_ref(*batch.decode_args, 0.3), **KERNEL)
+
+
+def test_prefill_dispatcher_on_cpu_runs_the_reference(generator):
+    batch = make_batch(generator, [6, 9], [6, 2], num_heads=2, num_kv_heads=1, head_dim=8,
+                       block_size=4)
+    got = paged_attention_prefill(*batch.prefill_args, 0.5)
+    assert torch.equal(got, paged_attention_prefill_ref(*batch.prefill_args, 0.5))
+
+
+def _small(generator):
+    return make_batch(generator, [5, 3], [2, 3], num_heads=4, num_kv_heads=2, head_dim=8,
+                      block_size=4)
+
+
+_SHAPE_ERRORS = [
+    (lambda b: b.update(query=b["query"][:, :3]), r"query heads \(3\) must be a positive"),
+    (lambda b: b.update(query=b["query"][..., :4]), "query must have shape"),
+    (lambda b: b.update(query=b["query"].half()), "query is torch.float16"),
+    (lambda b: b.update(block_tables=b["block_tables"].long()), "block_tables must be int32"),
+    (lambda b: b.update(block_tables=b["block_tables"][:1]), "block_tables must have shape"),
+    (lambda b: b.update(seq_lens=b["seq_lens"].long()), "seq_lens must be int32"),
+    (lambda b: b.update(value_cache=b["value_cache"][:, :2]), "value_cache must have shape"),
+    (lambda b: b.update(scale=math.nan), "scale must be finite"),
+]
+
+
+@pytest.mark.parametrize("mutate,message", _SHAPE_ERRORS)
+@pytest.mark.parametrize("op", [paged_attention_decode_ref, paged_attention_decode_triton])
+def test_decode_bad_shapes_raise(generator, op, mutate, message):
+    batch = _small(generator)
+    args = dict(query=batch.query[:2], key_cache=batch.key_cache, value_cache=batch.value_cache,
+                block_tables=batch.block_tables, seq_lens=batch.seq_lens, scale=0.5)
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        op(**args)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    _SHAPE_ERRORS
+    + [
+        (lambda b: b.update(query_start_loc=b["query_start_loc"][:2]), "query_start_loc must h"),
+        (lambda b: b.update(query_start_loc=b["query_start_loc"].long()), "query_start_loc must b"),
+    ],
+)
+@pytest.mark.parametrize("op", [paged_attention_prefill_ref, paged_attention_prefill_triton])
+def test_prefill_bad_shapes_raise(generator, op, mutate, message):
+    batch = _small(generator)
+    args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "query_start_loc",
+                     "seq_lens"], batch.prefill_args), scale=0.5)  # fmt: skip
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        op(**args)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(seq_lens=[5, 13]), r"seq_lens must lie in \[0, 12\]"),
+        (dict(query_start_loc=[0, 2, 4]), "query_start_loc must rise from 0 to T=5"),
+        (dict(query_start_loc=[0, 1, 5]), "more query tokens than keys"),
+        (dict(block_id=99), r"block id outside \[0, "),
+    ],
+)
+def test_prefill_reference_rejects_bad_values(generator, change, message):
+    batch = _small(generator)
+    if "seq_lens" in change:
+        batch.seq_lens = torch.tensor(change["seq_lens"], dtype=torch.int32)
+    if "query_start_loc" in change:
+        batch.query_start_loc = torch.tensor(change["query_start_loc"], dtype=torch.int32)
+    if "block_id" in change:
+        batch.block_tables[1, 0] = change["block_id"]
+    with pytest.raises(ValueError, match=message):
+        paged_attention_prefill_ref(*batch.prefill_args, 0.5)
