@@ -202,32 +202,41 @@ def paged_attention_prefill_ref(
     """
     _check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
     _check_values(_PREFILL, block_tables, seq_lens, *key_cache.shape[:2])
-    starts = query_start_loc.tolist()
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    if starts[0] != 0 or starts[-1] != query.shape[0] or min(q_lens, default=0) < 0:
-        raise ValueError(f"{_PREFILL}: query_start_loc must rise from 0 to T={query.shape[0]}, "
-                         f"got {starts}")  # fmt: skip
-    lens = seq_lens.tolist()
-    if any(q > n for q, n in zip(q_lens, lens)):
-        raise ValueError(f"{_PREFILL}: a sequence has more query tokens than keys: "
-                         f"q_lens {q_lens}, seq_lens {lens}")  # fmt: skip
+    starts, q_lens = _query_spans(query_start_loc, seq_lens, query.shape[0])
     out = torch.empty_like(query)
     single = [s for s, q in enumerate(q_lens) if q == 1]
     if single:
         rows = query_start_loc[single].long()
         index = torch.tensor(single, device=query.device)
-        out[rows] = paged_attention_decode_ref(query[rows], key_cache, value_cache,
-                                               block_tables[index], seq_lens[index], scale)  # fmt: skip
-    for s, q_len in enumerate(q_lens):
+        out[rows] = paged_attention_decode_ref(
+            query[rows], key_cache, value_cache, block_tables[index], seq_lens[index], scale
+        )
+    for s, (start, q_len) in enumerate(zip(starts, q_lens)):
         if q_len > 1:
-            length, start = lens[s], starts[s]
             keys = _gather(key_cache, block_tables[s : s + 1], seq_lens[s : s + 1])
             values = _gather(value_cache, block_tables[s : s + 1], seq_lens[s : s + 1])
+            length = keys.shape[1]
             pos = torch.arange(length - q_len, length, device=query.device)
             mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
             rows = query[None, start : start + q_len]
             out[start : start + q_len] = _attend(rows, keys, values, mask[None], scale)[0]
     return out
+
+
+def _query_spans(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+) -> tuple[list[int], list[int]]:
+    """Each sequence's first query row and query length, checked against ``T`` and its keys."""
+    starts = query_start_loc.tolist()
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    if starts[0] != 0 or starts[-1] != num_tokens or min(q_lens, default=0) < 0:
+        raise ValueError(f"{_PREFILL}: query_start_loc must rise from 0 to T={num_tokens}, "
+                         f"got {starts}")  # fmt: skip
+    lens = seq_lens.tolist()
+    if any(q > n for q, n in zip(q_lens, lens)):
+        raise ValueError(f"{_PREFILL}: a sequence has more query tokens than keys: "
+                         f"q_lens {q_lens}, seq_lens {lens}")  # fmt: skip
+    return starts[:-1], q_lens
 
 
 def paged_attention_decode_triton(
