@@ -20,3 +20,4 @@ from pkgd_kernels.norm import (
     rms_norm_triton,
 )
 from pkgd_kernels.rotary import rotary_embedding, rotary_embedding_ref, rotary_embedding_triton
+from pkgd_kernels.sampling import top_k_top_p_mask, top_k_top_p_mask_ref, top_k_top_p_mask_triton

@@ -23,6 +23,7 @@ TRITON_MODULES = (
     "norm_triton",
     "activation_triton",
     "rotary_triton",
+    "sampling_triton",
 )
 
 
