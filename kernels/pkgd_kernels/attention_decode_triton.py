@@ -19,7 +19,8 @@ import triton.language as tl
 from pkgd_kernels._util import next_power_of_2
 
 PARTITION_SIZE = 512  # keys per partition when a context is split (vLLM v2 uses 512)
-BLOCK_N = 64  # keys per inner tile on GPU
+BLOCK_N = 64  # keys per inner tile on GPU (half that for float32, whose tiles take 2x the
+# shared memory: 78 KB at head_dim 128 with 64, more than consumer GPUs' 99 KB once pipelined)
 
 
 @triton.jit
@@ -122,19 +123,22 @@ def launch_decode(
     out: torch.Tensor,
     *,
     partition_size: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
 ) -> None:
     """Launch on checked inputs (``query`` with unit last-dim stride) into ``out``.
 
     ``partition_size`` (a multiple of ``block_n``; None = :data:`PARTITION_SIZE` when the
     block table can hold more keys than that, else no split) sets the split of long contexts;
-    ``block_n`` (power of 2, >= 16) the keys per inner tile.
+    ``block_n`` (power of 2, >= 16; None = :data:`BLOCK_N`, halved for float32) the keys per
+    inner tile.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     for cache in (key_cache, value_cache):
         if cache.stride(-1) != 1:
             raise ValueError("paged_attention_decode: the KV cache needs unit last-dim stride")
+    if block_n is None:
+        block_n = BLOCK_N // 2 if query.dtype == torch.float32 else BLOCK_N
     capacity = block_tables.shape[1] * block_size
     if partition_size is None:
         partition_size = PARTITION_SIZE if capacity > PARTITION_SIZE else max(capacity, 1)

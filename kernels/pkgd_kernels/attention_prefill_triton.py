@@ -19,8 +19,8 @@ import triton.language as tl
 
 from pkgd_kernels._util import next_power_of_2
 
-BLOCK_M = 64  # query rows per program on GPU
-BLOCK_N = 64  # keys per inner tile on GPU
+BLOCK_M = 64  # query rows per program on GPU (half for float32: 2x the shared memory per tile)
+BLOCK_N = 64  # keys per inner tile on GPU (likewise)
 
 
 @triton.jit
@@ -108,11 +108,15 @@ def launch_prefill(
     scale: float,
     out: torch.Tensor,
     *,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> None:
     """Launch on checked inputs (``query`` with unit last-dim stride) into ``out``;
-    ``block_m``, ``block_n`` powers of 2, >= 16 (``tl.dot``'s minimum)."""
+    ``block_m``, ``block_n`` powers of 2, >= 16 (``tl.dot``'s minimum); None =
+    :data:`BLOCK_M` / :data:`BLOCK_N`, halved for float32."""
+    shrink = 2 if query.dtype == torch.float32 else 1
+    block_m = block_m or BLOCK_M // shrink
+    block_n = block_n or BLOCK_N // shrink
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _, block_size, num_kv_heads, _ = key_cache.shape

@@ -113,7 +113,7 @@ def test_dispatcher_on_cpu_runs_the_reference(generator):
     [
         (torch.zeros(2, 5, dtype=torch.float16), torch.zeros(2, dtype=torch.int32),
          torch.ones(2), "logits must be float32"),
-        (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int64), torch.ones(2), "top_k must be int32"),
+        (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int64), torch.ones(2), "top_k must be int"),
         (torch.zeros(2, 5), torch.zeros(3, dtype=torch.int32), torch.ones(2), "top_k must have"),
         (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int32), torch.ones(2, 1), "top_p must have"),
         (torch.zeros(5), torch.zeros(1, dtype=torch.int32), torch.ones(1), "logits must have"),
