@@ -97,16 +97,23 @@ def _gather(
 ) -> torch.Tensor:
     """Keys or values of every sequence, dense: ``[S, max(seq_lens), num_kv_heads, head_dim]``.
 
-    Positions past a sequence's own length are zero: they go through padding entries of the
-    block table or land in unwritten slots, whose contents (even NaN) must not leak in.
+    Copies whole blocks (one ``index_select`` of ``block_size`` rows each, ~10x faster on CPU
+    than gathering token by token). Positions past a sequence's own length are zero: they
+    come through padding entries of the block table or from unwritten slots, whose contents
+    (even NaN, in a cache from ``torch.empty``) must not leak into the result.
     """
-    block_size = cache.shape[1]
+    num_seqs = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_dim = cache.shape
     length = int(seq_lens.max()) if seq_lens.numel() else 0
-    pos = torch.arange(length, device=cache.device)
-    valid = pos[None, :] < seq_lens[:, None]
-    blocks = torch.where(valid, block_tables[:, pos // block_size], 0).long()
-    dense = cache[blocks, pos % block_size]
-    return dense.masked_fill(~valid[:, :, None, None], 0.0)
+    num_blocks = -(-length // block_size)
+    first_pos = torch.arange(num_blocks, device=cache.device) * block_size
+    used = first_pos[None, :] < seq_lens[:, None]
+    blocks = torch.where(used, block_tables[:, :num_blocks], 0).flatten().long()
+    dense = cache.index_select(0, blocks).view(num_seqs, num_blocks * block_size, -1)
+    pos = torch.arange(num_blocks * block_size, device=cache.device)
+    pad_seq, pad_pos = (pos[None, :] >= seq_lens[:, None]).nonzero(as_tuple=True)
+    dense[pad_seq, pad_pos] = 0.0  # writes the padding rows only
+    return dense[:, :length].view(num_seqs, length, num_kv_heads, head_dim)
 
 
 def _attend(
@@ -119,15 +126,23 @@ def _attend(
 
     Returns:
         ``[B, Q, Hq, D]`` float32; rows with nothing to attend to are zero.
+
+    One batched matmul pair per KV head, on strided views of ``k``/``v``: BLAS reads them in
+    place, where a single einsum over all heads would first copy them head-major.
     """
     batch, num_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    group = q.float().view(batch, num_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bqkgd,blkd->bkgql", group, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all -inf rows -> 0
-    out = torch.einsum("bkgql,blkd->bqkgd", probs, v.float())
-    return out.reshape(batch, num_q, num_heads, head_dim)
+    group = num_heads // num_kv_heads
+    q, k, v = q.float(), k.float(), v.float()
+    hidden = mask.logical_not().repeat_interleave(group, dim=1)  # [B, Q*G, L], rows (q, g)
+    out = torch.empty(batch, num_q, num_kv_heads, group, head_dim, device=q.device)
+    for h in range(num_kv_heads):
+        rows = q[:, :, h * group : (h + 1) * group].reshape(batch, num_q * group, head_dim)
+        scores = torch.bmm(rows, k[:, :, h].transpose(1, 2)).mul_(scale)
+        probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+        probs = probs.nan_to_num_(0.0)  # rows with every key hidden -> 0
+        out[:, :, h] = torch.bmm(probs, v[:, :, h]).view(batch, num_q, group, head_dim)
+    return out.view(batch, num_q, num_heads, head_dim)
 
 
 def paged_attention_decode_ref(
