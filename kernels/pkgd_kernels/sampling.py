@@ -18,6 +18,7 @@ from pkgd_kernels._util import check_dtype, check_same, check_shape, triton_modu
 
 _OP = "top_k_top_p_mask"
 _BLOCK_V = 1024  # vocabulary entries per tile on GPU
+_HEAD = 256  # largest values per row the reference sorts before falling back to a full sort
 
 
 def _check(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -33,8 +34,12 @@ def _check(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> No
 def top_k_top_p_mask_ref(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p sets to -inf (PyTorch reference: one
-    sort per row, then thresholds read off the sorted values).
+    """Mask logits outside each row's top-k and top-p sets to -inf (PyTorch reference).
+
+    Thresholds are read off each row's largest values in sorted order: the first
+    ``max(256, top_k)`` from ``torch.topk`` (about 20x cheaper than sorting a 49k vocabulary
+    on CPU), and a full sort only for rows whose nucleus runs past them. Rows with both
+    filters off are copied untouched.
 
     Args:
         logits: float32 ``[S, V]``.
@@ -49,20 +54,58 @@ def top_k_top_p_mask_ref(
     """
     _check(logits, top_k, top_p)
     num_rows, vocab = logits.shape
-    if vocab == 0:
+    rows = (((top_k > 0) & (top_k < vocab)) | (top_p < 1)).nonzero().flatten()
+    if rows.numel() == 0:
         return logits.clone()
-    ordered = logits.sort(dim=-1, descending=True).values
-    neg_inf = torch.full((num_rows, 1), float("-inf"), device=logits.device)
-    k = top_k.long()[:, None]
-    kth = ordered.gather(1, (k.clamp(1, vocab) - 1))
-    k_threshold = torch.where((k > 0) & (k < vocab), kth, neg_inf)
-    # Top-p over the top-k survivors: keep sorted entry j while the mass before it < top_p.
-    probs = ordered.masked_fill(ordered < k_threshold, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
-    p_threshold = torch.where(top_p[:, None] < 1, ordered.gather(1, num_kept - 1), neg_inf)
-    threshold = torch.maximum(k_threshold, p_threshold)
+    every_row = rows.numel() == num_rows
+    x = logits if every_row else logits[rows]
+    k, p = top_k[rows].long(), top_p[rows]
+    head = min(vocab, max(_HEAD, int(k.max())))
+    threshold, resolved = _thresholds(x, x.topk(head, dim=-1).values, k, p)
+    if not bool(resolved.all()):
+        redo = (~resolved).nonzero().flatten()
+        ordered = x[redo].sort(dim=-1, descending=True).values
+        threshold[redo] = _thresholds(x[redo], ordered, k[redo], p[redo])[0]
+    if not every_row:
+        threshold = torch.full((num_rows, 1), float("-inf"), device=logits.device).index_copy_(
+            0, rows, threshold
+        )
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _thresholds(
+    x: torch.Tensor, ordered: torch.Tensor, k: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row keep threshold from the row's ``H`` largest values, descending.
+
+    Args:
+        x: ``[n, V]`` logits; ordered: ``[n, H]``, ``max(k) <= H <= V``; k: int64 ``[n]``;
+            p: ``[n]``.
+
+    Returns:
+        ``(threshold [n, 1], resolved [n])``: keep ``x >= threshold``; ``resolved`` is False
+        where the nucleus may extend past the ``H`` values (the caller retries with all V).
+    """
+    vocab, head = x.shape[1], ordered.shape[1]
+    k, p = k[:, None], p[:, None]
+    neg_inf = torch.full_like(p, float("-inf"))
+    k_on = (k > 0) & (k < vocab)
+    k_threshold = torch.where(k_on, ordered.gather(1, k.clamp(1, head) - 1), neg_inf)
+    # Top-p among the top-k survivors: keep sorted entry j while the mass before it is below
+    # top_p of the survivors' total (unnormalised weights exp(x - max); all -inf rows -> 0).
+    top = ordered[:, :1]
+    top = torch.where(top == float("-inf"), 0.0, top)
+    weights = (ordered - top).exp().masked_fill(ordered < k_threshold, 0.0)
+    survivors = x.masked_fill(x < k_threshold, float("-inf")) if bool(k_on.any()) else x
+    total = (torch.logsumexp(survivors, dim=-1, keepdim=True) - top).exp()
+    mass_before = weights.cumsum(dim=-1) - weights
+    num_kept = (mass_before < p * total).sum(dim=-1, keepdim=True)
+    p_threshold = ordered.gather(1, num_kept.clamp(min=1) - 1)
+    p_threshold = torch.where(p < 1, p_threshold, neg_inf)
+    # Past the H values the nucleus can only continue when top-k is off (with top-k on, every
+    # survivor beyond them ties with the k-th value and the k threshold decides).
+    resolved = (num_kept < head) | k_on | (p >= 1) | (head == vocab)
+    return torch.maximum(k_threshold, p_threshold), resolved.flatten()
 
 
 def top_k_top_p_mask_triton(

@@ -74,6 +74,20 @@ def test_reference_matches_naive_loop(generator):
     assert (got[6] > -INF).sum() > 3  # ties at the top-k boundary kept
 
 
+@pytest.mark.parametrize("head", [1, 4, 12])
+def test_reference_with_a_short_sorted_prefix(generator, monkeypatch, head):
+    """Rows resolved within the top-``head`` values and rows that fall back to a full sort
+    (top-p alone with a wide nucleus) give the naive result too."""
+    from pkgd_kernels import sampling
+
+    monkeypatch.setattr(sampling, "_HEAD", head)
+    rows = _rows(generator) + [((torch.randn(37, generator=generator) * 0.1).tolist(), 0, 0.95)]
+    got = top_k_top_p_mask_ref(*_batch(rows))
+    for s, (row, k, p) in enumerate(rows):
+        want = torch.tensor(_naive_row(row, k, p), dtype=torch.float32)
+        assert torch.equal(got[s], want), f"row {s} (k={k}, p={p})"
+
+
 def test_reference_ignores_token_order(generator):
     logits, top_k, top_p = _batch(_rows(generator))
     perm = torch.randperm(logits.shape[1], generator=generator)
