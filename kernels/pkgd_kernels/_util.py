@@ -14,9 +14,10 @@ reference implementations, where they are free.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 
@@ -42,6 +43,20 @@ def triton_module(name: str) -> ModuleType:
             f"pkgd_kernels.{name} needs Triton (pip install triton); "
             "call the *_ref function or pass CPU tensors to use the PyTorch reference"
         ) from exc
+
+
+def on_device(tensor: torch.Tensor) -> ContextManager:
+    """Make ``tensor``'s CUDA device current while a kernel launches: Triton launches on the
+    current device, which need not be the one holding the data."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with unit stride along its last dim, copied only when it has another: the
+    kernels index 1-D metadata and the columns of tables as contiguous."""
+    if tensor.dim() == 0 or tensor.shape[-1] <= 1 or tensor.stride(-1) == 1:
+        return tensor
+    return tensor.contiguous()
 
 
 def next_power_of_2(n: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pkgd_kernels._util import FLOAT_DTYPES, check_dtype, triton_module, use_triton
+from pkgd_kernels._util import FLOAT_DTYPES, check_dtype, on_device, triton_module, use_triton
 
 _OP = "silu_and_mul"
 _BLOCK = 1024  # columns per program
@@ -48,7 +48,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
     if out.numel() > 0:
-        triton_module("activation_triton").launch_silu_and_mul(rows, out, block=_BLOCK)
+        with on_device(x):
+            triton_module("activation_triton").launch_silu_and_mul(rows, out, block=_BLOCK)
     return out.view(*x.shape[:-1], inter)
 
 

@@ -27,7 +27,9 @@ from pkgd_kernels._util import (
     check_kv_cache,
     check_same,
     check_shape,
+    on_device,
     triton_module,
+    unit_stride,
     use_triton,
 )
 
@@ -277,9 +279,11 @@ def paged_attention_decode_triton(
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] > 0:
-        triton_module("attention_decode_triton").launch_decode(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, out
-        )
+        with on_device(query):
+            triton_module("attention_decode_triton").launch_decode(
+                query, key_cache, value_cache, unit_stride(block_tables), unit_stride(seq_lens),
+                scale, out,
+            )  # fmt: skip
     return out
 
 
@@ -307,9 +311,11 @@ def paged_attention_prefill_triton(
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] > 0:
-        triton_module("attention_prefill_triton").launch_prefill(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out
-        )
+        with on_device(query):
+            triton_module("attention_prefill_triton").launch_prefill(
+                query, key_cache, value_cache, unit_stride(block_tables),
+                unit_stride(query_start_loc), unit_stride(seq_lens), scale, out,
+            )  # fmt: skip
     return out
 
 

@@ -18,7 +18,9 @@ from pkgd_kernels._util import (
     check_same,
     check_shape,
     next_power_of_2,
+    on_device,
     triton_module,
+    unit_stride,
     use_triton,
 )
 
@@ -95,9 +97,10 @@ def reshape_and_cache_triton(
     kernels = triton_module("cache_triton")
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
-    kernels.launch_reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, block_h=block_h, block_d=block_d
-    )
+    with on_device(key):
+        kernels.launch_reshape_and_cache(key, value, key_cache, value_cache,
+                                         unit_stride(slot_mapping), block_h=block_h,
+                                         block_d=block_d)  # fmt: skip
 
 
 def reshape_and_cache(

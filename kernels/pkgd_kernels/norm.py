@@ -17,7 +17,9 @@ from pkgd_kernels._util import (
     check_same,
     check_shape,
     next_power_of_2,
+    on_device,
     triton_module,
+    unit_stride,
     use_triton,
 )
 
@@ -101,10 +103,11 @@ def _launch(
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)
     new_res = None if residual is None else torch.empty_like(out)
     if rows.shape[0] > 0:
-        triton_module("norm_triton").launch_rms_norm(
-            rows, res_rows, weight, out, new_res, eps,
-            block=min(next_power_of_2(hidden), _MAX_BLOCK),
-        )  # fmt: skip
+        with on_device(x):
+            triton_module("norm_triton").launch_rms_norm(
+                rows, res_rows, unit_stride(weight), out, new_res, eps,
+                block=min(next_power_of_2(hidden), _MAX_BLOCK),
+            )  # fmt: skip
     shape = x.shape
     return out.view(shape), None if new_res is None else new_res.view(shape)
 

@@ -24,7 +24,9 @@ from pkgd_kernels._util import (
     check_same,
     check_shape,
     next_power_of_2,
+    on_device,
     triton_module,
+    unit_stride,
     use_triton,
 )
 
@@ -139,8 +141,7 @@ def rotary_embedding_triton(
     """
     _check(positions, query, key, head_size, cos_sin_cache)
     kernels = triton_module("rotary_triton")
-    if cos_sin_cache.stride(-1) != 1:
-        cos_sin_cache = cos_sin_cache.contiguous()
+    positions, cos_sin_cache = unit_stride(positions), unit_stride(cos_sin_cache)
     block_d = next_power_of_2(head_size)
     block_h = max(1, min(16, 2048 // block_d))
     outputs = []
@@ -149,10 +150,11 @@ def rotary_embedding_triton(
             x = x.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if out.numel() > 0:
-            kernels.launch_rotary_embedding(
-                positions, x, out, head_size, cos_sin_cache, is_neox,
-                block_h=block_h, block_d=block_d,
-            )  # fmt: skip
+            with on_device(x):
+                kernels.launch_rotary_embedding(
+                    positions, x, out, head_size, cos_sin_cache, is_neox,
+                    block_h=block_h, block_d=block_d,
+                )  # fmt: skip
         outputs.append(out)
     return outputs[0], outputs[1]
 

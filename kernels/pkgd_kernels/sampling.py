@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from pkgd_kernels._util import check_dtype, check_same, check_shape, triton_module, use_triton
+from pkgd_kernels._util import (
+    check_dtype,
+    check_same,
+    check_shape,
+    on_device,
+    triton_module,
+    unit_stride,
+    use_triton,
+)
 
 _OP = "top_k_top_p_mask"
 _BLOCK_V = 1024  # vocabulary entries per tile on GPU
@@ -123,9 +131,11 @@ def top_k_top_p_mask_triton(
     if logits.numel() == 0:
         return out.copy_(logits)
     rows = logits if logits.stride(-1) == 1 else logits.contiguous()
-    triton_module("sampling_triton").launch_top_k_top_p_mask(
-        rows, top_k, top_p, out, block_v=min(_BLOCK_V, 1 << (rows.shape[1] - 1).bit_length())
-    )
+    block_v = min(_BLOCK_V, 1 << (rows.shape[1] - 1).bit_length())
+    with on_device(logits):
+        triton_module("sampling_triton").launch_top_k_top_p_mask(
+            rows, unit_stride(top_k), unit_stride(top_p), out, block_v=block_v
+        )
     return out
 
 

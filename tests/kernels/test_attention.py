@@ -229,3 +229,26 @@ def test_prefill_reference_rejects_bad_values(generator, change, message):
         batch.block_tables[1, 0] = change["block_id"]
     with pytest.raises(ValueError, match=message):
         paged_attention_prefill_ref(*batch.prefill_args, 0.5)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with stride 2 along the last dim."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def test_triton_accepts_strided_metadata(triton_interpreter, generator):
+    batch = make_batch(generator, [9, 20, 4], [3, 1, 4], num_heads=4, num_kv_heads=2,
+                       head_dim=16, block_size=4)
+    want = paged_attention_prefill_ref(*batch.prefill_args, 0.25)
+    q, kc, vc, bt, qsl, lens = batch.prefill_args
+    got = paged_attention_prefill_triton(q, kc, vc, _strided(bt), _strided(qsl), _strided(lens),
+                                         0.25)  # fmt: skip
+    torch.testing.assert_close(got, want, **KERNEL)
+    decode = make_batch(generator, [9, 20, 4], [1, 1, 1], num_heads=4, num_kv_heads=2,
+                        head_dim=16, block_size=4)
+    q, kc, vc, bt, lens = decode.decode_args
+    got = paged_attention_decode_triton(q, kc, vc, _strided(bt), _strided(lens), 0.25)
+    torch.testing.assert_close(got, paged_attention_decode_ref(*decode.decode_args, 0.25),
+                               **KERNEL)  # fmt: skip
