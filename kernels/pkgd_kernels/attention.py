@@ -59,7 +59,7 @@ def _check_common(
     check_shape(op, "seq_lens", seq_lens, [None])
     check_dtype(op, "seq_lens", seq_lens, [torch.int32])
     check_same(op, {"query": query, "block_tables": block_tables, "seq_lens": seq_lens},
-               dtype=False)  # fmt: skip
+               dtype=False)
     if not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be finite, got {scale}")
 
@@ -85,13 +85,13 @@ def _check_values(
     capacity = block_tables.shape[1] * block_size
     if bool(((seq_lens < 0) | (seq_lens > capacity)).any()):
         raise ValueError(f"{op}: seq_lens must lie in [0, {capacity}] (block table width * "
-                         f"block_size), got {seq_lens.tolist()}")  # fmt: skip
+                         f"block_size), got {seq_lens.tolist()}")
     used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] * block_size
     used = used < seq_lens[:, None].long()
     ids = block_tables[used]
     if bool(((ids < 0) | (ids >= num_blocks)).any()):
         raise ValueError(f"{op}: block_tables holds a block id outside [0, {num_blocks}) "
-                         f"within seq_lens")  # fmt: skip
+                         f"within seq_lens")
 
 
 def _gather(
@@ -248,11 +248,11 @@ def _query_spans(
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     if starts[0] != 0 or starts[-1] != num_tokens or min(q_lens, default=0) < 0:
         raise ValueError(f"{_PREFILL}: query_start_loc must rise from 0 to T={num_tokens}, "
-                         f"got {starts}")  # fmt: skip
+                         f"got {starts}")
     lens = seq_lens.tolist()
     if any(q > n for q, n in zip(q_lens, lens)):
         raise ValueError(f"{_PREFILL}: a sequence has more query tokens than keys: "
-                         f"q_lens {q_lens}, seq_lens {lens}")  # fmt: skip
+                         f"q_lens {q_lens}, seq_lens {lens}")
     return starts[:-1], q_lens
 
 
@@ -283,7 +283,7 @@ def paged_attention_decode_triton(
             triton_module("attention_decode_triton").launch_decode(
                 query, key_cache, value_cache, unit_stride(block_tables), unit_stride(seq_lens),
                 scale, out,
-            )  # fmt: skip
+            )
     return out
 
 
@@ -315,7 +315,7 @@ def paged_attention_prefill_triton(
             triton_module("attention_prefill_triton").launch_prefill(
                 query, key_cache, value_cache, unit_stride(block_tables),
                 unit_stride(query_start_loc), unit_stride(seq_lens), scale, out,
-            )  # fmt: skip
+            )
     return out
 
 

@@ -48,7 +48,7 @@ def _prefill_kernel(
     group_size, head_dim, block_size,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M)
@@ -67,7 +67,7 @@ def _prefill_kernel(
     dim_mask = dims < head_dim
     tokens = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -137,4 +137,4 @@ def launch_prefill(
         BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=max(16, next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 64 else 8,
-    )  # fmt: skip
+    )

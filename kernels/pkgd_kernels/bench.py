@@ -76,7 +76,7 @@ def _attention_cases(a, device, dtype, es: int) -> list[Case]:
                   lambda: K.paged_attention_decode_triton(q, kc, vc, bt, lens, scale),
                   lambda: K.paged_attention_decode_ref(q, kc, vc, bt, lens, scale),
                   bytes=2 * sum(seqs) * kv_row + 2 * a.num_seqs * q_row,
-                  flops=4 * sum(seqs) * a.num_heads * a.head_dim)  # fmt: skip
+                  flops=4 * sum(seqs) * a.num_heads * a.head_dim)
     prompts = [a.prompt_len] * a.num_prompts
     pq, pkc, pvc, pbt, starts, plens = _paged(a, device, dtype, prompts, prompts)
     causal_pairs = sum(n * (n + 1) // 2 for n in prompts)
@@ -85,7 +85,7 @@ def _attention_cases(a, device, dtype, es: int) -> list[Case]:
                    lambda: K.paged_attention_prefill_triton(*args),
                    lambda: K.paged_attention_prefill_ref(*args),
                    bytes=2 * sum(prompts) * (kv_row + q_row),
-                   flops=4 * causal_pairs * a.num_heads * a.head_dim)  # fmt: skip
+                   flops=4 * causal_pairs * a.num_heads * a.head_dim)
     return [decode, prefill]
 
 
@@ -130,11 +130,11 @@ def _elementwise_cases(a, device, dtype, es: int) -> list[Case]:
              lambda: K.top_k_top_p_mask_triton(logits, top_k, top_p),
              lambda: K.top_k_top_p_mask_ref(logits, top_k, top_p),
              bytes=2 * a.num_seqs * a.vocab * 4),
-    ]  # fmt: skip
+    ]
 
 
 OPS = ("reshape_and_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm",
-       "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_mask")  # fmt: skip
+       "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_mask")
 _SHORT = {"decode": "paged_attention_decode", "prefill": "paged_attention_prefill",
           "cache": "reshape_and_cache", "rope": "rotary_embedding", "topk": "top_k_top_p_mask"}
 
@@ -153,7 +153,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> floa
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=max(iters, 1) * 2,
-                                             return_mode="median"))  # fmt: skip
+                                             return_mode="median"))
     fn()  # warm-up
     times = []
     for _ in range(iters):
@@ -187,24 +187,24 @@ def run(a: argparse.Namespace, out: TextIO | None = None) -> None:
     run_triton = on_gpu or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     where = torch.cuda.get_device_name(device) if on_gpu else "CPU"
     print(f"pkgd_kernels.bench: {a.dtype} on {where}" + (" (dry run)" if a.dry_run else ""),
-          file=out)  # fmt: skip
+          file=out)
     columns = ("bytes/call", "FLOP/call") if a.dry_run else ("GB/s", "TFLOP/s")
     print(f"{'op':24} {'shape':34} {'triton ms':>10} {'ref ms':>10} {'speedup':>8} "
-          f"{columns[0]:>10} {columns[1]:>10} {'max|diff|':>10}", file=out)  # fmt: skip
+          f"{columns[0]:>10} {columns[1]:>10} {'max|diff|':>10}", file=out)
     for case in build_cases(a):
         ref_out = case.ref()
         diff = _max_diff(case.triton(), ref_out) if run_triton else float("nan")
         if a.dry_run:
             dashes = f"{'-':>10} {'-':>10} {'-':>8}"
             print(f"{case.op:24} {case.shape:34} {dashes} {_si(case.bytes):>10} "
-                  f"{_si(case.flops):>10} {diff:10.2e}", file=out)  # fmt: skip
+                  f"{_si(case.flops):>10} {diff:10.2e}", file=out)
             continue
         ref_ms = _time_ms(case.ref, device, a.iters)
         tri_ms = _time_ms(case.triton, device, a.iters) if on_gpu else float("nan")
         best = tri_ms if on_gpu else ref_ms
         print(f"{case.op:24} {case.shape:34} {tri_ms:10.4f} {ref_ms:10.4f} "
               f"{ref_ms / tri_ms:7.2f}x {case.bytes / best / 1e6:10.4g} "
-              f"{case.flops / best / 1e9:10.4g} {diff:10.2e}", file=out)  # fmt: skip
+              f"{case.flops / best / 1e9:10.4g} {diff:10.2e}", file=out)
     if not on_gpu and not a.dry_run:
         print("CPU: the Triton column needs CUDA; GB/s and TFLOP/s are the reference's.", file=out)
 
@@ -212,7 +212,7 @@ def run(a: argparse.Namespace, out: TextIO | None = None) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pkgd_kernels.bench",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ops", default="all",
                    help=f"comma-separated ops ({', '.join(OPS)}; short: {', '.join(_SHORT)})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's own choice); OpenMP threads "
-                        "busy-wait, so on a shared CPU 1 is often fastest")  # fmt: skip
+                        "busy-wait, so on a shared CPU 1 is often fastest")
     p.add_argument("--dry-run", action="store_true", help="run each op once, time nothing")
     a = p.parse_args(argv)
     names = OPS if a.ops == "all" else [_SHORT.get(n, n) for n in a.ops.split(",")]

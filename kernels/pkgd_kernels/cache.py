@@ -100,7 +100,7 @@ def reshape_and_cache_triton(
     with on_device(key):
         kernels.launch_reshape_and_cache(key, value, key_cache, value_cache,
                                          unit_stride(slot_mapping), block_h=block_h,
-                                         block_d=block_d)  # fmt: skip
+                                         block_d=block_d)
 
 
 def reshape_and_cache(

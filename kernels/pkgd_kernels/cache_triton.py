@@ -16,7 +16,7 @@ def _reshape_and_cache_kernel(
     stride_vc_b, stride_vc_o, stride_vc_h, stride_vc_d,
     block_size, num_kv_heads, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     # Program (t, j) copies heads [j*BLOCK_H, (j+1)*BLOCK_H) of token t, all head_dim lanes.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -34,11 +34,11 @@ def _reshape_and_cache_kernel(
     dst_k = (
         key_cache_ptr + block * stride_kc_b + offset * stride_kc_o
         + heads[:, None] * stride_kc_h + dims[None, :] * stride_kc_d
-    )  # fmt: skip
+    )
     dst_v = (
         value_cache_ptr + block * stride_vc_b + offset * stride_vc_o
         + heads[:, None] * stride_vc_h + dims[None, :] * stride_vc_d
-    )  # fmt: skip
+    )
     tl.store(dst_k, tl.load(src_k, mask=mask), mask=mask)
     tl.store(dst_v, tl.load(src_v, mask=mask), mask=mask)
 
@@ -61,4 +61,4 @@ def launch_reshape_and_cache(
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         key_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=block_h, BLOCK_D=block_d,
-    )  # fmt: skip
+    )

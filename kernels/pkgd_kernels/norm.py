@@ -107,7 +107,7 @@ def _launch(
             triton_module("norm_triton").launch_rms_norm(
                 rows, res_rows, unit_stride(weight), out, new_res, eps,
                 block=min(next_power_of_2(hidden), _MAX_BLOCK),
-            )  # fmt: skip
+            )
     shape = x.shape
     return out.view(shape), None if new_res is None else new_res.view(shape)
 

@@ -13,7 +13,7 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out,
     hidden, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr,
-):  # fmt: skip
+):
     # One program per row. Rows no wider than BLOCK stay in registers (one read, one write);
     # wider rows take a second pass that re-reads the summed row this program just wrote.
     # Arithmetic is float32 with a rounding to the model dtype wherever torch's bf16/fp16
@@ -82,4 +82,4 @@ def launch_rms_norm(
         x.shape[1], eps,
         BLOCK=block, HAS_RESIDUAL=has_residual, SINGLE_PASS=x.shape[1] <= block,
         num_warps=min(max(block // 256, 1), 16),
-    )  # fmt: skip
+    )

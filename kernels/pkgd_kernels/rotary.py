@@ -63,7 +63,7 @@ def _check(
         )
     check_same(_OP, {"query": query, "key": key})
     check_same(_OP, {"query": query, "positions": positions, "cos_sin_cache": cos_sin_cache},
-               dtype=False)  # fmt: skip
+               dtype=False)
     return rot_dim
 
 
@@ -154,7 +154,7 @@ def rotary_embedding_triton(
                 kernels.launch_rotary_embedding(
                     positions, x, out, head_size, cos_sin_cache, is_neox,
                     block_h=block_h, block_d=block_d,
-                )  # fmt: skip
+                )
         outputs.append(out)
     return outputs[0], outputs[1]
 

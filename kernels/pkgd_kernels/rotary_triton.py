@@ -13,7 +13,7 @@ def _rotary_kernel(
     stride_x, stride_out, stride_cs,
     num_heads, head_size, rot_dim,
     IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     # Program (t, j) writes heads [j*BLOCK_H, (j+1)*BLOCK_H) of token t. Channel d < rot_dim
     # reads its pair partner p(d) and table column c(d):
     #   out[d] = x[d] * cos[c(d)] + sign(d) * x[p(d)] * sin[c(d)]
@@ -65,4 +65,4 @@ def launch_rotary_embedding(
         x.stride(0), out.stride(0), cos_sin_cache.stride(0),
         num_heads, head_size, cos_sin_cache.shape[1],
         IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d,
-    )  # fmt: skip
+    )

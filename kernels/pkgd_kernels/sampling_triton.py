@@ -52,7 +52,7 @@ def _mass_at_least(row_ptr, vocab, t, x_max, BLOCK_V: tl.constexpr):
 def _top_k_top_p_kernel(
     logits_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, stride_o, vocab,
     BLOCK_V: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_l
     k = tl.load(top_k_ptr + row)
@@ -107,4 +107,4 @@ def launch_top_k_top_p_mask(
     _top_k_top_p_kernel[(logits.shape[0],)](
         logits, top_k, top_p, out, logits.stride(0), out.stride(0), logits.shape[1],
         BLOCK_V=block_v, num_warps=min(max(block_v // 256, 1), 8),
-    )  # fmt: skip
+    )

@@ -30,7 +30,7 @@ class PagedBatch:
     @property
     def prefill_args(self) -> tuple:
         return (self.query, self.key_cache, self.value_cache, self.block_tables,
-                self.query_start_loc, self.seq_lens)  # fmt: skip
+                self.query_start_loc, self.seq_lens)
 
 
 def make_batch(
@@ -78,7 +78,7 @@ def make_batch(
         query, key_cache, value_cache, block_tables,
         torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
         keys, values, list(q_lens),
-    )  # fmt: skip
+    )
 
 
 def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:

@@ -110,7 +110,7 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size",
-                         PREFILL_CASES)  # fmt: skip
+                         PREFILL_CASES)
 def test_prefill_reference_matches_dense_causal_attention(
     generator, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size
 ):
@@ -122,7 +122,7 @@ def test_prefill_reference_matches_dense_causal_attention(
 
 
 @pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size",
-                         PREFILL_CASES)  # fmt: skip
+                         PREFILL_CASES)
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
 def test_prefill_triton_matches_reference(
     triton_interpreter, generator, seq_lens, q_lens, num_heads, num_kv_heads, head_dim,
@@ -147,7 +147,7 @@ def test_prefill_triton_public_function_fp16(triton_interpreter, generator):
     got = paged_attention_prefill_triton(*batch.prefill_args, 0.25)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got, paged_attention_prefill_ref(*batch.prefill_args, 0.25),
-                               atol=2e-3, rtol=1e-2)  # fmt: skip
+                               atol=2e-3, rtol=1e-2)
 
 
 def test_prefill_with_one_token_each_equals_decode(generator):
@@ -204,7 +204,7 @@ def test_decode_bad_shapes_raise(generator, op, mutate, message):
 def test_prefill_bad_shapes_raise(generator, op, mutate, message):
     batch = _small(generator)
     args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "query_start_loc",
-                     "seq_lens"], batch.prefill_args), scale=0.5)  # fmt: skip
+                     "seq_lens"], batch.prefill_args), scale=0.5)
     mutate(args)
     with pytest.raises(ValueError, match=message):
         op(**args)
@@ -244,11 +244,63 @@ def test_triton_accepts_strided_metadata(triton_interpreter, generator):
     want = paged_attention_prefill_ref(*batch.prefill_args, 0.25)
     q, kc, vc, bt, qsl, lens = batch.prefill_args
     got = paged_attention_prefill_triton(q, kc, vc, _strided(bt), _strided(qsl), _strided(lens),
-                                         0.25)  # fmt: skip
+                                         0.25)
     torch.testing.assert_close(got, want, **KERNEL)
     decode = make_batch(generator, [9, 20, 4], [1, 1, 1], num_heads=4, num_kv_heads=2,
                         head_dim=16, block_size=4)
     q, kc, vc, bt, lens = decode.decode_args
     got = paged_attention_decode_triton(q, kc, vc, _strided(bt), _strided(lens), 0.25)
     torch.testing.assert_close(got, paged_attention_decode_ref(*decode.decode_args, 0.25),
-                               **KERNEL)  # fmt: skip
+                               **KERNEL)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_steps_through_the_cache_match_one_dense_pass(request, generator, impl):
+    """Two sequences advance together: a prompt chunk, a second chunk over the cached first
+    (chunked prefill), then a decode step, each writing its K/V with reshape_and_cache
+    first. Every token's output equals causal attention over the whole sequence at once."""
+    import pkgd_kernels as K
+
+    if impl == "triton":
+        request.getfixturevalue("triton_interpreter")
+    cache_op = getattr(K, f"reshape_and_cache_{impl}")
+    prefill = getattr(K, f"paged_attention_prefill_{impl}")
+    decode = getattr(K, f"paged_attention_decode_{impl}")
+    num_heads, num_kv_heads, head_dim, block_size, scale = 4, 2, 16, 4, 0.25
+    lengths, chunks = [13, 9], [(7, 5), (4, 4)]  # per sequence: first chunk, second chunk
+    tables = torch.tensor([[5, 2, 7, 0], [1, 6, 3, 0]], dtype=torch.int32)
+    q = [torch.randn(n, num_heads, head_dim, generator=generator) for n in lengths]
+    k = [torch.randn(n, num_kv_heads, head_dim, generator=generator) for n in lengths]
+    v = [torch.randn(n, num_kv_heads, head_dim, generator=generator) for n in lengths]
+    cache_shape = (8, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.zeros(cache_shape), torch.zeros(cache_shape)
+    outputs = [torch.empty_like(x) for x in q]
+    done = [0, 0]
+    for step in range(3):
+        spans = [(done[s], done[s] + (chunks[s][step] if step < 2 else 1)) for s in range(2)]
+        pos = torch.cat([torch.arange(a, b) for a, b in spans])
+        seq = torch.cat([torch.full((b - a,), s) for s, (a, b) in enumerate(spans)])
+        slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
+        cache_op(torch.cat([k[s][a:b] for s, (a, b) in enumerate(spans)]),
+                 torch.cat([v[s][a:b] for s, (a, b) in enumerate(spans)]),
+                 key_cache, value_cache, slots)
+        query = torch.cat([q[s][a:b] for s, (a, b) in enumerate(spans)])
+        seq_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
+        if step < 2:
+            q_lens = [b - a for a, b in spans]
+            starts = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+            out = prefill(query, key_cache, value_cache, tables, starts, seq_lens, scale)
+        else:
+            out = decode(query, key_cache, value_cache, tables, seq_lens, scale)
+        rows = out.split([b - a for a, b in spans])
+        for s, (a, b) in enumerate(spans):
+            outputs[s][a:b] = rows[s]
+            done[s] = b
+    for s in range(2):
+        group = num_heads // num_kv_heads
+        keys, values = k[s].repeat_interleave(group, 1), v[s].repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s], keys) * scale
+        causal = torch.ones(lengths[s], lengths[s], dtype=torch.bool).tril()
+        want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, -torch.inf).softmax(-1),
+                            values)
+        torch.testing.assert_close(outputs[s], want, **NAIVE)

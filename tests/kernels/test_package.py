@@ -20,7 +20,7 @@ def test_every_op_has_reference_triton_and_dispatcher_with_one_signature():
 def test_import_does_not_load_triton():
     code = "import sys, pkgd_kernels; print('triton' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)  # fmt: skip
+                            check=True)
     assert result.stdout.strip() == "False"
 
 
@@ -35,5 +35,5 @@ K.top_k_top_p_mask(x, torch.zeros(3, dtype=torch.int32), torch.ones(3))
 print('triton' in sys.modules)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)  # fmt: skip
+                            check=True)
     assert result.stdout.strip() == "False"

@@ -118,7 +118,7 @@ def test_bad_inputs_raise(op, change, message):
     args = dict(
         positions=torch.zeros(3, dtype=torch.int64), query=torch.zeros(3, 16),
         key=torch.zeros(3, 8), head_size=8, cos_sin_cache=torch.zeros(32, 8), is_neox=True,
-    )  # fmt: skip
+    )
     args.update(change)
     with pytest.raises(ValueError, match=message):
         op(**args)

@@ -118,7 +118,7 @@ def test_triton_public_function_on_strided_rows(triton_interpreter, generator):
 def test_dispatcher_on_cpu_runs_the_reference(generator):
     logits, top_k, top_p = _batch(_rows(generator))
     assert torch.equal(top_k_top_p_mask(logits, top_k, top_p),
-                       top_k_top_p_mask_ref(logits, top_k, top_p))  # fmt: skip
+                       top_k_top_p_mask_ref(logits, top_k, top_p))
 
 
 @pytest.mark.parametrize("op", [top_k_top_p_mask_ref, top_k_top_p_mask_triton])
@@ -132,7 +132,7 @@ def test_dispatcher_on_cpu_runs_the_reference(generator):
         (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int32), torch.ones(2, 1), "top_p must have"),
         (torch.zeros(5), torch.zeros(1, dtype=torch.int32), torch.ones(1), "logits must have"),
     ],
-)  # fmt: skip
+)
 def test_bad_inputs_raise(op, logits, top_k, top_p, message):
     with pytest.raises(ValueError, match=message):
         op(logits, top_k, top_p)
