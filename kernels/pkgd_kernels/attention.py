@@ -111,7 +111,8 @@ def _gather(
     first_pos = torch.arange(num_blocks, device=cache.device) * block_size
     used = first_pos[None, :] < seq_lens[:, None]
     blocks = torch.where(used, block_tables[:, :num_blocks], 0).flatten().long()
-    dense = cache.index_select(0, blocks).view(num_seqs, num_blocks * block_size, -1)
+    dense = cache.index_select(0, blocks)
+    dense = dense.view(num_seqs, num_blocks * block_size, num_kv_heads * head_dim)
     pos = torch.arange(num_blocks * block_size, device=cache.device)
     pad_seq, pad_pos = (pos[None, :] >= seq_lens[:, None]).nonzero(as_tuple=True)
     dense[pad_seq, pad_pos] = 0.0  # writes the padding rows only

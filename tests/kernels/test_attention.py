@@ -304,3 +304,24 @@ def test_steps_through_the_cache_match_one_dense_pass(request, generator, impl):
         want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, -torch.inf).softmax(-1),
                             values)
         torch.testing.assert_close(outputs[s], want, **NAIVE)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_empty_batches_and_empty_sequences(request, impl):
+    """No sequences at all, and sequences with no keys (padded slots): zeros, no error."""
+    import pkgd_kernels as K
+
+    if impl == "triton":
+        request.getfixturevalue("triton_interpreter")
+    decode = getattr(K, f"paged_attention_decode_{impl}")
+    prefill = getattr(K, f"paged_attention_prefill_{impl}")
+    cache = torch.randn(3, 4, 2, 16)
+    for num_seqs in (0, 2):
+        query = torch.randn(num_seqs, 4, 16)
+        tables = torch.zeros(num_seqs, 2, dtype=torch.int32)
+        lens = torch.zeros(num_seqs, dtype=torch.int32)
+        out = decode(query, cache, cache, tables, lens, 0.25)
+        assert out.shape == query.shape and not out.any()
+        starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        out = prefill(query[:0], cache, cache, tables, starts, lens, 0.25)
+        assert out.shape == (0, 4, 16)
