@@ -71,7 +71,7 @@ def _rotate(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, is_neox: bool
 ) -> torch.Tensor:
     """Rotate ``x`` ``[T, H*D]`` with ``cos``/``sin`` ``[T, rot_dim/2]`` float32; new tensor."""
-    heads = x.view(x.shape[0], -1, head_size)
+    heads = x.view(x.shape[0], x.shape[1] // head_size, head_size)
     rot_dim = 2 * cos.shape[-1]
     rot = heads[..., :rot_dim].float()
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -82,7 +82,7 @@ def _rotate(
         a, b = rot[..., 0::2], rot[..., 1::2]
         rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
     out = torch.cat((rotated.to(x.dtype), heads[..., rot_dim:]), dim=-1)
-    return out.view(x.shape[0], -1)
+    return out.view(x.shape)
 
 
 def rotary_embedding_ref(

@@ -63,7 +63,7 @@ def top_k_top_p_mask_ref(
     _check(logits, top_k, top_p)
     num_rows, vocab = logits.shape
     rows = (((top_k > 0) & (top_k < vocab)) | (top_p < 1)).nonzero().flatten()
-    if rows.numel() == 0:
+    if rows.numel() == 0 or vocab == 0:
         return logits.clone()
     every_row = rows.numel() == num_rows
     x = logits if every_row else logits[rows]
