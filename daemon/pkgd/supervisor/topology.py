@@ -1,5 +1,9 @@
 """Which children a config asks for, with their command lines (pure: nothing is started).
 
+Every child gets ``--parent-pid`` (the supervisor's pid): it sets ``PR_SET_PDEATHSIG`` and then
+exits at once if its parent is already gone, closing the window in which the supervisor could
+die before the child asked to die with it.
+
 The serve plan (`VllmConfig.serve_plan`, the seeds' ``ServeSubcommand.cmd`` modes) decides the
 counts; this module wires them together:
 
@@ -64,6 +68,7 @@ def engine_specs(
             "--config-file", str(runtime.config_file),
             "--engine-index", str(rank),
             "--address", address,
+            "--parent-pid", str(os.getpid()),
         )  # fmt: skip
         specs.append(ChildSpec("engine-core", rank, generation, argv, env, (), address))
     return specs
@@ -97,6 +102,7 @@ def api_specs(
                 "--config-file", str(runtime.config_file),
                 "--listen-fd", str(listener.fileno()),
                 "--server-index", str(index),
+                "--parent-pid", str(os.getpid()),
             ]  # fmt: skip
             for address in addresses:
                 argv += ["--engine-address", address]

@@ -18,8 +18,10 @@ from pkgd.ipc import messages
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)  # the supervisor died before PDEATHSIG was armed
 
 
 def load_config(path: str) -> VllmConfig:

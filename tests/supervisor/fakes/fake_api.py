@@ -143,14 +143,16 @@ async def amain(args) -> int:
 
 
 def main() -> int:
-    die_with_parent()
     p = argparse.ArgumentParser()
     p.add_argument("--config-file", required=True)
+    p.add_argument("--parent-pid", type=int)
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True)
     p.add_argument("--server-index", type=int, required=True)
     p.add_argument("--engine-address", action="append", default=[])
-    return asyncio.run(amain(p.parse_args()))
+    args = p.parse_args()
+    die_with_parent(args.parent_pid)
+    return asyncio.run(amain(args))
 
 
 if __name__ == "__main__":

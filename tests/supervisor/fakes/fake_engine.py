@@ -28,13 +28,14 @@ def on_term(signum, frame):
 
 
 def main() -> int:
-    die_with_parent()
     p = argparse.ArgumentParser()
     p.add_argument("--config-file", required=True)
+    p.add_argument("--parent-pid", type=int)
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--engine-index", type=int, required=True)
     p.add_argument("--address", required=True)
     args = p.parse_args()
+    die_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     cfg = load_config(args.config_file)
