@@ -11,8 +11,9 @@ sending requests, and applies each change ``--rounds`` times (alternating the va
 
 Failed requests are counted from the SIGHUP until every replaced child has exited (the drain
 included). Real daemon: ``pkgd serve --config-dir DIR``, clients use the official ``openai``
-client (its default retries included, as a real client would). ``--fake``: the supervisor
-with the test suite's fake children (supervisor overhead only).
+client with keep-alive connections and, by default, no retries (``--retries``), so every
+failed attempt counts. ``--fake``: the supervisor with the test suite's fake children
+(supervisor overhead only).
 
     .venv/bin/python benchmarks/reload_bench.py [--fake] [--clients 16] [--rounds 3]
 """
@@ -127,7 +128,7 @@ def client_factory(args: argparse.Namespace, url: str):
         import openai
 
         def make():
-            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=args.retries)
             return lambda: client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
     return make
 
@@ -142,6 +143,7 @@ def main() -> int:
     ap.add_argument("--fake", action="store_true", help="fake children (supervisor overhead only)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--retries", type=int, default=0, help="openai client max_retries (its default is 2); 0 counts every failed attempt")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pkgd-bench-", dir="/tmp"))
     cmd, cfg_path, config, changes = setup(args, work)

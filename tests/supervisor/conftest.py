@@ -55,12 +55,17 @@ def pid_alive(pid: int) -> bool:
 class Daemon:
     """One supervisor process and what it logged."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None, argv: list[str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None, argv: list[str] | None = None, real: bool = False
+    ) -> None:
         self.workdir = workdir
         self.runtime_dir = workdir / "run"
-        self.config_path = workdir / "pkgd.yaml"
+        self.config_path = workdir / ("etc/pkgd.yaml" if real else "pkgd.yaml")
+        self.config_path.parent.mkdir(exist_ok=True)
         self.config = merge(merge(BASE_CONFIG, {"supervisor": {"runtime_dir": str(self.runtime_dir)}}), config)
         self.write_config(self.config)
+        if real:  # the real `pkgd serve` with the real children, on this config tree
+            argv = [str(Path(sys.executable).with_name("pkgd")), "serve", "--config-dir", str(self.config_path.parent)]
         self.events: list[dict[str, Any]] = []
         self.lines: list[str] = []
         self._cond = threading.Condition()
@@ -161,10 +166,12 @@ def workdir():
 def start_daemon(workdir):
     daemons: list[Daemon] = []
 
-    def start(config: dict[str, Any] | None = None, *, env: dict[str, str] | None = None, argv: list[str] | None = None, name: str = "") -> Daemon:
+    def start(
+        config: dict[str, Any] | None = None, *, env: dict[str, str] | None = None, argv: list[str] | None = None, name: str = "", real: bool = False
+    ) -> Daemon:
         d = workdir / (name or f"d{len(daemons)}")
         d.mkdir()
-        daemon = Daemon(d, config or {}, env, argv)
+        daemon = Daemon(d, config or {}, env, argv, real)
         daemons.append(daemon)
         return daemon
 
