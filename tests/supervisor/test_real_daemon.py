@@ -30,7 +30,7 @@ pytestmark = [
 
 MODEL = "smollm2"
 REAL = {
-    "model": {"name": MODEL},
+    "model": {"name": MODEL, "max_model_len": 1024},
     "cache": {"kv_cache_memory_bytes": 64 << 20},
     "supervisor": {"drain_timeout": 10, "restart_backoff": 1.0, "engine_ready_timeout": 300},
 }
