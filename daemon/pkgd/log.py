@@ -75,7 +75,9 @@ def configure(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # One write per line (text and newline together): processes sharing stderr never
+        # split each other's lines, even unbuffered (PYTHONUNBUFFERED, print() writes twice).
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(level, logging.WARNING), stream=stream, force=True)

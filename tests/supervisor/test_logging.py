@@ -1,0 +1,28 @@
+"""The daemon's processes share one stderr: every log line must arrive whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+WRITER = """
+import sys
+from pkgd import log
+from pkgd.config.sections import LoggingConfig
+log.configure(LoggingConfig(format="json"), role="api-server")
+logger = log.get_logger("t")
+for i in range(1500):
+    logger.info("line", i=i, pad="x" * 200)
+"""
+
+
+def test_concurrent_processes_never_split_a_line():
+    # PYTHONUNBUFFERED (common in containers) makes print() write the text and the newline
+    # separately, so lines of processes sharing a pipe interleave unless written in one go.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-c", f"import subprocess, sys; ps = [subprocess.Popen([sys.executable, '-c', {WRITER!r}]) for _ in range(4)]; [p.wait() for p in ps]"]
+    out = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=120).stderr.decode().splitlines()
+    assert len(out) == 6000
+    assert all(json.loads(line)["event"] == "line" for line in out)
