@@ -118,7 +118,6 @@ def test_kill_9_of_an_engine_core_errors_then_recovers(start_daemon):
         took = time.monotonic() - t0
     assert took < 10  # an error, not a hang
     assert any("error" in line for line in rest), rest[-3:]
-    assert "data: [DONE]" not in rest or any("error" in line for line in rest)
     assert httpx.get(url + "/health", timeout=5).status_code == 503  # while the core restarts
     d.wait_event("child_restarted", after=mark, timeout=300)
     wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, what="healthy again")
