@@ -113,13 +113,31 @@ class Fleet:
 
     async def start_set(self, specs: list[ChildSpec]) -> dict[int, Child]:
         """Spawn ``specs`` and wait until all are ready; on failure stop them and re-raise."""
-        new = {spec.index: self.spawn(spec) for spec in specs}
+        engines, _ = await self.start_pair(specs, [])
+        return engines
+
+    async def start_pair(self, engine_specs: list[ChildSpec], api_specs: list[ChildSpec]) -> tuple[dict[int, Child], dict[int, Child]]:
+        """Start engine cores and the API servers wired to them, and wait until all are ready.
+
+        Both sets are spawned at once: an API server loads its tokenizer while the cores load
+        the model, then waits for their `Handshake` before it reports ready, so start-up takes
+        the longer of the two instead of their sum. On any failure (a child failing, a core
+        dying before the API servers are ready, shutdown) every child of both sets is stopped
+        and the error re-raised.
+        """
+        engines = {spec.index: self.spawn(spec) for spec in engine_specs}
+        apis = {spec.index: self.spawn(spec) for spec in api_specs}
+        started = [*engines.values(), *apis.values()]
         try:
-            await self.wait_ready(new.values(), self.ready_timeout)
+            await self.wait_ready(engines.values(), self.ready_timeout)
+            await self.wait_ready(apis.values(), self.ready_timeout)
+            dead = [c.name for c in started if not c.alive]
+            if dead:
+                raise ChildStartError(f"{', '.join(dead)} died during start-up")
         except BaseException:
-            await self.stop_all(new.values(), grace=2.0)
+            await self.stop_all(started, grace=2.0)
             raise
-        return new
+        return engines, apis
 
     def install(self, engines: dict[int, Child] | None = None, apis: dict[int, Child] | None = None) -> list[Child]:
         """Make new sets current; returns the replaced children, marked retiring."""

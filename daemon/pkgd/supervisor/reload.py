@@ -193,15 +193,10 @@ async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
 
 async def _start_engines_and_apis(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> tuple[dict[int, Child], dict[int, Child]]:
     fleet = sup.fleet
-    specs = engine_specs(new, plan, sup.runtime, fleet.engine_generation + 1, sup.entry, sup.engine_env())
-    engines = await fleet.start_set(specs)
-    addresses = {rank: c.spec.address for rank, c in engines.items()}
-    try:
-        apis = await fleet.start_set(api_specs(new, plan, sup.runtime, listeners, addresses, fleet.api_generation + 1, sup.entry, sup.api_env()))
-    except BaseException:
-        await fleet.stop_all(engines.values(), grace=2.0)
-        raise
-    return engines, apis
+    cores = engine_specs(new, plan, sup.runtime, fleet.engine_generation + 1, sup.entry, sup.engine_env())
+    addresses = {spec.index: spec.address for spec in cores}
+    apis = api_specs(new, plan, sup.runtime, listeners, addresses, fleet.api_generation + 1, sup.entry, sup.api_env())
+    return await fleet.start_pair(cores, apis)
 
 
 async def _swap_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
@@ -219,8 +214,9 @@ async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, li
         logger.error("engine_swap_failed", error=str(exc), action="starting the previous configuration again")
         sup.runtime.write_config(sup.config)
         try:
-            old_engines = await fleet.start_set([c.spec for c in old if c.spec.role == "engine-core"])
-            old_apis = await fleet.start_set([c.spec for c in old if c.spec.role == "api-server"])
+            old_engines, old_apis = await fleet.start_pair(
+                [c.spec for c in old if c.spec.role == "engine-core"], [c.spec for c in old if c.spec.role == "api-server"]
+            )
         except ChildStartError as again:
             raise RollbackFailed(f"new config failed ({exc}) and the previous one too ({again})") from again
         fleet.install(engines=old_engines, apis=old_apis)

@@ -5,8 +5,10 @@ Life cycle, as a state machine (``state``): ``starting`` → ``running`` ⇄ ``r
 
 * `Supervisor.prepare` (synchronous, before anything heavy): bind or adopt the listening
   sockets (a port in use fails here, exit 2), lock the runtime directory, write config.json.
-* ``starting``: engine cores, wait for their `Handshake` (``supervisor.engine_ready_timeout``),
-  then the API servers on the held sockets; one ``ready`` log line with the URL; ``READY=1``.
+* ``starting``: engine cores and the API servers on the held sockets are spawned together
+  (an API server loads its tokenizer while the cores load the model, and reports ready only
+  once the cores answer); wait for every `Handshake` (``supervisor.engine_ready_timeout``),
+  then every `ApiServerReady`; one ``ready`` log line with the URL; ``READY=1``.
 * ``running``: the loop waits for work. Signal handlers only flip state (STYLE.md practice 9):
   SIGHUP/``pkgd reload`` queue a reload, SIGTERM/SIGINT request the stop; crashes are handled
   by `Fleet`. ``WATCHDOG=1`` goes out every half ``WATCHDOG_USEC`` while the children are
@@ -152,13 +154,11 @@ class Supervisor:
         return self.exit_code
 
     async def _start(self) -> None:
-        fleet = self.fleet
-        engines = await fleet.start_set(engine_specs(self.config, self.plan, self.runtime, 0, self.entry, self.engine_env()))
-        fleet.install(engines=engines)
-        fleet.restarts_enabled = True  # a core that dies while the API servers start is restarted
-        addresses = {rank: c.spec.address for rank, c in engines.items()}
-        specs = api_specs(self.config, self.plan, self.runtime, self.listeners, addresses, 0, self.entry, self.api_env())
-        fleet.install(apis=await fleet.start_set(specs))
+        cores = engine_specs(self.config, self.plan, self.runtime, 0, self.entry, self.engine_env())
+        addresses = {spec.index: spec.address for spec in cores}
+        apis = api_specs(self.config, self.plan, self.runtime, self.listeners, addresses, 0, self.entry, self.api_env())
+        self.fleet.install(*await self.fleet.start_pair(cores, apis))
+        self.fleet.restarts_enabled = True
 
     # ---- signals and requests (handlers only flip state) -------------------------------
 

@@ -76,7 +76,7 @@ async def amain(args) -> int:
         return 1
     await asyncio.sleep(float(opts.get("load", 0)))
     engines = Engines(args.engine_address)
-    await engines.hello()
+    await engines.hello(timeout=state["cfg"].supervisor.engine_ready_timeout)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
