@@ -56,12 +56,13 @@ class StatusCommand:
 
     name = "status"
     help = "show the running daemon's processes and configuration"
+    description = "Show the running daemon's children (PIDs, state, uptime, restarts), serve mode, config hash and endpoint health."
 
     def validate(self, args: argparse.Namespace) -> None:
         """Nothing to check before `cmd`."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help=self.help, description=self.__doc__)
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
         _add_common(parser)
         return parser
 
@@ -81,12 +82,16 @@ class ReloadCommand:
 
     name = "reload"
     help = "make the running daemon compose its configuration again"
+    description = (
+        "Make the running daemon compose its configuration again and apply the difference, as SIGHUP does; "
+        "waits for the outcome and exits 1 when the new configuration was rejected or failed to start."
+    )
 
     def validate(self, args: argparse.Namespace) -> None:
         """Nothing to check before `cmd`."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help=self.help, description=self.__doc__)
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
         _add_common(parser)
         return parser
 
