@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -67,7 +68,13 @@ def test_sysusers_creates_the_unit_user():
 
 
 def merged_example(extra: list[str] = ()) -> VllmConfig:
+    """The example tree as the daemon composes it (Hydra layers), or, before the composer
+    exists, merged file by file in the documented order."""
     tree = SYSTEMD / "etc-pkgd"
+    if importlib.util.find_spec("pkgd.config.compose") and not extra:
+        from pkgd.config.compose import ComposeRequest, compose
+
+        return compose(ComposeRequest(config_dir=str(tree), env={})).config
     files = [tree / "pkgd.yaml", *sorted((tree / "conf.d").glob("*.yaml")), *(tree / "conf.d" / e for e in extra)]
     data: dict = {}
     for f in files:
@@ -79,6 +86,7 @@ def merged_example(extra: list[str] = ()) -> VllmConfig:
 def test_example_etc_tree_is_a_valid_config():
     config = merged_example()
     assert config.scheduler.max_num_seqs == 64 and config.logging.format == "json"
+    assert config.frontend.served_model_names == ["smollm2", "gpt-3.5-turbo"]  # conf.d applied
     assert config.supervisor.drain_timeout + API_STOP_EXTRA + ENGINE_STOP_GRACE < int(unit("pkgd.service")["Service"]["TimeoutStopSec"])
     keyed = merged_example(["90-api-keys.yaml.example"])
     assert len(keyed.frontend.api_keys) == 1
