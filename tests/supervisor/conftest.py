@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -258,3 +259,33 @@ class Load:
         self._stop.set()
         for t in self._threads:
             t.join(60)
+
+
+def reload_and_wait(d: Daemon, config: dict[str, Any] | str | None, timeout: float = 60.0) -> dict[str, Any]:
+    """Write ``config`` (merged over the daemon's, or raw text), SIGHUP, and return the first
+    reload outcome event (``reload_applied`` / ``_rejected`` / ``_failed`` / ``_unchanged``)."""
+    mark = d.mark()
+    if config is not None:
+        d.write_config(config if isinstance(config, str) else merge(d.config, config))
+    d.signal(signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [e for e in d.events[mark:] if e.get("event", "").startswith("reload_") and e["event"] != "reload_started"]
+        if done:
+            return done[0]
+        time.sleep(0.05)
+    raise AssertionError("reload did not finish:\n" + "\n".join(d.lines[-20:]))
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free on 127.0.0.1 (for per-rank ports)."""
+    for _ in range(100):
+        port = random.randrange(20000, 60000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")

@@ -16,9 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import merge, pid_alive
-from test_reload import reload_and_wait
-from test_topology import free_port_pair
+from conftest import free_port_pair, merge, pid_alive, reload_and_wait
 
 pytestmark = [
     pytest.mark.slow,

@@ -9,24 +9,10 @@ import time
 
 import pytest
 
-from conftest import Load, merge, pid_alive
+from conftest import Load, pid_alive, reload_and_wait
 from pkgd.config.fields import ReloadClass
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.supervisor.reload import config_problems, plan_reload
-
-
-def reload_and_wait(d, config, timeout: float = 60.0) -> dict:
-    mark = d.mark()
-    if config is not None:
-        d.write_config(config if isinstance(config, str) else merge(d.config, config))
-    d.signal(signal.SIGHUP)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done = [e for e in d.events[mark:] if e.get("event", "").startswith("reload_") and e["event"] != "reload_started"]
-        if done:
-            return done[0]
-        time.sleep(0.05)
-    raise AssertionError("reload did not finish:\n" + "\n".join(d.lines[-20:]))
 
 
 def test_plan_classifies_changed_leaves():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import shutil
 import signal
 import socket
@@ -13,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import HARNESS
+from conftest import HARNESS, free_port_pair
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.supervisor.runtime import RuntimeDir
 from pkgd.supervisor.sockets import BindError, Listener, ListenSpec, listen_specs
@@ -128,19 +127,6 @@ def test_systemd_socket_activation_is_adopted(start_daemon, workdir):
     assert first.status_code == 200  # the connection queued on the passed socket was served
     assert d.wait_ready() == f"http://127.0.0.1:{port}"
     assert d.status()["pid"] == d.proc.pid  # socket-activate exec()s the daemon
-
-
-def free_port_pair() -> int:
-    for _ in range(100):
-        port = random.randrange(20000, 60000)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def wait_health(d, n: int) -> list[dict]:
