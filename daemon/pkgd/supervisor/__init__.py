@@ -1,1 +1,19 @@
-"""Supervisor: sockets, child processes, signals, reload, sd_notify."""
+"""Supervisor: the daemon's main process (DESIGN.md §3–§4).
+
+Modules, one concern each:
+
+* `supervisor` — `Supervisor`: start order, main loop, signals, shutdown, watchdog, status;
+* `daemon` — ``run(composed, request)``, the entry ``pkgd serve`` calls;
+* `sockets` — listening sockets: bind first, or adopt systemd's ``LISTEN_FDS``;
+* `runtime` — the private runtime directory, its lock and ``config.json``;
+* `topology` — which children a config asks for, and their command lines (serve modes);
+* `children` — one child process: spawn, ready pipe, exit (pidfd), stop;
+* `fleet` — the current children, starting and stopping sets, crash restarts;
+* `restart` — backoff and the crash-loop limit;
+* `reload` — SIGHUP: plan the difference, apply it live / rolling / by engine swap;
+* `health` — ``/health`` probes of every endpoint;
+* `notify` — ``sd_notify`` (READY, RELOADING, STOPPING, STATUS, WATCHDOG);
+* `control` — the control socket behind ``pkgd status`` and ``pkgd reload``.
+
+Only this package and `pkgd.cli` import Hydra; nothing here imports torch.
+"""
