@@ -198,6 +198,6 @@ class SupervisorConfig(Section):
 class LoggingConfig(Section):
     """structlog output."""
 
-    level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Log level.", aliases=("--log-level",), reload=L)
+    level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Lowest level of the lines logged (pkgd and the libraries it uses).", aliases=("--log-level",), reload=L)
     format: Literal["auto", "json", "console"] = field("auto", "json = one JSON object per line; console = readable; auto = json under systemd or when not on a TTY.", reload=L)
     log_requests: bool = field(False, "Log one line per request with its id, token counts and latency.", aliases=("--enable-log-requests",), reload=L)
