@@ -47,3 +47,22 @@ def test_no_subcommand_option_shadows_a_config_flag(name):
 def test_config_show_in_process(capsys, tmp_path):
     assert main(["config", "show", "--config-dir", str(tmp_path), "cache.block_size=32"]) == 0
     assert "  block_size: 32\n" in capsys.readouterr().out
+
+
+def test_misspelt_command_is_not_served_as_a_model(capsys):
+    assert main(["confg", "show"]) == 2
+    assert "pkgd: error: unknown command 'confg'; did you mean config?" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("pkgd ")
+
+
+def test_validate_without_path_checks_the_default_tree(capsys, tmp_path):
+    (tmp_path / "pkgd.yaml").write_text("frontend: {port: 70000}\n")
+    assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 2
+    assert f"{tmp_path}: frontend.port: bad value 70000 (set by system:pkgd.yaml)" in capsys.readouterr().err
+    (tmp_path / "pkgd.yaml").write_text("frontend: {port: 7000}\n")
+    assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 0

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from pkgd.cli.base import CLISubcommand, add_config_source_args
 from pkgd.cli.flags import split_argv
-from pkgd.config.errors import ConfigError
+from pkgd.config.errors import ConfigError, closest
 
 # name -> (module whose cmd_init() returns it, one line for --help). Modules are imported only
 # when their command runs; a module that does not exist (yet) is not listed at all.
@@ -58,13 +58,24 @@ def available_subcommands() -> dict[str, tuple[str, str]]:
     return {name: entry for name, entry in SUBCOMMANDS.items() if module_exists(entry[0])}
 
 
+class UsageError(Exception):
+    """A command line argparse cannot word well; printed as ``pkgd: error: …``, exit 2."""
+
+
 def _command_of(rest: list[str], names: Sequence[str]) -> tuple[list[str], str | None]:
-    """The subcommand named in ``rest``, inserting the default one when none is."""
+    """The subcommand named in ``rest``, inserting the default one when none is.
+
+    Raises:
+        UsageError: the first word is no command but close to one (``confg``) and names no
+            file (so it is no model for ``serve`` either).
+    """
     first = next((t for t in rest if not t.startswith("-")), None)
     if first in names:
         return rest, first
     if first is None and any(t in (*_HELP, "--version") for t in rest):
         return rest, None  # pkgd --help / --version
+    if first is not None and not os.path.exists(first) and (match := closest(first, names)):
+        raise UsageError(f"unknown command {first!r}; did you mean {match}?")
     return [DEFAULT_SUBCOMMAND, *rest], DEFAULT_SUBCOMMAND
 
 
@@ -131,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(cmd.cmd(args) or 0)
     except ConfigError as e:
         print_problems(e.problems)
+        return 2
+    except UsageError as e:
+        print(f"pkgd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
