@@ -52,7 +52,9 @@ class ConfigSubcommand(CLISubcommand):
         diff = actions.add_parser(
             "diff",
             help="what differs between two configs and what a reload would restart",
-            description=f"Compare two configurations leaf by leaf. {_PATH_HELP}.",
+            description=f"Compare two configurations leaf by leaf and say what a reload from A to B "
+            f"would restart: nothing, the API servers, the engine cores, or the whole daemon. {_PATH_HELP}. "
+            "Exit 0 when equal, 1 when they differ, 2 when either is invalid (like diff).",
         )
         diff.add_argument("a", metavar="A")
         diff.add_argument("b", metavar="B")
