@@ -164,7 +164,8 @@ def compose(request: ComposeRequest) -> ComposedConfig:
         tree.merge(f.values, f.label)
     tree.merge(env_values, "env", env_details)
     problems = _apply(tree, override_ops + flag_ops)
-    data = _resolve(tree, problems)
+    data, bad = _resolve(tree) if not problems else ({}, [])
+    problems += bad
     if problems:
         raise ConfigError(problems)
     config = _validate(data, tree)
@@ -258,19 +259,18 @@ def _apply(tree: layers.Provenance, ops: Iterable[ValueOp]) -> list[str]:
     return problems
 
 
-def _resolve(tree: layers.Provenance, problems: list[str]) -> dict[str, Any]:
-    """Resolve ``${...}`` interpolations (OmegaConf) over the merged tree."""
+def _resolve(tree: layers.Provenance) -> tuple[dict[str, Any], list[str]]:
+    """Resolve ``${...}`` interpolations (OmegaConf) over the merged tree; (data, problems)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_container(OmegaConf.create(tree.data), resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(OmegaConf.create(tree.data), resolve=True), []  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = str(getattr(e, "full_key", "") or "")
         origin = origin_of(key, tree.details()) if key else None
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        problems.append(f"{key or 'config'}: cannot resolve{f' (set by {origin})' if origin else ''}: {message}")
-        return {}
+        return {}, [f"{key or 'config'}: cannot resolve{f' (set by {origin})' if origin else ''}: {message}"]
 
 
 def _validate(data: dict[str, Any], tree: layers.Provenance) -> VllmConfig:
