@@ -33,22 +33,25 @@ RELOAD_ORDER = [ReloadClass.LIVE, ReloadClass.API, ReloadClass.ENGINE, ReloadCla
 
 
 def field(
-    default: Any,
-    description: str,
+    default: Any = ...,
+    description: str = "",
     *,
     aliases: tuple[str, ...] | list[str] = (),
     reload: ReloadClass = ReloadClass.ENGINE,
+    default_factory: Any = None,
     **constraints: Any,
 ) -> Any:
     """Declare a config leaf with its description, CLI aliases and reload class.
 
-    ``constraints`` are pydantic's (``ge``, ``le``, ``min_length`` …). A mutable default (a
-    list) is copied for each instance by pydantic, and unlike a ``default_factory`` it shows
-    in the schema and ``--help``. A test fails for any leaf without a description.
+    ``constraints`` are pydantic's (``ge``, ``le``, ``min_length`` …). Prefer a plain mutable
+    default (``[]``; pydantic copies it for each instance) to ``default_factory``: only a plain
+    default shows in the schema and ``--help``. A test fails for any leaf without a description.
     """
     extra: dict[str, Any] = {"x-reload": reload.value}
     if aliases:
         extra["x-cli-aliases"] = list(aliases)
+    if default_factory is not None:
+        return Field(default_factory=default_factory, description=description, json_schema_extra=extra, **constraints)
     return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
