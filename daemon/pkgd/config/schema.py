@@ -40,7 +40,7 @@ class Leaf:
 
     ``types`` are JSON-schema type names (``("integer", "null")``); ``item_type`` is the
     element type of an array; ``enum`` the allowed values of a ``Literal``; ``default`` the
-    JSON default; ``aliases`` the vLLM-style flags (``"--flag=CONST"`` = a switch setting
+    JSON default (of the field-defaults instance); ``aliases`` the vLLM-style flags (``"--flag=CONST"`` = a switch setting
     ``CONST``); ``secret`` marks values never printed.
     """
 
@@ -91,7 +91,7 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return defs[ref.rsplit("/", 1)[1]] if ref else node
 
 
-def _leaf(key: str, prop: dict[str, Any]) -> Leaf:
+def _leaf(key: str, prop: dict[str, Any], default: Any) -> Leaf:
     variants = prop.get("anyOf", [prop])
     types: list[str] = []
     enum: tuple[Any, ...] = ()
@@ -110,7 +110,7 @@ def _leaf(key: str, prop: dict[str, Any]) -> Leaf:
     return Leaf(
         key=key,
         types=tuple(dict.fromkeys(types)),
-        default=prop.get("default"),
+        default=default,
         description=prop.get("description", ""),
         aliases=tuple(prop.get("x-cli-aliases", ())),
         reload=ReloadClass(prop.get("x-reload", ReloadClass.ENGINE.value)),
@@ -123,13 +123,16 @@ def _leaf(key: str, prop: dict[str, Any]) -> Leaf:
 
 @functools.cache
 def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str]]:
+    from pkgd.config.vllm_config import default_config
+
     schema = json_schema()
     defs = schema.get("$defs", {})
+    defaults = default_config().to_json_dict()  # also right for fields with a default_factory
     leaves: dict[str, Leaf] = {}
     children: dict[str, tuple[str, ...]] = {}
     descriptions: dict[str, str] = {}
 
-    def walk(node: dict[str, Any], prefix: str) -> None:
+    def walk(node: dict[str, Any], prefix: str, values: dict[str, Any]) -> None:
         props = node.get("properties", {})
         children[prefix] = tuple(props)
         for name, prop in props.items():
@@ -137,11 +140,11 @@ def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str]
             target = _resolve(prop, defs)
             if "properties" in target:
                 descriptions[key] = prop.get("description") or target.get("description", "")
-                walk(target, key)
+                walk(target, key, values[name])
             else:
-                leaves[key] = _leaf(key, prop)
+                leaves[key] = _leaf(key, prop, values[name])
 
-    walk(schema, "")
+    walk(schema, "", defaults)
     return leaves, children, descriptions
 
 
