@@ -40,8 +40,8 @@ class Leaf:
 
     ``types`` are JSON-schema type names (``("integer", "null")``); ``item_type`` is the
     element type of an array; ``enum`` the allowed values of a ``Literal``; ``default`` the
-    JSON default (of the field-defaults instance); ``aliases`` the vLLM-style flags (``"--flag=CONST"`` = a switch setting
-    ``CONST``); ``secret`` marks values never printed.
+    JSON value of the field's default; ``aliases`` the vLLM-style flags (``"--flag=CONST"`` =
+    a switch setting ``CONST``); ``secret`` marks values never printed.
     """
 
     key: str
