@@ -35,6 +35,10 @@ def test_every_leaf_has_a_description_and_a_reload_class():
     assert raw.count('"x-reload"') == len(schema.leaves())  # sections carry none of their own
 
 
+def test_leaf_keys_from_the_models_match_the_schema():
+    assert schema.leaf_keys() == tuple(schema.leaves())
+
+
 def test_leaves_cover_the_design_sections():
     keys = set(schema.leaves())
     assert {"model.source", "parallel.tp", "lb.mode", "frontend.port", "scheduler.max_num_seqs",

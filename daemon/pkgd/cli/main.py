@@ -89,7 +89,11 @@ def _version() -> str:
 
 
 def build_parser(command: str | None, *, with_help_text: bool = True) -> tuple[argparse.ArgumentParser, dict[str, CLISubcommand]]:
-    """The ``pkgd`` parser, with the real subparser of ``command`` only (others are listed)."""
+    """The ``pkgd`` parser, with the real subparser of ``command`` only (others are listed).
+
+    ``with_help_text``: build the texts only ``--help`` / ``--version`` show (the config keys
+    need the JSON schema, the version a metadata lookup: ~60 ms together).
+    """
     epilog = None
     if with_help_text:
         from pkgd.cli.flags import config_groups_help, config_keys_help
@@ -101,7 +105,7 @@ def build_parser(command: str | None, *, with_help_text: bool = True) -> tuple[a
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"pkgd {_version()}")
+    parser.add_argument("--version", action="version", version=f"pkgd {_version() if with_help_text else ''}")
     add_config_source_args(parser)
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands")
     table = available_subcommands()
@@ -128,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         split = split_argv(argv)
         rest, command = _command_of(split.rest, list(available_subcommands()))
-        wants_help = any(t in _HELP for t in rest)
+        wants_help = any(t in (*_HELP, "--version") for t in rest)
         parser, commands = build_parser(command, with_help_text=wants_help)
         args = parser.parse_args(rest)
         args.compose_request = ComposeRequest(

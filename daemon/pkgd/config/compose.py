@@ -91,7 +91,8 @@ def packaged_defaults() -> dict[str, str | None]:
     """Group → option of the packaged ``pkgd.yaml`` defaults list (None = no option)."""
     import yaml  # the packaged file is plain YAML; no need for OmegaConf here (``--help``)
 
-    data = yaml.safe_load((packaged_dir() / f"{PACKAGED_CONFIG_NAME}.yaml").read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when the wheel has it
+    data = yaml.load((packaged_dir() / f"{PACKAGED_CONFIG_NAME}.yaml").read_text(), Loader=loader)
     out: dict[str, str | None] = {}
     for entry in data.get("defaults", []):
         if isinstance(entry, dict):
@@ -169,7 +170,7 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     if problems:
         raise ConfigError(problems)
     config = _validate(data, tree)
-    sources = {key: tree.set_by.get(key, ("default", ""))[0] for key in schema.leaves()}
+    sources = {key: tree.set_by.get(key, ("default", ""))[0] for key in schema.leaf_keys()}
     warns += config.serve_plan().warnings
     chosen = {g: o for g, o in final.items() if o is not None}
     return ComposedConfig(config, sources, tuple(warns), chosen, str(root) if root else None)

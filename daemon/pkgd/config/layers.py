@@ -224,11 +224,11 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     JSON for list fields), dotted key → ``"env VAR"``, warnings for ``PKGD_…__…`` variables
     naming no section, and one problem per undecodable value.
     """
-    from pydantic_settings import SettingsError
-
     mine = {k: v for k, v in env.items() if k.upper().startswith(ENV_PREFIX)}
     if not mine:
         return {}, {}, [], []
+    from pydantic_settings import SettingsError
+
     sections = schema.children("")
     details: dict[str, str] = {}
     warnings: list[str] = []

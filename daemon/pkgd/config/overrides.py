@@ -97,6 +97,8 @@ def flag_takes_value(token: str) -> bool | None:
 
 def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
     """Translate vLLM-style flag tokens (``["--port", "9000", "--headless"]``) to value ops."""
+    if not tokens:
+        return [], []
     index = schema.alias_index()
     ops: list[ValueOp] = []
     problems: list[str] = []

@@ -148,6 +148,24 @@ def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str]
     return leaves, children, descriptions
 
 
+@functools.cache
+def leaf_keys() -> tuple[str, ...]:
+    """The dotted keys of `leaves`, from the models' fields (without generating the schema)."""
+    from pydantic import BaseModel
+
+    def walk(model: type[BaseModel], prefix: str) -> list[str]:
+        keys = []
+        for name, info in model.model_fields.items():
+            ann = info.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                keys += walk(ann, f"{prefix}{name}.")
+            else:
+                keys.append(prefix + name)
+        return keys
+
+    return tuple(walk(VllmConfig, ""))
+
+
 def leaves() -> dict[str, Leaf]:
     """Every leaf by dotted key, in schema order (sections in declaration order)."""
     return _walk()[0]
