@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.runner.loader.resolve import resolve_model
+from tests.runner.tiny_models import build_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """arch -> (model_dir, transformers model), built once per session."""
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            d = tmp_path_factory.mktemp(arch)
+            cache[arch] = (d, build_tiny(arch, d))
+        return cache[arch]
+
+    return get
+
+
+def make_runner(model_dir, **model_kw):
+    from pkgd.runner.model_runner import ModelRunner
+
+    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw})
+    return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
+
+
+class LogitsRecorder:
+    """Wraps ``model.compute_logits`` to keep every logits tensor it returns."""
+
+    def __init__(self, runner) -> None:
+        self.calls: list[torch.Tensor] = []
+        inner = runner.model.compute_logits
+
+        def record(hidden):
+            out = inner(hidden)
+            self.calls.append(out.clone())
+            return out
+
+        runner.model.compute_logits = record
