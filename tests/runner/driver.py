@@ -83,6 +83,11 @@ class Driver:
         self.free += r.blocks
         r.blocks, r.num_computed, r.sent = [], 0, False
 
+    def flush(self) -> None:
+        """An empty step that only tells the runner which requests finished."""
+        self.runner.execute_model(SchedulerOutput([], CachedRequestData(), {}, 0, set(self.finished)))
+        self.finished.clear()
+
     def run(self, chunk: int | None = None, max_steps: int = 10_000) -> dict[str, list[int]]:
         for _ in range(max_steps):
             if all(r.done for r in self.reqs.values()):
