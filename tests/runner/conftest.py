@@ -42,3 +42,13 @@ class LogitsRecorder:
             return out
 
         runner.model.compute_logits = record
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The engine owns its thread count; tests use one thread, which stays fast when other
+    processes share the cores (2-thread OpenMP regions stall under contention)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -31,6 +31,8 @@ def hf_config(arch: str):
 
     if arch == "llama":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
+    if arch == "llama-plain":  # default RoPE: what a llama GGUF without rope_freqs describes
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=True)
     if arch == "llama-untied":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
     if arch == "qwen2":

@@ -1,9 +1,13 @@
 """Tensor-parallel linear layers (Megatron-LM's column/row split, Shoeybi et al., 2019).
 
-Weights are stored transposed, ``[in_features, out_features]``, and applied as ``x @ W``:
-on this CPU, at batch 1 MKL reads an fp32 weight at ~19 GB/s that way against ~11 GB/s for
-``F.linear`` with ``[out, in]`` (DESIGN.md §5 "CPU specifics"); for batches both reach the
-same GEMM speed.
+Layouts are chosen for the batch-1 (memory-bound) matrix-vector product, where MKL's speed
+depends on the shape; for batches both layouts reach the same GEMM speed. Measured here (fp32,
+one thread, best of 7, weights far beyond the caches): wide outputs (QKV 576->1728, gate/up
+576->3072, LM head 576->49152) read 21-26 GB/s as ``x @ W`` with ``W [in, out]`` against 12 GB/s
+with ``F.linear`` on ``[out, in]`` (DESIGN.md §5 "CPU specifics"), while the narrow
+row-parallel outputs (down 1536->576) read 15-17 GB/s with ``F.linear`` against 13-14 as
+``x @ W``. So column-parallel weights are stored ``[in, out]`` and row-parallel ones
+``[out, in]``.
 
 * `MergedColumnParallelLinear`: several projections of one input fused into one GEMM (QKV,
   gate/up). Each part is split by output rows across ranks; the local weight is the
@@ -16,6 +20,7 @@ same GEMM speed.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pkgd.runner.distributed import SINGLE, TPGroup
@@ -84,17 +89,18 @@ class MergedColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_local @ W_local) (+ b)``; input ``[T, in/tp]``, output ``[T, out]``."""
+    """``y = all_reduce(x_local @ W_local^T) (+ b)``; input ``[T, in/tp]``, output ``[T, out]``.
+    ``weight`` is ``[out, in/tp]`` (see the module docstring for why)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.tp = tp
         self.in_local = tp.shard(in_features, "input features")
-        self.weight = nn.Parameter(torch.empty(self.in_local, out_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(x @ self.weight)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
     def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
@@ -107,8 +113,8 @@ class RowParallelLinear(nn.Module):
             self.bias.copy_(tensor)
             return
         cols = slice(self.tp.rank * self.in_local, (self.tp.rank + 1) * self.in_local)
-        _check_shape(tensor[:, cols].t(), self.weight, "weight")
-        self.weight.copy_(tensor[:, cols].t())
+        _check_shape(tensor[:, cols], self.weight, "weight")
+        self.weight.copy_(tensor[:, cols])
 
 
 def tp_shard(total: int, shards: int, what: str) -> int:

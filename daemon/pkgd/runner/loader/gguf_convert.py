@@ -193,8 +193,8 @@ def _write_tokenizer(meta: dict[str, Any], arch: str, config: dict[str, Any], ou
         raise ModelSourceError(f"model source {str(gguf_path)!r}: GGUF has no tokenizer (tokenizer.ggml.tokens)")
     try:
         backend, _ = convert_gguf_tokenizer(arch, tok_dict)
-    except ValueError as e:
-        raise ModelSourceError(f"model source {str(gguf_path)!r}: {e}") from e
+    except (ValueError, KeyError) as e:
+        raise ModelSourceError(f"model source {str(gguf_path)!r}: cannot build its tokenizer ({e!r})") from e
     backend.save(str(out_dir / "tokenizer.json"))
     tokens = tok_dict["tokens"]
     specials = {}

@@ -24,30 +24,40 @@ from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pkgd.runner.layers.norm import RMSNorm
-from pkgd.runner.layers.rotary import RotaryEmbedding
+from pkgd.runner.layers.rotary import RotaryEmbedding, apply_rotary_complex, to_interleaved
 from pkgd.runner.models.config import ArchConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RopeContext:
-    """Per-forward rotary inputs shared by every layer: positions and, on CPU, cos/sin."""
+    """Per-forward rotary inputs shared by every layer: positions and, on CPU, the complex
+    rotations ``cos + i sin`` for them (Q/K are in the adjacent-pair layout, see
+    `pkgd.runner.layers.rotary`)."""
 
     def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rope = rope
         self.positions = positions
-        self.cos = self.sin = None
+        self.freqs = None
         if not positions.is_cuda:
-            self.cos, self.sin = ops.cos_sin_for(positions, rope.cos_sin_cache, dtype)
+            cos, sin = ops.cos_sin_for(positions, rope.cos_sin_cache, torch.float32)
+            self.freqs = torch.complex(cos, sin)
+            if dtype != torch.float32:  # complex32 kernels are sparse on CPU: rotate in fp32
+                self.freqs = self.freqs.to(torch.complex64)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]``."""
+    def apply(self, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``qk [T, Hq + Hkv, D]`` (queries then keys); returns ``(q, k)``."""
         r = self.rope
-        if self.cos is None:
-            t, d = q.shape[0], q.shape[-1]
-            qf, kf = ops.rotary_embedding(self.positions, q.reshape(t, -1), k.reshape(t, -1), d, r.cos_sin_cache, r.is_neox)
-            return qf.view(q.shape), kf.view(k.shape)
-        return (ops.apply_rotary(q, self.cos, self.sin, r.rot_dim, r.is_neox), ops.apply_rotary(k, self.cos, self.sin, r.rot_dim, r.is_neox))
+        t, _, d = qk.shape
+        if self.freqs is None:
+            q, k = qk[:, :num_q_heads].reshape(t, -1), qk[:, num_q_heads:].reshape(t, -1)
+            q, k = ops.rotary_embedding(self.positions, q, k, d, r.cos_sin_cache, r.is_neox)
+            return q.view(t, -1, d), k.view(t, -1, d)
+        if qk.dtype != torch.float32:
+            out = apply_rotary_complex(qk.float(), self.freqs, r.rot_dim).to(qk.dtype)
+        else:
+            out = apply_rotary_complex(qk, self.freqs, r.rot_dim)
+        return out[:, :num_q_heads], out[:, num_q_heads:]
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
@@ -88,12 +98,13 @@ class LlamaAttention(nn.Module):
         t, d = h.shape[0], self.head_dim
         qkv = self.qkv_proj(h)
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        qk = qkv[:, : q_size + kv_size].view(t, -1, d)
+        v = qkv[:, q_size + kv_size :].view(t, -1, d)
         if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, d)).view(t, -1, d)
-            k = self.k_norm(k.reshape(-1, d)).view(t, -1, d)
-        q, k = rope.apply(q, k)
+            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, d)).view(t, -1, d)
+            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, d)).view(t, -1, d)
+            qk = torch.cat((q, k), dim=1)
+        q, k = rope.apply(qk, self.num_heads)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.view(t, q_size))
 
@@ -147,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, transposed_weight=tied)
         self.layers = nn.ModuleList(self.layer_cls(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        # Q/K rows are loaded in the adjacent-pair layout (`to_interleaved`): GPT-J-style RoPE.
+        self.rotary_emb = RotaryEmbedding(cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -213,8 +225,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         idx_str, _, rest = name[len("model.layers.") :].partition(".")
         layer = self.layers[int(idx_str)]
-        _load_layer(layer, rest, t, name)
+        _load_layer(layer, rest, self._to_pair_layout(rest, t), name)
         return name
+
+    def _to_pair_layout(self, rest: str, t: torch.Tensor) -> torch.Tensor:
+        """Q/K projection rows (and QK-norm weights) in the adjacent-pair RoPE layout."""
+        c = self.cfg
+        if rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
+            heads = c.num_attention_heads if rest.startswith("self_attn.q") else c.num_key_value_heads
+            return to_interleaved(t, heads, c.head_dim, c.rot_dim)
+        if rest.startswith(("self_attn.q_norm.", "self_attn.k_norm.")):
+            return to_interleaved(t, 1, c.head_dim, c.rot_dim)
+        return t
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
