@@ -197,3 +197,21 @@ def test_dtype_auto_resolution():
     assert resolve_dtype("float16", "float32", "cpu", flags=avx2) == torch.float16
     with pytest.raises(ValueError, match="model.dtype"):
         resolve_dtype("int8", None, "cpu")
+
+
+def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):
+    import shutil
+
+    from tests.runner.conftest import make_runner
+
+    model_dir, _ = tiny_dirs("llama")
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (weights,) = d.glob("*.safetensors")
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ModelSourceError, match="model.safetensors"):
+        make_runner(d)
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelSourceError, match="not a valid safetensors"):
+        make_runner(d)
