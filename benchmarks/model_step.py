@@ -152,41 +152,48 @@ def main() -> None:
         return torch.randint(100, vocab, (n, length), generator=g).tolist()
 
     print(f"model {runner.model_files.name} ({runner.arch.architecture}), dtype {runner.model_info.dtype}, "
-          f"threads {torch.get_num_threads()}, body {body / 1e6:.1f}M + LM head {lm / 1e6:.1f}M parameters")
-    rows = []
+          f"threads {torch.get_num_threads()}, body {body / 1e6:.1f}M + LM head {lm / 1e6:.1f}M parameters, "
+          f"{weight_bytes / 1e6:.0f} MB of weights read per decoded token")
+    # Each figure is paired with a machine measurement taken right before it, so the ratio
+    # compares like with like even when other processes load the machine in bursts.
+    results: dict[str, list[tuple[float, float]]] = {}
+
+    def record(name: str, value: float, reference: float) -> None:
+        results.setdefault(name, []).append((value, reference))
+
     for rep in range(args.repeat):
-        gemm, bw = gemm_flops(1), read_bandwidth(1)
-        rows.append(("gemm", gemm))
-        rows.append(("bw", bw))
         for n, length in () if args.skip_prefill else ((1, 512), (4, 512)):
+            gemm = gemm_flops(1)
             t, _ = best_time(lambda: h.start(prompts(n, length)), 1)
-            rows.append((f"prefill {n}x{length}", 2 * (body * n * length + lm * n) / t))
+            record(f"prefill {n}x{length}", 2 * (body * n * length + lm * n) / t, gemm)
         for b in args.batch:
             h.start(prompts(b, 128))
+            gemm = gemm_flops(1)
             t, _ = best_time(h.decode, 1, inner=4)
-            rows.append((f"decode batch {b}", 2 * (body + lm) * b / t))
+            record(f"decode batch {b}", 2 * (body + lm) * b / t, gemm)
         h.start(prompts(1, 128))
+        bw = read_bandwidth(1)
         t0 = time.perf_counter()
         for _ in range(127):
             h.decode()
-        rows.append(("single-stream tok/s", 127 / (time.perf_counter() - t0)))
+        record("single-stream", 127 / (time.perf_counter() - t0), bw / weight_bytes)
         print(f"  round {rep + 1}/{args.repeat} done", flush=True)
-    best = {}
-    for k, v in rows:
-        best[k] = max(best.get(k, 0.0), v)
-    spread = {k: (min(v for kk, v in rows if kk == k), max(v for kk, v in rows if kk == k)) for k in best}
-    gemm, bw = best["gemm"], best["bw"]
-    bound = bw / weight_bytes
-    print(f"\nfp32 torch.mm GEMM:        {gemm / 1e9:7.1f} GFLOP/s   (range {spread['gemm'][0] / 1e9:.1f}-{spread['gemm'][1] / 1e9:.1f})")
-    print(f"read bandwidth (sum):      {bw / 1e9:7.1f} GB/s      (range {spread['bw'][0] / 1e9:.1f}-{spread['bw'][1] / 1e9:.1f})")
-    for k in best:
-        if k.startswith(("prefill", "decode")):
-            lo, hi = spread[k]
-            print(f"{k + ':':26s} {best[k] / 1e9:7.1f} GFLOP/s = {best[k] / gemm:5.1%} of GEMM   (range {lo / 1e9:.1f}-{hi / 1e9:.1f})")
-    tps = best["single-stream tok/s"]
-    print(f"single-stream decode:      {tps:7.1f} tok/s  = {tps / bound:5.1%} of the bandwidth bound "
-          f"{bound:.1f} tok/s ({weight_bytes / 1e6:.0f} MB of weights per token)")
+    report(results)
 
+
+def report(results: dict[str, list[tuple[float, float]]]) -> None:
+    """Print each figure with its reference, best and median ratio over the rounds."""
+    print()
+    for name, pairs in results.items():
+        ratios = [v / r for v, r in pairs]
+        best_v, best_r = max(pairs, key=lambda p: p[0] / p[1])
+        med = statistics.median(ratios)
+        if name == "single-stream":
+            print(f"{name + ' decode:':24s} {best_v:6.1f} tok/s vs bound {best_r:5.1f} tok/s (read bandwidth "
+                  f"x weights) = {best_v / best_r:5.1%}   median {med:5.1%}")
+        else:
+            print(f"{name + ':':24s} {best_v / 1e9:6.1f} GFLOP/s vs torch.mm {best_r / 1e9:5.1f} GFLOP/s = "
+                  f"{best_v / best_r:5.1%}   median {med:5.1%}")
 
 if __name__ == "__main__":
     main()

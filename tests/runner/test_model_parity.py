@@ -77,3 +77,25 @@ def test_two_requests_batched_with_mixed_prefill_and_decode(tiny_dirs, arch):
         outs = drv.reqs[rid].outputs
         assert len(outs) == 6 and len(per_req[rid]) == 6
         _check(hf, prompt, outs, per_req[rid])
+
+
+def test_prefix_cache_hit_reads_shared_blocks(tiny_dirs):
+    """A new request whose first blocks are already cached (num_computed_tokens > 0, block
+    ids shared with another request) computes only its tail and matches transformers."""
+    from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    model_dir, hf = tiny_dirs("qwen3")
+    runner = make_runner(model_dir)
+    rec = LogitsRecorder(runner)
+    runner.initialize_kv_cache(16, 4)
+    prefix = _prompt(4, 8)
+    a, b = prefix + _prompt(5, 3), prefix + _prompt(6, 5)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    so = SchedulerOutput([NewRequestData("a", a, [], sp, [0, 1, 2], 0)], CachedRequestData(), {"a": len(a)}, len(a), set())
+    runner.execute_model(so)
+    # b reuses blocks 0 and 1 (8 prefix tokens) and computes its 5 new tokens only
+    so = SchedulerOutput([NewRequestData("b", b, [], sp, [0, 1, 5, 6], 8)], CachedRequestData(), {"b": 5}, 5, {"a"})
+    out = runner.execute_model(so)
+    want = _hf_logits(hf, b)[-1]
+    assert (rec.calls[-1][0] - want).abs().max().item() <= TOL
+    assert out.sampled_token_ids == [[int(want.argmax())]]
