@@ -70,6 +70,15 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     return 1, num_kv_heads
 
 
+def check_tp_size(cfg: ArchConfig, tp_size: int) -> None:
+    """Raise `ValueError` naming the first size ``tp_size`` ranks cannot split evenly."""
+    tp = TPGroup(0, tp_size)
+    tp.shard(cfg.num_attention_heads, "num_attention_heads")
+    kv_heads_per_rank(cfg.num_key_value_heads, tp)
+    tp.shard(cfg.intermediate_size, "intermediate_size")
+    tp.shard(cfg.vocab_size, "vocab_size")
+
+
 class LlamaAttention(nn.Module):
     qk_norm = False
     o_proj_bias_follows_attention_bias = True
