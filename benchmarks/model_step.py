@@ -102,11 +102,11 @@ def best_time(fn: Callable[[], None], repeat: int, inner: int = 1) -> tuple[floa
     return min(times), statistics.median(times)
 
 
-def gemm_flops(repeat: int) -> float:
-    """Best fp32 ``torch.mm`` FLOP/s over shapes like the model's large-batch GEMMs."""
+def gemm_flops(repeat: int, dtype: torch.dtype = torch.float32) -> float:
+    """Best ``torch.mm`` FLOP/s in ``dtype`` over shapes like the model's large-batch GEMMs."""
     best = 0.0
     for m, k, n in ((1024, 1024, 1024), (512, 576, 3072), (2048, 1536, 576), (256, 576, 1728)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         t, _ = best_time(lambda: torch.mm(a, b), repeat, inner=5)
         best = max(best, 2 * m * k * n / t)
     return best
@@ -163,12 +163,12 @@ def main() -> None:
 
     for rep in range(args.repeat):
         for n, length in () if args.skip_prefill else ((1, 512), (4, 512)):
-            gemm = gemm_flops(1)
+            gemm = gemm_flops(1, runner.dtype)
             t, _ = best_time(lambda: h.start(prompts(n, length)), 1)
             record(f"prefill {n}x{length}", 2 * (body * n * length + lm * n) / t, gemm)
         for b in args.batch:
             h.start(prompts(b, 128))
-            gemm = gemm_flops(1)
+            gemm = gemm_flops(1, runner.dtype)
             t, _ = best_time(h.decode, 1, inner=4)
             record(f"decode batch {b}", 2 * (body + lm) * b / t, gemm)
         h.start(prompts(1, 128))
@@ -178,10 +178,10 @@ def main() -> None:
             h.decode()
         record("single-stream", 127 / (time.perf_counter() - t0), bw / weight_bytes)
         print(f"  round {rep + 1}/{args.repeat} done", flush=True)
-    report(results)
+    report(results, str(runner.dtype).removeprefix("torch."))
 
 
-def report(results: dict[str, list[tuple[float, float]]]) -> None:
+def report(results: dict[str, list[tuple[float, float]]], dtype: str) -> None:
     """Print each figure with its reference, best and median ratio over the rounds."""
     print()
     for name, pairs in results.items():
@@ -192,7 +192,7 @@ def report(results: dict[str, list[tuple[float, float]]]) -> None:
             print(f"{name + ' decode:':24s} {best_v:6.1f} tok/s vs bound {best_r:5.1f} tok/s (read bandwidth "
                   f"x weights) = {best_v / best_r:5.1%}   median {med:5.1%}")
         else:
-            print(f"{name + ':':24s} {best_v / 1e9:6.1f} GFLOP/s vs torch.mm {best_r / 1e9:5.1f} GFLOP/s = "
+            print(f"{name + ':':24s} {best_v / 1e9:6.1f} GFLOP/s vs {dtype} torch.mm {best_r / 1e9:5.1f} GFLOP/s = "
                   f"{best_v / best_r:5.1%}   median {med:5.1%}")
 
 if __name__ == "__main__":

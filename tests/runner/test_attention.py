@@ -142,3 +142,31 @@ def test_norms_and_silu_and_mul():
     assert ops.rms_norm(xb, w.to(torch.bfloat16), 1e-6).dtype == torch.bfloat16
     y = torch.randn(4, 2 * 24)
     torch.testing.assert_close(ops.silu_and_mul(y), torch.nn.functional.silu(y[:, :24]) * y[:, 24:])
+
+
+def _kernel_ref(name: str):
+    import pkgd_kernels
+
+    ref = getattr(pkgd_kernels, f"{name}_ref", None)
+    if ref is None:
+        pytest.skip(f"pkgd_kernels has no {name}_ref yet")
+    return ref
+
+
+def test_cpu_paths_agree_with_pkgd_kernels_references():
+    """Once the kernels package provides its PyTorch references, the runner's CPU path (same
+    signatures) must agree with them."""
+    lens = [3, 9, 16]
+    kc, vc, table, _, _ = _setup(lens)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, HQ, D)
+    ref = _kernel_ref("paged_attention_decode")
+    torch.testing.assert_close(A.paged_attention_decode(q, kc, vc, table, seq_lens, 0.3), ref(q, kc, vc, table, seq_lens, 0.3), atol=1e-5, rtol=1e-5)
+    qsl = torch.tensor([0, 2, 9, 13], dtype=torch.int32)
+    qp = torch.randn(13, HQ, D)
+    ref = _kernel_ref("paged_attention_prefill")
+    got = A.paged_attention_prefill(qp, kc, vc, table, qsl, seq_lens, 0.3)
+    torch.testing.assert_close(got, ref(qp, kc, vc, table, qsl, seq_lens, 0.3), atol=1e-5, rtol=1e-5)
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), _kernel_ref("rms_norm")(x, w, 1e-6))
+    torch.testing.assert_close(ops.silu_and_mul(torch.cat([x, r], 1)), _kernel_ref("silu_and_mul")(torch.cat([x, r], 1)))
