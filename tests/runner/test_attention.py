@@ -170,3 +170,31 @@ def test_cpu_paths_agree_with_pkgd_kernels_references():
     x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), _kernel_ref("rms_norm")(x, w, 1e-6))
     torch.testing.assert_close(ops.silu_and_mul(torch.cat([x, r], 1)), _kernel_ref("silu_and_mul")(torch.cat([x, r], 1)))
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_cache_write_and_sampling_mask_agree_with_pkgd_kernels_references(is_neox):
+    from pkgd.runner.sampler import top_k_top_p_mask
+
+    pos = torch.tensor([0, 5, 2, 7])
+    inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2).float() / D)
+    freqs = torch.outer(torch.arange(16).float(), inv)
+    cache = torch.cat([freqs.cos(), freqs.sin()], -1)
+    q, k = torch.randn(4, HQ * D), torch.randn(4, HKV * D)
+    want = _kernel_ref("rotary_embedding")(pos, q, k, D, cache, is_neox)
+    got = ops.rotary_embedding(pos, q, k, D, cache, is_neox)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    for a, b in zip(ops.fused_add_rms_norm(x, r, w, 1e-6), _kernel_ref("fused_add_rms_norm")(x, r, w, 1e-6)):
+        torch.testing.assert_close(a, b)
+    caches = [torch.zeros(4, BS, HKV, D) for _ in range(4)]
+    kk, vv, slots = torch.randn(3, HKV, D), torch.randn(3, HKV, D), torch.tensor([5, -1, 9])
+    A.reshape_and_cache(kk, vv, caches[0], caches[1], slots)
+    _kernel_ref("reshape_and_cache")(kk, vv, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    logits = torch.randn(5, 50)
+    logits[1, :4] = 3.0  # ties at the boundary
+    top_k = torch.tensor([0, 2, 10, 1, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.3], dtype=torch.float32)
+    torch.testing.assert_close(top_k_top_p_mask(logits, top_k, top_p), _kernel_ref("top_k_top_p_mask")(logits, top_k, top_p))
