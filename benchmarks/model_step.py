@@ -10,8 +10,9 @@ Prints, for the configured thread count:
 * single-stream decode tokens/s (128-token prompt, 128 outputs) against the bandwidth bound
   ``read bandwidth / weight bytes per token`` (target >= 70%).
 
-Every figure is the best of ``--repeat`` interleaved measurements, so a burst of load from
-other processes on a shared machine shows as spread rather than as a wrong ratio. Run:
+Each figure is measured ``--repeat`` times, each time between two measurements of its
+reference (the larger one counts); the round with the median ratio is printed with the spread,
+so a burst of load from other processes shows as spread rather than as a flattering ratio. Run:
 
     .venv/bin/python benchmarks/model_step.py --threads 1
     .venv/bin/python benchmarks/model_step.py --threads 2 --repeat 5
@@ -154,46 +155,51 @@ def main() -> None:
     print(f"model {runner.model_files.name} ({runner.arch.architecture}), dtype {runner.model_info.dtype}, "
           f"threads {torch.get_num_threads()}, body {body / 1e6:.1f}M + LM head {lm / 1e6:.1f}M parameters, "
           f"{weight_bytes / 1e6:.0f} MB of weights read per decoded token")
-    # Each figure is paired with a machine measurement taken right before it, so the ratio
-    # compares like with like even when other processes load the machine in bursts.
+    # Each figure is paired with machine measurements taken right before and right after it
+    # (the larger one is its reference, so a quiet moment never flatters a ratio), which keeps
+    # ratios meaningful when other processes load the machine in bursts.
     results: dict[str, list[tuple[float, float]]] = {}
 
     def record(name: str, value: float, reference: float) -> None:
         results.setdefault(name, []).append((value, reference))
 
+    def gemm() -> float:
+        return gemm_flops(1, runner.dtype)
+
     for rep in range(args.repeat):
         for n, length in () if args.skip_prefill else ((1, 512), (4, 512)):
-            gemm = gemm_flops(1, runner.dtype)
-            t, _ = best_time(lambda: h.start(prompts(n, length)), 1)
-            record(f"prefill {n}x{length}", 2 * (body * n * length + lm * n) / t, gemm)
+            before = gemm()
+            t, _ = best_time(lambda: h.start(prompts(n, length)), 1)  # noqa: B023 - called at once
+            record(f"prefill {n}x{length}", 2 * (body * n * length + lm * n) / t, max(before, gemm()))
         for b in args.batch:
             h.start(prompts(b, 128))
-            gemm = gemm_flops(1, runner.dtype)
+            before = gemm()
             t, _ = best_time(h.decode, 1, inner=4)
-            record(f"decode batch {b}", 2 * (body + lm) * b / t, gemm)
+            record(f"decode batch {b}", 2 * (body + lm) * b / t, max(before, gemm()))
         h.start(prompts(1, 128))
-        bw = read_bandwidth(1)
+        before = read_bandwidth(1)
         t0 = time.perf_counter()
         for _ in range(127):
             h.decode()
-        record("single-stream", 127 / (time.perf_counter() - t0), bw / weight_bytes)
+        tps = 127 / (time.perf_counter() - t0)
+        record("single-stream", tps, max(before, read_bandwidth(1)) / weight_bytes)
         print(f"  round {rep + 1}/{args.repeat} done", flush=True)
     report(results, str(runner.dtype).removeprefix("torch."))
 
 
 def report(results: dict[str, list[tuple[float, float]]], dtype: str) -> None:
-    """Print each figure with its reference, best and median ratio over the rounds."""
+    """Print each figure: the round with the median ratio, and the spread of ratios."""
     print()
     for name, pairs in results.items():
-        ratios = [v / r for v, r in pairs]
-        best_v, best_r = max(pairs, key=lambda p: p[0] / p[1])
-        med = statistics.median(ratios)
+        pairs = sorted(pairs, key=lambda p: p[0] / p[1])
+        v, r = pairs[len(pairs) // 2]
+        lo, hi = pairs[0][0] / pairs[0][1], pairs[-1][0] / pairs[-1][1]
         if name == "single-stream":
-            print(f"{name + ' decode:':24s} {best_v:6.1f} tok/s vs bound {best_r:5.1f} tok/s (read bandwidth "
-                  f"x weights) = {best_v / best_r:5.1%}   median {med:5.1%}")
+            print(f"{name + ' decode:':24s} {v:6.1f} tok/s vs bound {r:5.1f} tok/s (read bandwidth "
+                  f"/ weight bytes) = {v / r:5.1%}   (rounds {lo:.0%}-{hi:.0%})")
         else:
-            print(f"{name + ':':24s} {best_v / 1e9:6.1f} GFLOP/s vs {dtype} torch.mm {best_r / 1e9:5.1f} GFLOP/s = "
-                  f"{best_v / best_r:5.1%}   median {med:5.1%}")
+            print(f"{name + ':':24s} {v / 1e9:6.1f} GFLOP/s vs {dtype} torch.mm {r / 1e9:5.1f} GFLOP/s = "
+                  f"{v / r:5.1%}   (rounds {lo:.0%}-{hi:.0%})")
 
 if __name__ == "__main__":
     main()
