@@ -12,8 +12,11 @@ from pathlib import Path
 from pkgd.cli.ctl import find_runtime_dir
 
 
+PKGD = str(Path(sys.executable).with_name("pkgd"))
+
+
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pkgd.cli.ctl", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([PKGD, *args], capture_output=True, text=True, timeout=60)
 
 
 def test_status_lists_children_pids_uptime_hash_and_mode(start_daemon):

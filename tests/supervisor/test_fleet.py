@@ -7,7 +7,7 @@ import signal
 import time
 from datetime import datetime
 
-from conftest import pid_alive
+from supervisor_helpers import pid_alive
 from pkgd.config.sections import SupervisorConfig
 from pkgd.supervisor.restart import RestartPolicy
 

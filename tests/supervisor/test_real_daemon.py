@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import free_port_pair, merge, pid_alive, reload_and_wait
+from supervisor_helpers import free_port_pair, merge, pid_alive, reload_and_wait
 
 pytestmark = [
     pytest.mark.slow,

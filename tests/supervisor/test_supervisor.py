@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from conftest import pid_alive
+from supervisor_helpers import pid_alive
 
 
 def test_ready_line_then_sigterm_leaves_no_process(start_daemon):

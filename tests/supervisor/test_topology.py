@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import HARNESS, free_port_pair
+from supervisor_helpers import HARNESS, free_port_pair
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.supervisor.runtime import RuntimeDir
 from pkgd.supervisor.sockets import BindError, Listener, ListenSpec, listen_specs
@@ -122,7 +122,11 @@ def test_systemd_socket_activation_is_adopted(start_daemon, workdir):
     cfg_dir = workdir / "sa"
     d = start_daemon(name="sa", argv=["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, str(HARNESS), str(cfg_dir / "pkgd.yaml")])
     assert d.config_path == cfg_dir / "pkgd.yaml"
-    # systemd-socket-activate starts the service on the first connection, as systemd would.
+    # systemd-socket-activate starts the service on the first connection, as systemd would;
+    # connect once it listens.
+    deadline = time.monotonic() + 20
+    while not any(line.startswith("Listening on") for line in d.lines) and time.monotonic() < deadline:
+        time.sleep(0.02)
     first = httpx.get(f"http://127.0.0.1:{port}/generate", timeout=30)
     assert first.status_code == 200  # the connection queued on the passed socket was served
     assert d.wait_ready() == f"http://127.0.0.1:{port}"

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pkgd.cli.base import CLISubcommand
 from pkgd.supervisor.control import ControlError, send_command
 from pkgd.supervisor.runtime import CONTROL_SOCKET, default_runtime_dir
 
@@ -51,15 +52,12 @@ def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
         return None
 
 
-class StatusCommand:
+class StatusCommand(CLISubcommand):
     """``pkgd status``: children, PIDs, uptime, config hash, serve mode, endpoint health."""
 
     name = "status"
     help = "show the running daemon's processes and configuration"
     description = "Show the running daemon's children (PIDs, state, uptime, restarts), serve mode, config hash and endpoint health."
-
-    def validate(self, args: argparse.Namespace) -> None:
-        """Nothing to check before `cmd`."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
@@ -77,7 +75,7 @@ class StatusCommand:
         return 0
 
 
-class ReloadCommand:
+class ReloadCommand(CLISubcommand):
     """``pkgd reload``: re-compose and apply the config, as SIGHUP does, and wait for the outcome."""
 
     name = "reload"
@@ -86,9 +84,6 @@ class ReloadCommand:
         "Make the running daemon compose its configuration again and apply the difference, as SIGHUP does; "
         "waits for the outcome and exits 1 when the new configuration was rejected or failed to start."
     )
-
-    def validate(self, args: argparse.Namespace) -> None:
-        """Nothing to check before `cmd`."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
@@ -106,7 +101,7 @@ class ReloadCommand:
         return 0 if reply.get("ok") else 1
 
 
-def cmd_init() -> list[Any]:
+def cmd_init() -> list[CLISubcommand]:
     """The subcommands this module adds to ``pkgd``."""
     return [StatusCommand(), ReloadCommand()]
 
@@ -149,18 +144,3 @@ def format_reload(r: dict[str, Any]) -> str:
     if "duration_s" in r:
         text += f" in {r['duration_s']:.2f} s"
     return "\n".join([text, *(f"  {p}" for p in r.get("problems", []))])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m pkgd.cli.ctl status``) until ``pkgd`` wires the table."""
-    parser = argparse.ArgumentParser(prog="pkgd")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    commands = {c.name: c for c in cmd_init()}
-    for c in commands.values():
-        c.subparser_init(subparsers)
-    args = parser.parse_args(argv)
-    return commands[args.command].cmd(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

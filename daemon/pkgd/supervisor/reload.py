@@ -4,6 +4,8 @@ A reload never leaves the daemon worse off. An invalid config changes nothing (e
 is logged with its dotted path). A valid one is applied by the most disruptive reload class
 among its changed fields (``x-reload`` in the schema, `pkgd.config.fields.ReloadClass`):
 
+The plan is `pkgd.config.reload.plan_reload` (the same one ``pkgd config diff`` shows):
+
 * ``live`` — rewrite ``config.json`` and SIGHUP every child; they re-read it (log level, API
   keys, CORS, served names) and so does the supervisor (its own log level, restart policy).
 * ``api`` — rolling restart of the API servers on the held socket(s): start a new set, wait
@@ -23,16 +25,16 @@ A new set that fails to start is stopped and the old config stays in force.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from pkgd import log
-from pkgd.config.fields import RELOAD_ORDER, ReloadClass
+from pkgd.config.fields import ReloadClass
+from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
 from pkgd.supervisor.children import Child, ChildStartError
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
@@ -52,56 +54,6 @@ class ReloadFailed(Exception):
 
 class RollbackFailed(Exception):
     """A stop-first swap failed and the old config could not be started again either."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafChange:
-    """One changed leaf and the reload class of its field."""
-
-    key: str
-    old: Any
-    new: Any
-    reload: ReloadClass
-
-
-@dataclasses.dataclass(frozen=True)
-class ReloadPlan:
-    """The changed leaves and the most disruptive class among them (LIVE when none changed).
-
-    The same shape as the config engineer's `pkgd.config.reload.ReloadPlan`, which replaces
-    this local planner once it is on main.
-    """
-
-    changes: tuple[LeafChange, ...]
-    reload_class: ReloadClass
-
-    @property
-    def is_noop(self) -> bool:
-        return not self.changes
-
-    @property
-    def changed(self) -> tuple[str, ...]:
-        return tuple(c.key for c in self.changes)
-
-
-def plan_reload(old: VllmConfig, new: VllmConfig) -> ReloadPlan:
-    """Diff two configs leaf by leaf, classifying each change by its field's ``x-reload``."""
-    changes: list[LeafChange] = []
-    _diff(old, new, "", changes)
-    worst = max((c.reload for c in changes), key=RELOAD_ORDER.index, default=ReloadClass.LIVE)
-    return ReloadPlan(tuple(changes), worst)
-
-
-def _diff(old: BaseModel, new: BaseModel, prefix: str, out: list[LeafChange]) -> None:
-    for name, info in type(old).model_fields.items():
-        a, b = getattr(old, name), getattr(new, name)
-        if a == b:
-            continue
-        if isinstance(a, BaseModel) and isinstance(b, BaseModel):
-            _diff(a, b, f"{prefix}{name}.", out)
-            continue
-        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        out.append(LeafChange(f"{prefix}{name}", a, b, ReloadClass(extra.get("x-reload", ReloadClass.ENGINE.value))))
 
 
 def config_problems(exc: BaseException) -> list[str]:
