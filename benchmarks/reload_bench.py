@@ -80,7 +80,9 @@ class Clients:
                 session()
                 err = None
             except Exception as exc:  # every failure counts; the benchmark reports them
-                err = f"{type(exc).__name__}: {exc}"[:200]
+                cause = exc.__cause__ or exc.__context__
+                err = f"{type(exc).__name__}: {exc}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+                err = err[:300]
             self.results.append((t0, time.monotonic(), err))
 
     def failed_between(self, a: float, b: float) -> list[str]:
@@ -143,6 +145,7 @@ def main() -> int:
     ap.add_argument("--fake", action="store_true", help="fake children (supervisor overhead only)")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", choices=["frontend", "model"], help="run one kind of change")
     ap.add_argument("--retries", type=int, default=0, help="openai client max_retries (its default is 2); 0 counts every failed attempt")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pkgd-bench-", dir="/tmp"))
@@ -174,6 +177,8 @@ def main() -> int:
         print(f"baseline: {clients.done_between(t0, time.monotonic()) / 3:.1f} requests/s, failed {len(clients.failed_between(t0, time.monotonic()))}")
         print(f"{'change':<22} {'round':>5} {'SIGHUP->READY s':>16} {'drained s':>10} {'ok':>6} {'failed':>7}")
         for key, values in changes.items():
+            if args.only and not key.startswith({"frontend": "frontend.", "model": "model."}[args.only]):
+                continue
             times = []
             for r in range(args.rounds):
                 set_key(config, key, values[r % 2])
