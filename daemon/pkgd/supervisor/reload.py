@@ -36,9 +36,9 @@ from pkgd import log
 from pkgd.config.fields import ReloadClass
 from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
-from pkgd.supervisor.children import Child, ChildStartError
+from pkgd.supervisor.children import ChildStartError
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
-from pkgd.supervisor.topology import api_specs, engine_specs
+from pkgd.supervisor.topology import api_specs
 
 if TYPE_CHECKING:
     from pkgd.supervisor.supervisor import Supervisor
@@ -143,17 +143,10 @@ async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
     sup.swap_listeners(listeners)
 
 
-async def _start_engines_and_apis(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> tuple[dict[int, Child], dict[int, Child]]:
-    fleet = sup.fleet
-    cores = engine_specs(new, plan, sup.runtime, fleet.engine_generation + 1, sup.entry, sup.engine_env())
-    addresses = {spec.index: spec.address for spec in cores}
-    apis = api_specs(new, plan, sup.runtime, listeners, addresses, fleet.api_generation + 1, sup.entry, sup.api_env())
-    return await fleet.start_pair(cores, apis)
-
-
 async def _swap_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
-    engines, apis = await _start_engines_and_apis(sup, new, plan, listeners)
-    sup.retire(sup.fleet.install(engines=engines, apis=apis))
+    fleet = sup.fleet
+    engines, apis = await sup.start_generation(new, plan, listeners, fleet.engine_generation + 1, fleet.api_generation + 1)
+    sup.retire(fleet.install(engines=engines, apis=apis))
 
 
 async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
@@ -161,7 +154,7 @@ async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, li
     old = fleet.install(engines={}, apis={})
     await sup.stop_in_order(old)
     try:
-        engines, apis = await _start_engines_and_apis(sup, new, plan, listeners)
+        engines, apis = await sup.start_generation(new, plan, listeners, fleet.engine_generation + 1, fleet.api_generation + 1)
     except ChildStartError as exc:
         logger.error("engine_swap_failed", error=str(exc), action="starting the previous configuration again")
         sup.runtime.write_config(sup.config)

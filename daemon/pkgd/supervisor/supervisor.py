@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pkgd import log
-from pkgd.config.vllm_config import VllmConfig
+from pkgd.config.vllm_config import ServePlan, VllmConfig
 from pkgd.supervisor import reload as reloading
 from pkgd.supervisor.children import Child, ChildStartError
 from pkgd.supervisor.control import ControlServer
@@ -154,11 +154,18 @@ class Supervisor:
         return self.exit_code
 
     async def _start(self) -> None:
-        cores = engine_specs(self.config, self.plan, self.runtime, 0, self.entry, self.engine_env())
-        addresses = {spec.index: spec.address for spec in cores}
-        apis = api_specs(self.config, self.plan, self.runtime, self.listeners, addresses, 0, self.entry, self.api_env())
-        self.fleet.install(*await self.fleet.start_pair(cores, apis))
+        self.fleet.install(*await self.start_generation(self.config, self.plan, self.listeners, 0, 0))
         self.fleet.restarts_enabled = True
+
+    async def start_generation(
+        self, config: VllmConfig, plan: ServePlan, listeners: list[Listener], engine_generation: int, api_generation: int
+    ) -> tuple[dict[int, Child], dict[int, Child]]:
+        """Start a complete set for ``config`` (engine cores and the API servers wired to them)
+        and wait until it is ready; see `Fleet.start_pair`."""
+        cores = engine_specs(config, plan, self.runtime, engine_generation, self.entry, self.engine_env())
+        addresses = {spec.index: spec.address for spec in cores}
+        apis = api_specs(config, plan, self.runtime, listeners, addresses, api_generation, self.entry, self.api_env())
+        return await self.fleet.start_pair(cores, apis)
 
     # ---- signals and requests (handlers only flip state) -------------------------------
 
