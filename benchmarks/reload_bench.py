@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -199,6 +200,8 @@ def main() -> int:
         clients.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
+        notify.sock.close()
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
