@@ -52,7 +52,7 @@ ROLE = "engine-core"
 IDLE_POLL_MS = 1000  # idle wake-ups only re-check signals; frames and signals wake at once
 STATS_INTERVAL_S = 0.1  # at most this often a stats-only broadcast while stats keep changing
 
-logger = log.get_logger(__name__)
+logger = log.get_logger("pkgd.engine.core_proc")  # also when run as __main__
 
 
 class EngineCoreProc:
