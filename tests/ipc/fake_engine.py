@@ -8,7 +8,9 @@ finishes with "length" after ``max_tokens`` tokens, or "stop" when it produces E
 makes the next step raise (an engine crash).
 
 Run as a script it behaves like ``python -m pkgd.engine.core_proc`` (same arguments);
-``FAKE_LOAD_SECONDS`` delays loading and ``FAKE_STEP_SECONDS`` slows each step.
+``FAKE_LOAD_SECONDS`` delays loading, ``FAKE_STEP_SECONDS`` slows each step, and
+``FAKE_VOCAB`` / ``FAKE_MAX_MODEL_LEN`` change the reported model (e.g. SmolLM2's 49152 /
+8192, to put a real API server in front of it for a frontend benchmark).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import time
 
 from pkgd.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, TokenLogprobs
 
-VOCAB = 1000
-MAX_MODEL_LEN = 256
+VOCAB = int(os.environ.get("FAKE_VOCAB", "1000"))
+MAX_MODEL_LEN = int(os.environ.get("FAKE_MAX_MODEL_LEN", "256"))
 CRASH_TOKEN = 999
 
 

@@ -77,7 +77,8 @@ class ApiServer:
         self.state = ServerState(config, self.llm, None, server_index=args.server_index)
         self.stop = asyncio.Event()
         self.reload = asyncio.Event()
-        self._drained = asyncio.Event()
+        self.start_cancelled = False
+        self.startup_error: BaseException | None = None  # hypercorn hides it in a string
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: object) -> AsyncIterator[None]:
@@ -87,9 +88,12 @@ class ApiServer:
         await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():
             start.cancel()
+            self.start_cancelled = True
             raise StartupCancelled
         stopped.cancel()
-        start.result()  # raises TimeoutError / TokenizerError
+        if start.exception() is not None:  # TimeoutError, TokenizerError, ModelSourceError
+            self.startup_error = start.exception()
+            raise self.startup_error
         metrics = Metrics(self.state.served_model_names()[0])
         self.llm.metrics = self.state.metrics = metrics
         tasks = [asyncio.create_task(self._drain_on_stop()), asyncio.create_task(self._reload_loop())]
@@ -114,7 +118,6 @@ class ApiServer:
         if self.llm.num_inflight():
             logger.warning("drain_timeout", aborted=self.llm.num_inflight())
             self.llm.abort_all("the server is shutting down (supervisor.drain_timeout passed)")
-        self._drained.set()
 
     async def _reload_loop(self) -> None:
         while True:
@@ -150,6 +153,17 @@ class ApiServer:
         await hypercorn_serve(app, hc, shutdown_trigger=self.stop.wait)
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The original error under hypercorn's lifespan wrapping and exception groups."""
+    while True:
+        if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            return exc
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of the API-server process; returns the exit status."""
     args = parse_args(argv)
@@ -162,16 +176,15 @@ def main(argv: list[str] | None = None) -> int:
         ready.failed(ROLE, f"cannot read config {args.config_file}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE)
-    server = ApiServer(config, args, ready)
+    server: ApiServer | None = None
     try:
+        server = ApiServer(config, args, ready)
         asyncio.run(server.serve())
-    except StartupCancelled:
-        logger.info("start_cancelled")
-        return 0
     except Exception as exc:
-        cause = exc.__cause__ or exc.__context__ or exc
-        if isinstance(exc, BaseExceptionGroup):
-            cause = exc.exceptions[0]
+        if server is not None and server.start_cancelled:  # hypercorn wraps the lifespan's error
+            logger.info("start_cancelled")
+            return 0
+        cause = server.startup_error if server is not None and server.startup_error else _root_cause(exc)
         message = f"API server {args.server_index} failed to start: {type(cause).__name__}: {cause}"
         logger.error("api_server_failed", error=message)
         ready.failed(ROLE, message)

@@ -1,0 +1,91 @@
+"""The API-server process entry (``python -m pkgd.api.server``) as the supervisor runs it: ready
+frame, SIGHUP live reload, SIGTERM before ready, start-up failures. The engine core is the
+real ``core_proc`` loop around the fast fake core (no model), reporting SmolLM2's vocabulary."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.ipc import transport
+from pkgd.ipc.messages import ApiServerReady, ChildFailed
+
+from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_config
+
+FAKE_ENV = {"FAKE_VOCAB": "49152", "FAKE_MAX_MODEL_LEN": "8192"}
+
+
+@pytest.fixture
+def tokenizer_ready():
+    pytest.importorskip("pkgd.engine.tokenizer", reason="the engine's frontend is not merged yet")
+    pytest.importorskip("pkgd.runner.loader.resolve", reason="the runner's model resolver is not merged yet")
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for child in started:
+        child.stop()
+
+
+def test_ready_frame_then_sighup_reloads_live_fields(tmp_path, procs, tokenizer_ready):
+    cfg = write_config(tmp_path, VllmConfig.model_validate({"frontend": {"api_keys": ["old"]}}))
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address], index=3))
+    msg = api.wait_ready(60)
+    assert isinstance(msg, ApiServerReady) and msg.server_index == 3 and msg.pid == api.proc.pid
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer old"}).status_code == 200
+
+    new = VllmConfig.model_validate({"frontend": {"api_keys": ["new"], "served_model_names": ["smol"]}})
+    tmp = cfg.with_suffix(".tmp")
+    tmp.write_text(json.dumps(new.to_json_dict(reveal_secrets=True)))
+    tmp.replace(cfg)  # the supervisor replaces config.json atomically, then sends SIGHUP
+    api.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer new"}).status_code != 200:
+        assert time.monotonic() < deadline, "SIGHUP did not apply the new API key"
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer old"}).status_code == 401
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer new"}).json()
+    assert [m["id"] for m in models["data"]] == ["smol"]
+    assert api.proc.poll() is None
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(10) == 0
+
+
+def test_sigterm_while_waiting_for_the_engine_exits_promptly(tmp_path, procs, tokenizer_ready):
+    cfg = write_config(tmp_path)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [transport.ipc_address(tmp_path, 0)]))  # nothing there
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(5) == 0 and time.monotonic() - t0 < 2
+
+
+def test_no_engine_within_the_ready_timeout_is_child_failed(tmp_path, procs, tokenizer_ready):
+    cfg = write_config(tmp_path, VllmConfig.model_validate({"supervisor": {"engine_ready_timeout": 1}}))
+    procs.append(api := spawn_api_server(cfg, listen_socket(), [transport.ipc_address(tmp_path, 0)]))
+    msg = api.wait_ready(60)
+    assert isinstance(msg, ChildFailed) and msg.role == "api-server"
+    assert msg.message == "API server 0 failed to start: TimeoutError: no engine core answered within 1 s"
+    assert api.proc.wait(10) == 1
+
+
+def test_bad_engine_address_is_child_failed(tmp_path, procs):
+    cfg = write_config(tmp_path)
+    procs.append(api := spawn_api_server(cfg, listen_socket(), ["http://nowhere"]))
+    msg = api.wait_ready(60)
+    assert isinstance(msg, ChildFailed) and "ipc://PATH or tcp://HOST:PORT" in msg.message
+    assert api.proc.wait(10) == 1
