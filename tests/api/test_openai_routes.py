@@ -166,3 +166,33 @@ async def test_engine_failure_mid_stream_ends_with_an_error_event(tokenizer):
         r = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
         assert r.status_code == 503 and "disconnected" in r.json()["error"]["message"]
         assert state.llm.num_inflight() == 0
+
+
+async def test_request_timeout_aborts_with_503(tokenizer):
+    from pkgd.config.vllm_config import VllmConfig
+
+    cfg = VllmConfig.model_validate({"frontend": {"request_timeout": 0.2}})
+    async with served(tokenizer, config=cfg) as (http, state, fake):
+        fake.delay = 0.1  # 9 tokens take ~0.9 s
+        r = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert r.status_code == 503 and "request_timeout" in r.json()["error"]["message"]
+        assert fake.aborted == [fake.added[0].request_id] and state.llm.num_inflight() == 0
+
+
+async def test_log_requests_logs_one_line_per_request(tokenizer):
+    import io
+
+    from pkgd import log
+    from pkgd.config.vllm_config import VllmConfig
+
+    cfg = VllmConfig.model_validate({"logging": {"log_requests": True, "format": "json"}})
+    buf = io.StringIO()
+    log.configure(cfg.logging, role="api-server", stream=buf)
+    try:
+        async with served(tokenizer, config=cfg) as (http, _s, _f):
+            r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, headers={"x-request-id": "abc"})
+    finally:
+        log.configure(role="test")
+    lines = [json.loads(line) for line in buf.getvalue().splitlines() if "request_finished" in line]
+    assert len(lines) == 1 and lines[0]["request_id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-abc-")
+    assert lines[0]["completion_tokens"] == 3 and lines[0]["finish_reason"] == "length" and lines[0]["role"] == "api-server"

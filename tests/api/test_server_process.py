@@ -89,3 +89,24 @@ def test_bad_engine_address_is_child_failed(tmp_path, procs):
     msg = api.wait_ready(60)
     assert isinstance(msg, ChildFailed) and "ipc://PATH or tcp://HOST:PORT" in msg.message
     assert api.proc.wait(10) == 1
+
+
+def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
+    import subprocess
+    import sys
+
+    cfg = write_config(tmp_path)
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address]))
+    api.wait_ready(60)
+    out = tmp_path / "fig.json"
+    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", f"http://127.0.0.1:{sock.getsockname()[1]}",
+                        "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "8", "--output-len", "5",
+                        "--output-json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
+    fig = json.loads(out.read_text())
+    assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0

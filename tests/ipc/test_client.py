@@ -202,3 +202,29 @@ def test_unreadable_config_is_reported_as_child_failed(tmp_path):
     msg = e.wait_ready(30)
     assert isinstance(msg, ChildFailed) and "model.dtype" in msg.message.replace("\n", " ") or "dtype" in msg.message
     assert e.proc.wait(10) == 1
+
+
+def test_cores_are_reachable_over_tcp(engines, runtime):
+    import socket
+
+    tmp, cfg = runtime
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    e = spawn_engine(cfg, address, 0)
+    try:
+        assert isinstance(e.wait_ready(30), Handshake)
+
+        async def main():
+            sink = Sink()
+            client = EngineClient([address], sink)
+            assert await client.start(10)
+            client.add_requests([request("t", (40,), 3)])
+            await sink.wait_for(["t"])
+            assert sink.tokens["t"] == [41, 42, 43]
+            await client.close()
+
+        asyncio.run(main())
+    finally:
+        e.stop()

@@ -210,9 +210,10 @@ def test_shutdown_frame_aborts_everything_and_tells_the_clients(served):
 
 
 def test_a_crashing_step_fails_every_request_with_an_error(served):
+    served.core.step_seconds = 0.01
     c = served.client("a")
     hello(c)
-    c.send(encode(req("ok", max_tokens=100)))
+    c.send(encode(req("ok", max_tokens=240)))
     c.send(encode(req("boom", prompt=(CRASH_TOKEN, 1))))
     served.thread.join(3)
     assert isinstance(served.error, RuntimeError)

@@ -36,11 +36,12 @@ logger = log.get_logger(__name__)
 class RequestStream:
     """Outputs of one client request, in order; an error ends it."""
 
-    __slots__ = ("_items", "_event", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens", "finished")
+    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens", "finished")
 
-    def __init__(self, engine_ids: list[str], prompt_len: int) -> None:
+    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int) -> None:
         self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
         self._event = asyncio.Event()
+        self.request_id = request_id
         self.engine_ids = engine_ids
         self.prompt_len = prompt_len
         self.t_arrival = time.monotonic()
@@ -134,7 +135,7 @@ class AsyncLLM:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         engine_ids = [r.request_id for r in processed.engine_requests]
-        stream = RequestStream(engine_ids, len(processed.prompt_token_ids))
+        stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids))
         self.output_processor.add_request(processed)
         self._streams[rid] = stream
         for eid in engine_ids:
@@ -156,7 +157,7 @@ class AsyncLLM:
                     return
         finally:
             if not stream.finished:  # consumer left, timed out, or the engine failed it
-                self._finish_metrics(stream, "abort")
+                self._finished(stream, "abort")
             self._forget(rid, abort=not stream.finished)
 
     def abort_all(self, message: str) -> None:
@@ -179,9 +180,8 @@ class AsyncLLM:
 
     def on_outputs(self, msg: EngineOutputs) -> None:
         now = time.monotonic()
-        if self.metrics is not None:
-            for out in msg.outputs:
-                self._count_tokens(out.request_id, len(out.new_token_ids), now)
+        for out in msg.outputs:
+            self._count_tokens(out.request_id, len(out.new_token_ids), now)
         result = self.output_processor.process_outputs(msg.outputs)
         if result.reqs_to_abort:
             self.client.abort_requests(result.reqs_to_abort)
@@ -191,7 +191,7 @@ class AsyncLLM:
                 continue
             if ro.finished:
                 stream.finished = True
-                self._finish_metrics(stream, _finish_reason(ro))
+                self._finished(stream, _finish_reason(ro))
             stream.put(ro)
 
     def on_request_error(self, request_ids: list[str], error: EngineRequestError) -> None:
@@ -205,18 +205,24 @@ class AsyncLLM:
         stream = self._streams.get(self._client_of.get(engine_id, ""))
         if stream is None or not num:
             return
-        assert self.metrics is not None
-        if stream.t_last is None:
-            self.metrics.first_token(now - stream.t_arrival, stream.prompt_len)
-            self.metrics.tokens(num, None)
-        else:
-            self.metrics.tokens(num, now - stream.t_last)
+        if self.metrics is not None:
+            if stream.t_last is None:
+                self.metrics.first_token(now - stream.t_arrival, stream.prompt_len)
+                self.metrics.tokens(num, None)
+            else:
+                self.metrics.tokens(num, now - stream.t_last)
         stream.t_last = now
         stream.num_tokens += num
 
-    def _finish_metrics(self, stream: RequestStream, reason: str) -> None:
+    def _finished(self, stream: RequestStream, reason: str) -> None:
+        """Count a finished request; with ``logging.log_requests`` log one line for it."""
+        latency = time.monotonic() - stream.t_arrival
         if self.metrics is not None:
-            self.metrics.finished(reason, time.monotonic() - stream.t_arrival)
+            self.metrics.finished(reason, latency)
+        if self.config.logging.log_requests:
+            logger.info("request_finished", request_id=stream.request_id, finish_reason=reason,
+                        prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
+                        latency_s=round(latency, 4))
 
 
 def _finish_reason(ro: RequestOutput) -> str:

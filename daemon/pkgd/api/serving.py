@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import structlog
 from starlette.requests import Request
 
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
@@ -36,10 +37,15 @@ class ClientDisconnected(Exception):
 
 
 def request_id(prefix: str, request: Request) -> str:
-    """``prefix-<32 hex>``, or the client's ``X-Request-Id`` when it sent one (made unique)."""
+    """``prefix-<32 hex>``, or the client's ``X-Request-Id`` when it sent one (made unique).
+
+    Also binds it to this request's log lines (each ASGI request runs in its own task, so
+    the binding ends with the request)."""
     given = request.headers.get("x-request-id")
     suffix = uuid.uuid4().hex
-    return f"{prefix}-{given}-{suffix[:8]}" if given else f"{prefix}-{suffix}"
+    rid = f"{prefix}-{given}-{suffix[:8]}" if given else f"{prefix}-{suffix}"
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    return rid
 
 
 def sampling_params(
