@@ -110,3 +110,23 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
     assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
     fig = json.loads(out.read_text())
     assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0
+
+
+def test_serves_an_inherited_unix_socket(tmp_path, procs, tokenizer_ready):
+    import socket
+
+    cfg = write_config(tmp_path)
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    path = str(tmp_path / "api.sock")
+    uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    uds.bind(path)
+    uds.listen(64)
+    uds.set_inheritable(True)
+    procs.append(api := spawn_api_server(cfg, uds, [address]))
+    api.wait_ready(60)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://pkgd") as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

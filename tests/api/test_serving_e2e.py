@@ -127,6 +127,23 @@ def test_client_disconnect_mid_stream_leaves_no_running_request(daemon):
     assert daemon.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+def test_client_disconnect_during_a_non_streaming_request_aborts_it(daemon):
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": "Write a long story.", "max_tokens": 1500, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", daemon.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 10
+        while daemon.metric("vllm:num_requests_running") != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while daemon.metric("vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the engine still runs the abandoned request"
+        time.sleep(0.1)
+
+
 def test_every_bad_input_gets_its_status_and_health_still_answers(daemon):
     with httpx.Client(base_url=daemon.url, timeout=30) as http:
         for path, body, status, _words in CASES:
