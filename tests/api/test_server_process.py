@@ -130,3 +130,35 @@ def test_serves_an_inherited_unix_socket(tmp_path, procs, tokenizer_ready):
         assert http.get("/health").json() == {"status": "ok"}
         r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_one_api_server_balances_requests_over_two_engine_cores(tmp_path, procs, tokenizer_ready):
+    import concurrent.futures
+
+    cfg = write_config(tmp_path)
+    addresses = [transport.ipc_address(tmp_path, i) for i in (0, 1)]
+    for i, address in enumerate(addresses):
+        procs.append(e := spawn_engine(cfg, address, i, env={**FAKE_ENV, "FAKE_STEP_SECONDS": "0.02"}))
+        e.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, addresses))
+    api.wait_ready(60)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def running() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("vllm:num_requests_running{"):
+                out[line.split('engine="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": [7], "max_tokens": 100}, timeout=60)
+                   for _ in range(8)]
+        seen: dict[str, float] = {}
+        while not all(f.done() for f in futures):
+            for k, v in running().items():
+                seen[k] = max(seen.get(k, 0), v)
+            time.sleep(0.05)
+        assert all(f.result().status_code == 200 for f in futures)
+    assert seen.get("0", 0) >= 3 and seen.get("1", 0) >= 3, seen  # 8 requests split over both cores
