@@ -106,12 +106,14 @@ async def test_no_engine_available_is_503_and_health_says_so(tokenizer):
         assert (await http.get("/health")).status_code == 200
 
 
-async def test_draining_answers_503(tokenizer):
+async def test_draining_health_is_503_and_stragglers_are_served_with_connection_close(tokenizer):
     async with served(tokenizer) as (http, state, _f):
+        assert "connection" not in (await http.get("/health")).headers
         state.draining = True
-        assert (await http.get("/health")).status_code == 503
+        r = await http.get("/health")
+        assert r.status_code == 503 and r.headers["connection"] == "close"
         r = await http.post("/v1/chat/completions", json={"messages": MESSAGES})
-        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        assert r.status_code == 200 and r.headers["connection"] == "close"
 
 
 async def test_engine_rejection_is_400(tokenizer):

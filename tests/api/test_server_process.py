@@ -162,3 +162,33 @@ def test_one_api_server_balances_requests_over_two_engine_cores(tmp_path, procs,
             time.sleep(0.05)
         assert all(f.result().status_code == 200 for f in futures)
     assert seen.get("0", 0) >= 3 and seen.get("1", 0) >= 3, seen  # 8 requests split over both cores
+
+
+def test_sigterm_stops_accepting_but_answers_keep_alive_stragglers(tmp_path, procs, tokenizer_ready):
+    """What a rolling restart needs: after SIGTERM, requests on already open keep-alive
+    connections are still answered (with Connection: close; /health with 503), while new
+    connections are left to the other API servers sharing the socket."""
+    import socket
+
+    cfg = write_config(tmp_path)
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address]))
+    api.wait_ready(60)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with httpx.Client(base_url=url) as a, httpx.Client(base_url=url) as b:
+        assert a.get("/health").status_code == 200 and b.get("/health").status_code == 200  # both kept alive
+        api.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        r = a.get("/health")
+        assert r.status_code == 503 and r.headers["connection"] == "close"
+        r = b.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["connection"] == "close"
+    with socket.create_connection(("127.0.0.1", sock.getsockname()[1])) as fresh:
+        fresh.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        fresh.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            fresh.recv(100)  # queued in the (supervisor's) listen backlog; this server no longer accepts
+    assert api.proc.wait(10) == 0

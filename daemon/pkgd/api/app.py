@@ -2,8 +2,8 @@
 
 Outermost `LiveCORS` (Starlette's ``CORSMiddleware`` rebuilt when ``frontend.cors``
 changes), then `GuardMiddleware`: the request body limit (``frontend.max_request_body_bytes``,
-413) and Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
-`hmac.compare_digest`). Both read ``state.config`` on every request, so a SIGHUP reload of
+413), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
+`hmac.compare_digest`) and, while draining, ``Connection: close`` on every response. Both read ``state.config`` on every request, so a SIGHUP reload of
 these live fields needs no restart. ``/health``, ``/version``, ``/metrics`` and the OpenAPI
 docs (``/docs``) are open; everything else needs a key when keys are configured.
 """
@@ -63,6 +63,8 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.state.draining:
+            send = _closing(send)
         f = self.state.config.frontend
         if f.api_keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope, f.api_keys):
             await _send_json(send, 401, _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "invalid_api_key"),
@@ -92,6 +94,18 @@ class GuardMiddleware:
         for key in keys:  # no early exit: the time taken does not tell which key matched
             ok |= hmac.compare_digest(given, key.get_secret_value().encode())
         return ok
+
+
+def _closing(send: Send) -> Send:
+    """``send`` adding ``Connection: close`` to the response (draining: the client's next
+    request must open a new connection, which another API server accepts)."""
+
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -3,7 +3,7 @@
 
 Status by cause: invalid body or values 400, missing/wrong API key 401, unknown model or
 route 404, wrong method 405, body over ``frontend.max_request_body_bytes`` 413, no engine
-core available or draining 503, a failure inside pkgd 500.
+core available 503, a failure inside pkgd 500.
 """
 
 from __future__ import annotations

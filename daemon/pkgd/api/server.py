@@ -11,10 +11,12 @@ load the tokenizer, then write `ApiServerReady` on the ready pipe (or `ChildFail
 1).
 
 Signals (handlers only set state; tasks do the work):
-- SIGTERM/SIGINT: drain. Stop accepting (hypercorn closes this process's copy of the
-  listener, so new connections go to the other API servers), answer 503 (``/health``
-  included) to anything that still arrives, let requests in flight finish for up to
-  ``supervisor.drain_timeout`` seconds, then fail the rest with an error; exit 0.
+- SIGTERM/SIGINT: drain. Stop accepting at once (new connections go to the other API
+  servers sharing the socket), answer ``/health`` with 503, and for ``DRAIN_GRACE_S`` keep
+  serving what still arrives on open keep-alive connections, with ``Connection: close`` (so
+  a client racing the shutdown gets an answer, not a reset, and reconnects elsewhere); then
+  hypercorn closes idle connections, requests in flight may finish for up to
+  ``supervisor.drain_timeout`` seconds, and the rest fail with an error; exit 0.
 - SIGHUP: re-read the config file and apply its live fields (API keys, CORS, served model
   names, generation defaults, log level).
 
@@ -46,6 +48,7 @@ from pkgd.ipc.messages import ApiServerReady
 
 ROLE = "api-server"
 DRAIN_POLL_S = 0.05
+DRAIN_GRACE_S = 0.5  # answer keep-alive stragglers before hypercorn closes idle connections
 # hypercorn's own wait for connections beyond our drain: time for aborted requests to answer
 GRACE_AFTER_DRAIN_S = 2.0
 
@@ -133,8 +136,16 @@ class ApiServer:
             logger.info("reloaded", config=new.digest())
 
     def on_stop_signal(self) -> None:
+        if self.state.draining:
+            return
         self.state.draining = True
-        self.stop.set()
+        loop = asyncio.get_running_loop()
+        # Stop accepting now: hypercorn's server reads the inherited listener's fd number.
+        loop.remove_reader(self.args.listen_fd)
+        if self.llm.input_processor is None:  # still starting: nothing to drain
+            self.stop.set()
+        else:
+            loop.call_later(DRAIN_GRACE_S, self.stop.set)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()

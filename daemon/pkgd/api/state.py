@@ -55,9 +55,12 @@ class ServerState:
     # ---- readiness -------------------------------------------------------------------------
 
     def check_ready(self) -> None:
-        """Raise a 503 while draining or while no engine core is available."""
-        if self.draining:
-            raise APIError(503, "the server is shutting down; retry on another instance")
+        """Raise a 503 while no engine core is available.
+
+        Draining does not refuse work: a request that still reaches a draining server (on a
+        keep-alive connection opened before) is served, with ``Connection: close`` so the
+        client's next request goes to another API server; only ``/health`` says 503.
+        """
         if not self.llm.is_ready():
             raise APIError(503, "no engine core is available (starting or restarting); retry shortly")
 
