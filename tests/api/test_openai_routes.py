@@ -196,3 +196,20 @@ async def test_log_requests_logs_one_line_per_request(tokenizer):
     lines = [json.loads(line) for line in buf.getvalue().splitlines() if "request_finished" in line]
     assert len(lines) == 1 and lines[0]["request_id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-abc-")
     assert lines[0]["completion_tokens"] == 3 and lines[0]["finish_reason"] == "length" and lines[0]["role"] == "api-server"
+
+
+async def test_chat_echo_continues_the_final_assistant_message(tokenizer):
+    async with served(tokenizer) as (http, _s, _f):
+        body = {"messages": [*MESSAGES, {"role": "assistant", "content": "Well,"}], "echo": True,
+                "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3}
+        r = (await http.post("/v1/chat/completions", json=body)).json()
+        assert r["choices"][0]["message"]["content"].startswith("Well,The")
+
+
+async def test_stop_may_be_a_single_string_and_stop_token_ids_end_a_request(tokenizer):
+    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    async with served(tokenizer) as (http, _s, fake):
+        r = (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop": " France"})).json()
+        assert r["choices"][0]["text"] == "The capital of" and r["choices"][0]["finish_reason"] == "stop"
+        r = (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop_token_ids": [ids[2]]})).json()
+        assert r["choices"][0]["finish_reason"] == "stop" and fake.added[-1].sampling_params.stop_token_ids == [ids[2]]

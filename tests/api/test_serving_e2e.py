@@ -94,6 +94,14 @@ def test_usage_counts_match_the_tokens(daemon):
     assert usage[-1].model_dump() == r.usage.model_dump()
 
 
+def test_seed_makes_sampling_reproducible(daemon):
+    c = daemon.client()
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0)
+    a, b = (c.completions.create(**args, seed=1234).choices[0].text for _ in range(2))
+    others = {c.completions.create(**args, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert a == b and len(others | {a}) > 1
+
+
 def test_32_concurrent_streams_complete(daemon):
     async def one(c: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
         stream = await c.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=16, temperature=0, stream=True)
