@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -42,6 +43,12 @@ def _nested(items: list[str]) -> dict:
             d = d.setdefault(p, {})
         d[leaf] = yaml.safe_load(value)
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def vm_hwm(pid: int) -> int:
@@ -79,8 +86,15 @@ def main() -> int:
     print(f"started engine + {args.api_servers} API server(s) in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     bargs.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
+        cpu0 = {a.proc.pid: cpu_seconds(a.proc.pid) for a in apis}
+        engine_cpu0 = cpu_seconds(engine.proc.pid)
         fig = asyncio.run(bench_serve.run_load(bargs))
         bench_serve.print_report(fig)
+        api_cpu = sum(cpu_seconds(pid) - c for pid, c in cpu0.items())
+        n = fig["num_prompts"] + bargs.warmup
+        print(f"CPU during the run: API server(s) {api_cpu:.1f} s = {1e3 * api_cpu / n:.2f} ms per request "
+              f"(~{n / api_cpu:.0f} requests/s per core), engine {cpu_seconds(engine.proc.pid) - engine_cpu0:.1f} s, "
+              f"wall {fig['elapsed_s']:.1f} s")
         rss = {"engine": vm_hwm(engine.proc.pid), **{f"api{i}": vm_hwm(a.proc.pid) for i, a in enumerate(apis)}}
         print("Peak RSS (VmHWM): " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in rss.items())
               + f"; sum {sum(rss.values()) / 1e6:.0f} MB")
