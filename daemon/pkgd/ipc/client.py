@@ -88,6 +88,7 @@ class _Core:
         self.address = address
         self.sock = sock
         self.handshake: Handshake | None = None
+        self.engine_index: int | None = None  # from the last handshake, kept while down
         self.connected = False
         self.inflight: set[str] = set()
         self.stats = SchedulerStats()
@@ -167,8 +168,9 @@ class EngineClient:
         return next((c.handshake for c in self._cores if c.available), None)
 
     def engine_stats(self) -> dict[int, SchedulerStats]:
-        """Last `SchedulerStats` per engine index, of the cores that handshook."""
-        return {c.handshake.engine_index: c.stats for c in self._cores if c.handshake is not None}
+        """Last `SchedulerStats` per engine index (all zero for a core that is down: its
+        requests failed), of the cores that ever handshook."""
+        return {c.engine_index: c.stats for c in self._cores if c.engine_index is not None}
 
     def num_inflight(self) -> int:
         return len(self._owner)
@@ -180,8 +182,8 @@ class EngineClient:
         loaded available core; returns that core's engine index.
 
         Raises:
-            EngineUnavailableError: no core is available, or the chosen core's connection
-                dropped while sending (nothing was sent).
+            EngineUnavailableError: no core is available, or sending to the chosen core
+                failed (its requests in flight then fail too).
         """
         candidates = [c for c in self._cores if c.available]
         if not candidates:
@@ -236,6 +238,7 @@ class EngineClient:
                 core.connected = False
                 was = core.handshake
                 core.handshake = None
+                core.stats, core.inflight_at_stats = SchedulerStats(), 0
                 logger.warning("engine_disconnected", address=core.address, engine_index=was.engine_index if was else None)
                 self._fail_core(core, f"engine core at {core.address} disconnected (crashed or restarting)")
             self._changed.set()
@@ -270,6 +273,7 @@ class EngineClient:
             logger.error("engine_version_mismatch", address=core.address, engine=msg.version, client=PROTOCOL_VERSION)
             return
         core.handshake = msg
+        core.engine_index = msg.engine_index
         logger.info("engine_connected", address=core.address, engine_index=msg.engine_index, pid=msg.pid)
         self._changed.set()
 
