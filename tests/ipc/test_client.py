@@ -136,12 +136,14 @@ def test_killed_core_fails_inflight_requests_then_recovers_when_restarted(engine
         assert await client.start(10)
         client.add_requests([request("r", (1,), 200)])
         await asyncio.sleep(0.3)
+        assert client.engine_stats()[0].num_running_reqs == 1
         t0 = time.monotonic()
         os.kill(e.proc.pid, signal.SIGKILL)
         await sink.wait_for(["r"], timeout=10)
         assert "disconnected" in str(sink.errors["r"]) and not sink.errors["r"].rejected
         assert time.monotonic() - t0 < 3
         assert not client.is_available()
+        assert client.engine_stats()[0].num_running_reqs == 0  # the dead core's last stats are gone
         with pytest.raises(EngineUnavailableError):
             client.add_requests([request("x")])
         engines(0).wait_ready(30)  # the supervisor restarts it at the same address
