@@ -94,15 +94,18 @@ class AsyncLLM:
             TimeoutError: no engine core answered within ``handshake_timeout`` seconds.
             pkgd.engine.tokenizer.TokenizerError: the tokenizer cannot be loaded.
         """
-        from pkgd.engine.input_processor import InputProcessor
-        from pkgd.engine.output_processor import OutputProcessor
-
+        # The heavy imports run while the engine cores load; the tokenizer itself is read only
+        # after a handshake, when the engine has resolved (for a GGUF: converted) the model, so
+        # this process never converts weights nor imports torch.
+        preload = asyncio.ensure_future(asyncio.to_thread(_import_frontend))
         await self.client.start(timeout=min(handshake_timeout, 10.0))
         deadline = time.monotonic() + handshake_timeout
         while self.client.handshake is None:
             if time.monotonic() > deadline:
+                preload.cancel()
                 raise TimeoutError(f"no engine core answered within {handshake_timeout:.0f} s")
             await asyncio.sleep(0.05)
+        InputProcessor, OutputProcessor = await preload  # noqa: N806 - classes
         self.handshake = hs = self.client.handshake
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_frontend_tokenizer, self.config)
@@ -228,6 +231,18 @@ class AsyncLLM:
 def _finish_reason(ro: RequestOutput) -> str:
     reasons = [c.finish_reason for c in ro.outputs if c.finish_reason]
     return reasons[-1] if reasons else "stop"
+
+
+def _import_frontend() -> tuple[type, type]:
+    """Import the engine's frontend side and the tokenizer stack (about a second)."""
+    import transformers  # noqa: F401 - the tokenizer backend, imported once here
+
+    from pkgd.engine.input_processor import InputProcessor
+    from pkgd.engine.output_processor import OutputProcessor
+    from pkgd.engine.tokenizer import load_tokenizer  # noqa: F401
+    from pkgd.runner.loader.resolve import resolve_model  # noqa: F401
+
+    return InputProcessor, OutputProcessor
 
 
 def load_frontend_tokenizer(config: VllmConfig) -> Any:
