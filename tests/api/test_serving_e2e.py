@@ -254,3 +254,20 @@ def test_engine_core_killed_gives_errors_then_503_then_recovers(tmp_path):
         assert d.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
     finally:
         d.stop()
+
+
+def test_sigterm_while_the_real_engine_loads_exits_within_2_seconds(tmp_path):
+    pytest.importorskip("pkgd.engine.core", reason="the engine is not merged yet")
+    cfg = write_config(tmp_path)
+    e = spawn_engine(cfg, transport.ipc_address(tmp_path, 0), fake=False)
+    try:
+        time.sleep(1.5)  # interpreter up, torch and the model loading
+        import select
+
+        assert e.proc.poll() is None and not select.select([e.ready_fd], [], [], 0)[0], "already loaded"
+        t0 = time.monotonic()
+        e.proc.send_signal(signal.SIGTERM)
+        assert e.proc.wait(5) == 0
+        assert time.monotonic() - t0 < 2
+    finally:
+        e.stop()
