@@ -128,3 +128,16 @@ async def test_engine_rejection_is_400(tokenizer):
         fake.add_requests = reject
         r = await http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 400 and "banned" in r.json()["error"]["message"]
+
+
+async def test_a_request_in_flight_when_draining_starts_is_answered_with_connection_close(tokenizer):
+    import asyncio
+
+    async with served(tokenizer) as (http, state, fake):
+        fake.delay = 0.05
+        pending = asyncio.ensure_future(http.post("/v1/chat/completions", json={"messages": MESSAGES}))
+        await asyncio.sleep(0.1)
+        assert fake.added and not pending.done()
+        state.draining = True
+        r = await pending
+        assert r.status_code == 200 and r.headers["connection"] == "close"

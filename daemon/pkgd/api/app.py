@@ -63,8 +63,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.state.draining:
-            send = _closing(send)
+        send = _closing_when_draining(send, self.state)
         f = self.state.config.frontend
         if f.api_keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope, f.api_keys):
             await _send_json(send, 401, _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "invalid_api_key"),
@@ -96,12 +95,13 @@ class GuardMiddleware:
         return ok
 
 
-def _closing(send: Send) -> Send:
-    """``send`` adding ``Connection: close`` to the response (draining: the client's next
-    request must open a new connection, which another API server accepts)."""
+def _closing_when_draining(send: Send, state: ServerState) -> Send:
+    """``send`` adding ``Connection: close`` to a response that starts while draining (also
+    for requests that arrived before), so the client's next request opens a new connection,
+    which another API server accepts, instead of racing this server's close."""
 
     async def closing_send(message: Message) -> None:
-        if message["type"] == "http.response.start":
+        if message["type"] == "http.response.start" and state.draining:
             message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
         await send(message)
 
