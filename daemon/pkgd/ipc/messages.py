@@ -152,11 +152,19 @@ class EngineOutputs(Message, tag="outputs"):
 
 
 class EngineError(Message, tag="error"):
-    """The engine core failed (load error, crash in a step); ``request_ids`` get an error."""
+    """The engine core failed (load error, crash in a step, shutdown) or refused requests;
+    ``request_ids`` get an error.
+
+    ``rejected`` is True when the core refused these requests as invalid (the caller's
+    fault, an HTTP 400), False when it failed to serve them (a 5xx). With no
+    ``request_ids`` the error concerns the connection itself (e.g. a protocol version
+    mismatch answering `Hello`).
+    """
 
     engine_index: int
     message: str
     request_ids: list[str] = msgspec.field(default_factory=list)
+    rejected: bool = False
 
 
 class ApiServerReady(Message, tag="api_ready"):

@@ -1,0 +1,351 @@
+"""OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
+
+Requests validate ranges here, so a bad value is a 400 naming the field before anything
+reaches the engine (limits that depend on the config, such as ``frontend.max_logprobs`` and
+``model.max_model_len``, are checked when the request is converted). Unknown request fields
+are ignored, as OpenAI's API does. Responses mirror the shapes the official ``openai`` client
+parses (``openai.types.completion``, ``openai.types.chat``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# ---- shared ---------------------------------------------------------------------------
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0)
+    priority: int = 0
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ---- /v1/completions --------------------------------------------------------------------
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, int) for x in p)):
+            pass
+        elif not p or any(not x for x in p):  # type: ignore[union-attr]
+            raise ValueError("prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: text, or token ids, one per completion batch entry."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ValueError(f"message content part of type {part.type!r} is not supported (text only)")
+                parts.append(part.text)
+            content = "".join(parts)
+        msg: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                for tc in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    # vLLM extras
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise ValueError(f"response_format type {fmt!r} is not supported (only 'text')")
+        return self
+
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobsContent(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprobsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- tokenize / detokenize / models ------------------------------------------------------
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pkgd"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,119 @@
+"""The HTTP routes: OpenAI endpoints, tokenizer utilities and admin endpoints."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from pkgd.api.errors import APIError
+from pkgd.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pkgd.api.serving import process
+from pkgd.api.serving_chat import create_chat_completion
+from pkgd.api.serving_completion import create_completion
+from pkgd.api.state import ServerState
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then data: [DONE]"}}}
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.pkgd
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    """Text completion (``stream: true`` answers server-sent events)."""
+    return await create_completion(body, request, get_state(request))
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    """Chat completion with the model's chat template (``stream: true`` answers server-sent events)."""
+    return await create_chat_completion(body, request, get_state(request))
+
+
+@router.get("/v1/models", response_model=ModelList, tags=["openai"])
+async def models(request: Request) -> Any:
+    """The served model names."""
+    state = get_state(request)
+    hs = state.llm.handshake
+    max_len = hs.max_model_len if hs is not None else None
+    cards = [ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in state.served_model_names()]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["utilities"])
+async def tokenize(body: TokenizeRequest, request: Request) -> Any:
+    """Token ids of a prompt, or of chat messages under the chat template."""
+    state = get_state(request)
+    state.check_ready()
+    state.resolve_model(body.model)
+    if body.messages is not None:
+        messages = [m.template_dict() for m in body.messages]
+        text = process(state, lambda ip: ip.render_chat(messages, add_generation_prompt=body.add_generation_prompt))
+        tokens = process(state, lambda ip: ip.tokenize(text, add_special_tokens=False))
+    else:
+        tokens = process(state, lambda ip: ip.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens))
+    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=state.llm.input_processor.max_model_len, tokens=tokens).model_dump())
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["utilities"])
+async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
+    """Text of token ids."""
+    state = get_state(request)
+    state.check_ready()
+    state.resolve_model(body.model)
+    vocab = state.llm.input_processor.vocab_size
+    bad = next((t for t in body.tokens if vocab is not None and t >= vocab), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": state.llm.tokenizer.decode(body.tokens)})
+
+
+@router.get("/health", tags=["admin"], responses={503: {"model": ErrorResponse}})
+async def health(request: Request) -> Response:
+    """200 while an engine core serves; 503 while draining or with no engine core."""
+    status, body = get_state(request).health()
+    if status != 200:
+        return JSONResponse({"error": {"message": body["status"], "type": "service_unavailable", "param": None, "code": None}}, status_code=status)
+    return JSONResponse(body)
+
+
+@router.get("/version", tags=["admin"])
+async def version() -> Any:
+    """pkgd's version."""
+    try:
+        v = importlib.metadata.version("pkgd")
+    except importlib.metadata.PackageNotFoundError:
+        v = "unknown"
+    return JSONResponse({"version": v})
+
+
+@router.get("/metrics", tags=["admin"])
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition (vLLM's metric names); the daemon's totals across API servers."""
+    state = get_state(request)
+    if state.metrics is None:
+        raise APIError(404, "metrics are disabled")
+    state.metrics.set_engine_stats(state.llm.client.engine_stats())
+    data, content_type = state.metrics.render()
+    return Response(data, media_type=content_type)

@@ -1,0 +1,204 @@
+"""What the completion and chat routes share: OpenAI fields → `SamplingParams`, running a
+generation until the HTTP client disconnects, SSE framing, usage.
+
+A client that disconnects ends its generation: streaming responses are cancelled by the ASGI
+server, and non-streaming ones race the generation against the ``http.disconnect`` message
+(`run_until_disconnected`); either way `AsyncLLM.generate` aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import structlog
+from starlette.requests import Request
+
+from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
+from pkgd.api.protocol import SamplingFields, UsageInfo
+from pkgd.engine.sampling_params import RequestOutputKind, SamplingParams
+from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
+
+if TYPE_CHECKING:
+    from pkgd.api.state import ServerState
+    from pkgd.engine.input_processor import ProcessedRequest
+    from pkgd.engine.outputs import RequestOutput
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+def request_id(prefix: str, request: Request) -> str:
+    """``prefix-<32 hex>``, or the client's ``X-Request-Id`` when it sent one (made unique).
+
+    Also binds it to this request's log lines (each ASGI request runs in its own task, so
+    the binding ends with the request)."""
+    given = request.headers.get("x-request-id")
+    suffix = uuid.uuid4().hex
+    rid = f"{prefix}-{given}-{suffix[:8]}" if given else f"{prefix}-{suffix}"
+    structlog.contextvars.bind_contextvars(request_id=rid)
+    return rid
+
+
+def sampling_params(
+    body: SamplingFields, state: ServerState, *, max_tokens: int | None, logprobs: int | None, stream: bool,
+    logprobs_field: str = "logprobs",
+) -> SamplingParams:
+    """The request's `SamplingParams`, unset fields from ``model.generation`` then vLLM's
+    defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
+    ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits."""
+    gen = state.config.model.generation
+    max_logprobs = state.config.frontend.max_logprobs
+    for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise APIError(400, f"{name} must be at most {max_logprobs} (frontend.max_logprobs), got {value}", param=name)
+    bias = None
+    if body.logit_bias:
+        try:
+            bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    params = SamplingParams(
+        n=body.n,
+        temperature=_first(body.temperature, gen.temperature, 1.0),
+        top_p=_first(body.top_p, gen.top_p, 1.0),
+        top_k=_first(body.top_k, gen.top_k, 0),
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=_first(body.repetition_penalty, gen.repetition_penalty, 1.0),
+        seed=body.seed,
+        stop=body.stop_list(),
+        stop_token_ids=list(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        max_tokens=max_tokens if max_tokens is not None else gen.max_tokens,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=body.prompt_logprobs,
+        logit_bias=bias,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+    try:
+        params.verify(max_logprobs=max_logprobs)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return params
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def process(state: ServerState, build: Any) -> ProcessedRequest:
+    """Call the `InputProcessor` (``build(input_processor)``); its `ValueError` is a 400."""
+    try:
+        return build(state.llm.input_processor)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+
+
+async def final_output(state: ServerState, processed: ProcessedRequest) -> RequestOutput:
+    """Run a ``FINAL_ONLY`` request to its one output (errors become `APIError`s)."""
+    timeout = state.config.frontend.request_timeout
+    try:
+        async for out in state.llm.generate(processed, timeout=timeout):
+            if out.finished:
+                return out
+    except (EngineRequestError, EngineUnavailableError) as exc:
+        raise from_engine_error(exc) from None
+    except TimeoutError:
+        raise APIError(503, f"the request ran longer than frontend.request_timeout ({timeout} s) and was aborted") from None
+    raise APIError(500, "the engine ended the request without a final output")
+
+
+async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first, which cancels it.
+
+    Raises:
+        ClientDisconnected: the client went away (``work`` was cancelled).
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    raise ClientDisconnected
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index.
+    One iterator is passed straight through; closing the merge closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+            await queue.put((i, end, None))
+        except Exception as exc:
+            await queue.put((i, end, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is end:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``data:`` events from already-serialized JSON chunks, an error event if the engine
+    fails mid-stream, and the closing ``data: [DONE]``."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk}\n\n"
+    except APIError as exc:
+        yield sse_error(exc.status, exc.message)
+    except (EngineRequestError, EngineUnavailableError) as exc:
+        err = from_engine_error(exc)
+        yield sse_error(err.status, err.message)
+    except TimeoutError:
+        yield sse_error(503, "the request ran longer than frontend.request_timeout and was aborted")
+    yield DONE
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)

@@ -1,0 +1,203 @@
+"""``POST /v1/chat/completions``: the chat template, ``n``, ``logprobs``/``top_logprobs``,
+``stop``, ``seed``, ``max_tokens``/``max_completion_tokens``, streaming with
+``stream_options.include_usage``, tool calls (``frontend.tool_call_parser``) and reasoning
+content (``frontend.reasoning_parser``).
+
+Tools: with a parser configured and ``tool_choice`` "auto" (needs
+``frontend.enable_auto_tool_choice``, as in vLLM) or unset, calls the model writes become
+``message.tool_calls`` and ``finish_reason`` "tool_calls". "required" and named choices need
+guided decoding, which pkgd does not have: 400.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pkgd.api import serving
+from pkgd.api.errors import APIError
+from pkgd.api.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprob,
+    ChatLogprobsContent,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    DeltaToolCall,
+)
+
+if TYPE_CHECKING:
+    from pkgd.api.state import ServerState
+    from pkgd.engine.input_processor import ProcessedRequest
+    from pkgd.engine.outputs import CompletionOutput, Logprob
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Any:
+    state.check_ready()
+    model = state.resolve_model(body.model)
+    use_tools = _use_tool_parser(body, state)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = serving.sampling_params(body, state, max_tokens=body.effective_max_tokens(), logprobs=top,
+                                     stream=body.stream, logprobs_field="top_logprobs")
+    try:
+        messages = [m.template_dict() for m in body.messages]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    rid = serving.request_id("chatcmpl", request)
+    processed = serving.process(state, lambda ip: ip.process_chat(
+        rid, messages, params, priority=body.priority, tools=tools,
+        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+    ))
+    chat = _Chat(state, body, rid, model, processed, use_tools)
+    if body.stream:
+        return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+    try:
+        out = await serving.run_until_disconnected(request, serving.final_output(state, processed))
+    except serving.ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(chat.response(out.outputs).model_dump())
+
+
+def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
+    choice = body.tool_choice
+    if not body.tools or choice == "none":
+        return False
+    if choice == "required" or not isinstance(choice, str | None):
+        raise APIError(400, "tool_choice 'required' and named tool choices are not supported (no guided decoding); use 'auto'", param="tool_choice")
+    f = state.config.frontend
+    if state.tool_parser is None or not f.enable_auto_tool_choice:
+        if choice == "auto":
+            raise APIError(400, '"auto" tool choice requires frontend.enable_auto_tool_choice and frontend.tool_call_parser to be set', param="tool_choice")
+        return False
+    return True
+
+
+class _Chat:
+    """Builds the OpenAI objects for one chat request."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, model: str,
+                 processed: ProcessedRequest, use_tools: bool) -> None:
+        self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
+        self.use_tools = use_tools
+        self.created = int(time.time())
+        last = body.messages[-1]
+        self.echo = last.template_dict()["content"] if body.echo and last.role == "assistant" else ""
+
+    # ---- non-streaming -------------------------------------------------------------------------
+
+    def response(self, outputs: list[CompletionOutput]) -> ChatCompletionResponse:
+        choices = []
+        for c in sorted(outputs, key=lambda c: c.index):
+            text = self.echo + c.text
+            reasoning = None
+            if self.state.reasoning_parser is not None:
+                reasoning, text = self.state.reasoning_parser.extract(text)
+                text = text or ""
+            tool_calls: list[dict[str, Any]] = []
+            content: str | None = text
+            if self.use_tools:
+                content, tool_calls = self.state.tool_parser.extract(text)  # type: ignore[union-attr]
+            finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
+                logprobs=self._logprobs(c.logprobs) if self.body.logprobs else None,
+                finish_reason=finish, stop_reason=c.stop_reason,
+            ))
+        completion_tokens = sum(len(c.token_ids) for c in outputs)
+        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                      usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens))
+
+    def _logprobs(self, sample: list[dict[int, Logprob]] | None) -> ChatChoiceLogprobs:
+        k = self.body.top_logprobs or 0
+        content = []
+        for d in sample or []:
+            token_id, lp = next(iter(d.items()))
+            top = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+            content.append(ChatLogprobsContent(
+                **_logprob(self._token(token_id, lp), lp.logprob),
+                top_logprobs=[ChatLogprob(**_logprob(self._token(t, v), v.logprob)) for t, v in top],
+            ))
+        return ChatChoiceLogprobs(content=content)
+
+    def _token(self, token_id: int, lp: Logprob) -> str:
+        if lp.decoded_token is not None:
+            return lp.decoded_token
+        tok = self.state.llm.tokenizer
+        return tok.decode([token_id]) if tok is not None else str(token_id)
+
+    # ---- streaming ----------------------------------------------------------------------------
+
+    async def stream(self) -> AsyncIterator[str]:
+        n = self.body.n
+        per_choice = [_ChoiceStream(self) for _ in range(n)]
+        for i in range(n):
+            yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=self.echo))])
+        completion_tokens = 0
+        timeout = self.state.config.frontend.request_timeout
+        async for ro in self.state.llm.generate(self.processed, timeout=timeout):
+            choices = []
+            for c in ro.outputs:
+                completion_tokens += len(c.token_ids)
+                choice = per_choice[c.index].update(c)
+                if choice is not None:
+                    choices.append(choice)
+            if choices:
+                yield self._chunk(choices)
+        opts = self.body.stream_options
+        if opts is not None and opts.include_usage:
+            yield ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
+                                      usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens)).model_dump_json()
+
+    def _chunk(self, choices: list[ChatStreamChoice]) -> str:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices).model_dump_json()
+
+
+class _ChoiceStream:
+    """Per-choice streaming state: reasoning and tool-call parsers over the text deltas."""
+
+    def __init__(self, chat: _Chat) -> None:
+        self.chat = chat
+        state = chat.state
+        self.reasoning = state.reasoning_parser() if state.reasoning_parser is not None else None
+        self.tools = state.tool_parser() if chat.use_tools and state.tool_parser is not None else None
+        self.num_calls = 0
+
+    def update(self, c: CompletionOutput) -> ChatStreamChoice | None:
+        reasoning, content = "", c.text
+        finished = c.finish_reason is not None
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(content)
+            if finished:
+                r_tail, c_tail = self.reasoning.flush()
+                reasoning, content = reasoning + r_tail, content + c_tail
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if finished:
+                content += self.tools.flush()
+        delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                             tool_calls=[self._delta_call(call) for call in calls] or None)
+        logprobs = self.chat._logprobs(c.logprobs) if self.chat.body.logprobs and c.logprobs else None
+        if not (delta.content or delta.reasoning_content or delta.tool_calls or finished or logprobs):
+            return None
+        finish = "tool_calls" if self.num_calls and c.finish_reason == "stop" else c.finish_reason
+        return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
+
+    def _delta_call(self, call: dict[str, Any]) -> DeltaToolCall:
+        self.num_calls += 1
+        return DeltaToolCall(index=self.num_calls - 1, id=call["id"], type="function", function=call["function"])
+
+
+def _logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": max(logprob, -9999.0), "bytes": list(token.encode("utf-8"))}

@@ -1,0 +1,148 @@
+"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n``, ``echo``,
+``logprobs``, ``stop``, ``seed``, streaming with ``stream_options.include_usage``.
+
+Choice ``index`` is ``prompt_index * n + completion_index``, as OpenAI numbers a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pkgd.api import serving
+from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from pkgd.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pkgd.api.state import ServerState
+    from pkgd.engine.input_processor import ProcessedRequest
+    from pkgd.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
+    state.check_ready()
+    model = state.resolve_model(body.model)
+    params = serving.sampling_params(body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream)
+    if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
+        params = _with_prompt_logprobs(params, body.logprobs)
+    rid = serving.request_id("cmpl", request)
+    prompts = body.prompts()
+    processed = [
+        serving.process(state, lambda ip, i=i, p=p: ip.process(
+            f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
+            add_special_tokens=body.add_special_tokens, priority=body.priority,
+        ))
+        for i, p in enumerate(prompts)
+    ]
+    fmt = _Formatter(state, body, rid, model, processed)
+    if body.stream:
+        return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+
+    async def run_all() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(serving.final_output(state, p) for p in processed)))
+
+    try:
+        outputs = await serving.run_until_disconnected(request, run_all())
+    except serving.ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    return JSONResponse(fmt.response(outputs).model_dump(exclude_none=False))
+
+
+def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
+    return msgspec.structs.replace(params, prompt_logprobs=k)
+
+
+class _Formatter:
+    """Builds the OpenAI objects for one completion request."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, model: str, processed: list[ProcessedRequest]) -> None:
+        self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
+        self.created = int(time.time())
+        self.tokenizer = state.llm.tokenizer
+
+    def _prompt_text(self, p: ProcessedRequest) -> str:
+        if p.prompt is not None:
+            return p.prompt
+        return self.tokenizer.decode(p.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
+        n = self.body.n
+        choices: list[CompletionChoice] = []
+        completion_tokens = 0
+        for i, (p, ro) in enumerate(zip(self.processed, outputs, strict=True)):
+            prefix = self._prompt_text(p) if self.body.echo else ""
+            for c in sorted(ro.outputs, key=lambda c: c.index):
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if self.body.logprobs is not None:
+                    logprobs = self._logprobs(c.logprobs or [], 0, ro if self.body.echo else None)
+                choices.append(CompletionChoice(
+                    index=i * n + c.index, text=prefix + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                ))
+        prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                  usage=serving.usage(prompt_tokens, completion_tokens))
+
+    def _logprobs(self, sample: list[dict[int, Logprob]], offset: int, echo_of: RequestOutput | None) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        entries: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo_of is not None:
+            prompt_lps = echo_of.prompt_logprobs or [None] * len(echo_of.prompt_token_ids)
+            entries += list(zip(echo_of.prompt_token_ids, prompt_lps, strict=False))
+        entries += [(next(iter(d)), d) for d in sample]
+        for token_id, d in entries:
+            token = self._token_str(token_id, d)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if d is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(d[token_id].logprob)
+            out.top_logprobs.append({self._token_str(t, d): lp.logprob for t, lp in d.items()})
+        return out
+
+    def _token_str(self, token_id: int, d: dict[int, Logprob] | None) -> str:
+        if d is not None and token_id in d and d[token_id].decoded_token is not None:
+            return d[token_id].decoded_token  # type: ignore[return-value]
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    async def stream(self) -> AsyncIterator[str]:
+        """JSON chunks of a streaming completion (then a usage chunk when asked)."""
+        body, n = self.body, self.body.n
+        gens = [self.state.llm.generate(p, timeout=self.state.config.frontend.request_timeout) for p in self.processed]
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        completion_tokens = 0
+        async for i, ro in serving.merge_streams(gens):
+            choices = []
+            for c in ro.outputs:
+                index = i * n + c.index
+                completion_tokens += len(c.token_ids)
+                prefix = ""
+                if body.echo and index not in started:
+                    prefix = self._prompt_text(self.processed[i])
+                started.add(index)
+                choices.append(self._stream_choice(index, prefix, c, ro, offsets))
+            if choices:
+                yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices).model_dump_json()
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
+            yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
+                                     usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()
+
+    def _stream_choice(self, index: int, prefix: str, c: CompletionOutput, ro: RequestOutput, offsets: dict[int, int]) -> CompletionChoice:
+        logprobs = None
+        if self.body.logprobs is not None:
+            logprobs = self._logprobs(c.logprobs or [], offsets.get(index, 0), ro if prefix and self.body.echo else None)
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+        return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)

@@ -1,0 +1,72 @@
+"""`ServerState`: what the routes of one API-server process share.
+
+The config is replaced as a whole when the supervisor's SIGHUP brings new *live* fields (API
+keys, CORS, served model names, log level, generation defaults); routes read
+``state.config`` per request, so a reload takes effect on the next request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pkgd.api.errors import APIError
+from pkgd.api.parsers import load_parser
+
+if TYPE_CHECKING:
+    from pkgd.api.async_llm import AsyncLLM
+    from pkgd.api.metrics import Metrics
+    from pkgd.config.vllm_config import VllmConfig
+
+
+class ServerState:
+    def __init__(self, config: VllmConfig, llm: AsyncLLM, metrics: Metrics | None, *, server_index: int = 0) -> None:
+        self.config = config
+        self.llm = llm
+        self.metrics = metrics
+        self.server_index = server_index
+        self.draining = False
+        f = config.frontend
+        self.tool_parser: type | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
+        self.reasoning_parser: type | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+
+    # ---- models ----------------------------------------------------------------------------
+
+    def served_model_names(self) -> list[str]:
+        """Names clients may use: ``frontend.served_model_names``, else the model's name."""
+        names = list(self.config.frontend.served_model_names)
+        if names:
+            return names
+        if self.config.model.name:
+            return [self.config.model.name]
+        hs = self.llm.handshake
+        return [hs.model_name] if hs is not None else [self.config.model.source]
+
+    def resolve_model(self, name: str | None) -> str:
+        """The served name a request asked for (the first one when it gave none).
+
+        Raises:
+            APIError: 404 for a name that is not served.
+        """
+        names = self.served_model_names()
+        if name is None or name in names:
+            return name or names[0]
+        raise APIError(404, f"the model {name!r} does not exist; served: {', '.join(names)}", param="model", code="model_not_found")
+
+    # ---- readiness -------------------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        """Raise a 503 while no engine core is available.
+
+        Draining does not refuse work: a request that still reaches a draining server (on a
+        keep-alive connection opened before) is served, with ``Connection: close`` so the
+        client's next request goes to another API server; only ``/health`` says 503.
+        """
+        if not self.llm.is_ready():
+            raise APIError(503, "no engine core is available (starting or restarting); retry shortly")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.draining:
+            return 503, {"status": "draining"}
+        if not self.llm.is_ready():
+            return 503, {"status": "no engine core available"}
+        return 200, {"status": "ok"}

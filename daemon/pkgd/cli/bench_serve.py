@@ -1,0 +1,189 @@
+"""``pkgd bench serve``: load an OpenAI-compatible server (the seeds' ``vllm bench serve``).
+
+Sends ``--num-prompts`` completion requests of ``--input-len`` prompt tokens (random token
+ids, so lengths are exact) asking for ``--output-len`` tokens (``ignore_eos``), at most
+``--max-concurrency`` at a time, to ``--base-url``. Streaming by default; each request's
+time to first token (TTFT), time per output token after the first (TPOT = (latency − TTFT) ÷
+(tokens − 1)) and gaps between chunks (ITL) are measured on the client with the monotonic
+clock; token counts come from the server's ``usage``. Prints requests/s, output and total
+tokens/s, and median / mean / p99 of TTFT, TPOT and ITL. ``--no-stream`` measures plain
+request throughput (with ``--output-len 1``: the frontend's per-request overhead).
+
+Works against any OpenAI-compatible server (pkgd, vLLM); uses httpx only, so it runs beside
+a server without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="Bearer key, when the server wants one")
+    p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
+    p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+
+
+@dataclasses.dataclass
+class RequestResult:
+    ok: bool
+    latency: float = 0.0
+    ttft: float | None = None
+    itls: list[float] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+    t0 = time.monotonic()
+    res = RequestResult(ok=False)
+    try:
+        if not body["stream"]:
+            r = await http.post("/v1/completions", json=body)
+            data = r.json()
+            if r.status_code != 200:
+                res.error = data.get("error", {}).get("message", r.text)
+                return res
+            res.prompt_tokens, res.output_tokens = data["usage"]["prompt_tokens"], data["usage"]["completion_tokens"]
+        else:
+            last = None
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    res.error = (await r.aread()).decode(errors="replace")
+                    return res
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = chunk["error"]["message"]
+                        return res
+                    now = time.monotonic()
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        elif last is not None:
+                            res.itls.append(now - last)
+                        last = now
+                    if chunk.get("usage"):
+                        res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        res.output_tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.latency = time.monotonic() - t0
+    res.ok = True
+    return res
+
+
+def _bodies(args: argparse.Namespace, model: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
+    extra = {"stream_options": {"include_usage": True}} if args.stream else {}
+    return [
+        {"model": model, "prompt": [rng.randrange(1000, 30000) for _ in range(args.input_len)],
+         "max_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature,
+         "stream": args.stream, **extra}
+        for _ in range(n)
+    ]
+
+
+async def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the load and return the figures."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=None) as http:
+        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+        rng = random.Random(args.seed)
+        for body in _bodies(args, model, args.warmup, rng):
+            await _one(http, body)
+        sem = asyncio.Semaphore(args.max_concurrency)
+
+        async def limited(body: dict[str, Any]) -> RequestResult:
+            async with sem:
+                return await _one(http, body)
+
+        bodies = _bodies(args, model, args.num_prompts, rng)
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(limited(b) for b in bodies))
+        elapsed = time.monotonic() - t0
+    return summarize(args, model, results, elapsed)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"median": float("nan"), "mean": float("nan"), "p99": float("nan")}
+    values = sorted(values)
+    return {"median": statistics.median(values), "mean": statistics.fmean(values),
+            "p99": values[min(len(values) - 1, int(0.99 * len(values)))]}
+
+
+def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], elapsed: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
+    return {
+        "model": model, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "stream": args.stream, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
+        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": _stats(tpots),
+        "itl_s": _stats([x for r in ok for x in r.itls]),
+        "latency_s": _stats([r.latency for r in ok]),
+    }
+
+
+def print_report(fig: dict[str, Any]) -> None:
+    print(f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> {fig['output_len']} tokens, "
+          f"concurrency {fig['max_concurrency']}, {'streaming' if fig['stream'] else 'non-streaming'}")
+    print(f"Completed {fig['completed']} ({fig['failed']} failed) in {fig['elapsed_s']:.2f} s: "
+          f"{fig['requests_per_s']:.2f} requests/s, {fig['output_tokens_per_s']:.1f} output tokens/s, "
+          f"{fig['total_tokens_per_s']:.1f} total tokens/s")
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("latency_s", "Latency")):
+        s = fig[key]
+        print(f"{label:8s} median {s['median'] * 1e3:9.1f} ms   mean {s['mean'] * 1e3:9.1f} ms   p99 {s['p99'] * 1e3:9.1f} ms")
+    for err in fig["errors"]:
+        print(f"error: {err}")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``pkgd bench serve`` (also ``python -m pkgd.cli.bench_serve``): exit 1 if any request failed."""
+    fig = asyncio.run(run_load(args))
+    print_report(fig)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(fig, f, indent=2)
+    return 1 if fig["failed"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pkgd bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_args(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

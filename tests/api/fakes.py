@@ -1,0 +1,108 @@
+"""A test double for `pkgd.ipc.client.EngineClient`: an in-process engine that "generates" a
+scripted token sequence, so the app's behaviour can be checked without a model.
+
+Token rule: a request generates ``script(request)`` one token per event-loop turn, stopping
+at ``max_tokens`` ("length"), at EOS unless ``ignore_eos``, or at a ``stop_token_ids`` token
+("stop"). Logprobs are made up but well formed: the sampled token has rank 1 and logprob
+-0.1, alternatives ``tok+1 … tok+k`` get -1, -2, ….
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
+from pkgd.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineOutputs,
+    FinishReason,
+    Handshake,
+    SchedulerStats,
+    TokenLogprobs,
+)
+
+EOS = 2
+MAX_MODEL_LEN = 2048
+VOCAB = 49152
+
+
+def _entry(tok: int, k: int) -> TokenLogprobs:
+    ids = [tok] + [(tok + j) % VOCAB for j in range(1, k + 1)]
+    return TokenLogprobs(ids, [-0.1] + [-float(j) for j in range(1, k + 1)], 1)
+
+
+class FakeEngineClient:
+    def __init__(self, sink, script: Callable[[EngineCoreRequest], list[int]]) -> None:
+        self.sink = sink
+        self.script = script
+        self.available = True
+        self.handshake = Handshake(
+            version=1, engine_index=0, pid=0, model_name="SmolLM2-135M-Instruct", max_model_len=MAX_MODEL_LEN,
+            vocab_size=VOCAB, eos_token_id=EOS, num_kv_blocks=128, block_size=16,
+        )
+        self.added: list[EngineCoreRequest] = []
+        self.aborted: list[str] = []
+        self.fail: dict[str, EngineRequestError] = {}  # engine request id -> error after 1 token
+        self.delay = 0.0
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    async def start(self, timeout: float = 0) -> bool:
+        return True
+
+    async def close(self) -> None:
+        for t in self._tasks.values():
+            t.cancel()
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def engine_stats(self) -> dict[int, SchedulerStats]:
+        return {0: SchedulerStats(num_running_reqs=len(self._tasks), kv_cache_usage=0.25)}
+
+    def num_inflight(self) -> int:
+        return len(self._tasks)
+
+    def add_requests(self, requests) -> int:
+        if not self.available:
+            raise EngineUnavailableError("no engine core is available (fake)")
+        for req in requests:
+            self.added.append(req)
+            self._tasks[req.request_id] = asyncio.ensure_future(self._run(req))
+        return 0
+
+    def abort_requests(self, ids) -> None:
+        for rid in ids:
+            task = self._tasks.pop(rid, None)
+            if task is not None:
+                self.aborted.append(rid)
+                task.cancel()
+
+    async def _run(self, req: EngineCoreRequest) -> None:
+        sp = req.sampling_params
+        tokens = self.script(req)
+        for i, tok in enumerate(tokens):
+            await asyncio.sleep(self.delay)
+            if req.request_id in self.fail and i == 1:
+                self._tasks.pop(req.request_id, None)
+                self.sink.on_request_error([req.request_id], self.fail[req.request_id])
+                return
+            finish = None
+            if (tok == req.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                finish = FinishReason.STOP
+            elif i + 1 >= (sp.max_tokens or len(tokens)) or i + 1 == len(tokens):
+                finish = FinishReason.LENGTH
+            out = EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[tok], finish_reason=finish,
+                new_logprobs=[_entry(tok, sp.logprobs)] if sp.logprobs is not None else None,
+                new_prompt_logprobs=(
+                    [None] + [_entry(t, sp.prompt_logprobs) for t in req.prompt_token_ids[1:]]
+                    if i == 0 and sp.prompt_logprobs is not None else None
+                ),
+            )
+            if finish is not None:
+                self._tasks.pop(req.request_id, None)
+            self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None))
+            if finish is not None:
+                return

@@ -1,0 +1,194 @@
+"""The API-server process entry (``python -m pkgd.api.server``) as the supervisor runs it: ready
+frame, SIGHUP live reload, SIGTERM before ready, start-up failures. The engine core is the
+real ``core_proc`` loop around the fast fake core (no model), reporting SmolLM2's vocabulary."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.ipc import transport
+from pkgd.ipc.messages import ApiServerReady, ChildFailed
+
+from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_config
+
+FAKE_ENV = {"FAKE_VOCAB": "49152", "FAKE_MAX_MODEL_LEN": "8192"}
+
+
+@pytest.fixture
+def tokenizer_ready():
+    pytest.importorskip("pkgd.engine.tokenizer", reason="the engine's frontend is not merged yet")
+    pytest.importorskip("pkgd.runner.loader.resolve", reason="the runner's model resolver is not merged yet")
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for child in started:
+        child.stop()
+
+
+def test_ready_frame_then_sighup_reloads_live_fields(tmp_path, procs, tokenizer_ready):
+    cfg = write_config(tmp_path, VllmConfig.model_validate({"frontend": {"api_keys": ["old"]}}))
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address], index=3))
+    msg = api.wait_ready(60)
+    assert isinstance(msg, ApiServerReady) and msg.server_index == 3 and msg.pid == api.proc.pid
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer old"}).status_code == 200
+
+    new = VllmConfig.model_validate({"frontend": {"api_keys": ["new"], "served_model_names": ["smol"]}})
+    tmp = cfg.with_suffix(".tmp")
+    tmp.write_text(json.dumps(new.to_json_dict(reveal_secrets=True)))
+    tmp.replace(cfg)  # the supervisor replaces config.json atomically, then sends SIGHUP
+    api.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer new"}).status_code != 200:
+        assert time.monotonic() < deadline, "SIGHUP did not apply the new API key"
+        time.sleep(0.05)
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer old"}).status_code == 401
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer new"}).json()
+    assert [m["id"] for m in models["data"]] == ["smol"]
+    assert api.proc.poll() is None
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(10) == 0
+
+
+def test_sigterm_while_waiting_for_the_engine_exits_promptly(tmp_path, procs, tokenizer_ready):
+    cfg = write_config(tmp_path)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [transport.ipc_address(tmp_path, 0)]))  # nothing there
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    api.proc.send_signal(signal.SIGTERM)
+    assert api.proc.wait(5) == 0 and time.monotonic() - t0 < 2
+
+
+def test_no_engine_within_the_ready_timeout_is_child_failed(tmp_path, procs, tokenizer_ready):
+    cfg = write_config(tmp_path, VllmConfig.model_validate({"supervisor": {"engine_ready_timeout": 1}}))
+    procs.append(api := spawn_api_server(cfg, listen_socket(), [transport.ipc_address(tmp_path, 0)]))
+    msg = api.wait_ready(60)
+    assert isinstance(msg, ChildFailed) and msg.role == "api-server"
+    assert msg.message == "API server 0 failed to start: TimeoutError: no engine core answered within 1 s"
+    assert api.proc.wait(10) == 1
+
+
+def test_bad_engine_address_is_child_failed(tmp_path, procs):
+    cfg = write_config(tmp_path)
+    procs.append(api := spawn_api_server(cfg, listen_socket(), ["http://nowhere"]))
+    msg = api.wait_ready(60)
+    assert isinstance(msg, ChildFailed) and "ipc://PATH or tcp://HOST:PORT" in msg.message
+    assert api.proc.wait(10) == 1
+
+
+def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
+    import subprocess
+    import sys
+
+    cfg = write_config(tmp_path)
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address]))
+    api.wait_ready(60)
+    out = tmp_path / "fig.json"
+    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", f"http://127.0.0.1:{sock.getsockname()[1]}",
+                        "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "8", "--output-len", "5",
+                        "--output-json", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
+    fig = json.loads(out.read_text())
+    assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0
+
+
+def test_serves_an_inherited_unix_socket(tmp_path, procs, tokenizer_ready):
+    import socket
+
+    cfg = write_config(tmp_path)
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    path = str(tmp_path / "api.sock")
+    uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    uds.bind(path)
+    uds.listen(64)
+    uds.set_inheritable(True)
+    procs.append(api := spawn_api_server(cfg, uds, [address]))
+    api.wait_ready(60)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://pkgd") as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_one_api_server_balances_requests_over_two_engine_cores(tmp_path, procs, tokenizer_ready):
+    import concurrent.futures
+
+    cfg = write_config(tmp_path)
+    addresses = [transport.ipc_address(tmp_path, i) for i in (0, 1)]
+    for i, address in enumerate(addresses):
+        procs.append(e := spawn_engine(cfg, address, i, env={**FAKE_ENV, "FAKE_STEP_SECONDS": "0.02"}))
+        e.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, addresses))
+    api.wait_ready(60)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def running() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("vllm:num_requests_running{"):
+                out[line.split('engine="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": [7], "max_tokens": 100}, timeout=60)
+                   for _ in range(8)]
+        seen: dict[str, float] = {}
+        while not all(f.done() for f in futures):
+            for k, v in running().items():
+                seen[k] = max(seen.get(k, 0), v)
+            time.sleep(0.05)
+        assert all(f.result().status_code == 200 for f in futures)
+    assert seen.get("0", 0) >= 3 and seen.get("1", 0) >= 3, seen  # 8 requests split over both cores
+
+
+def test_sigterm_stops_accepting_but_answers_keep_alive_stragglers(tmp_path, procs, tokenizer_ready):
+    """What a rolling restart needs: after SIGTERM, requests on already open keep-alive
+    connections are still answered (with Connection: close; /health with 503), while new
+    connections are left to the other API servers sharing the socket."""
+    import socket
+
+    cfg = write_config(tmp_path)
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
+    engine.wait_ready(30)
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address]))
+    api.wait_ready(60)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with httpx.Client(base_url=url) as a, httpx.Client(base_url=url) as b:
+        assert a.get("/health").status_code == 200 and b.get("/health").status_code == 200  # both kept alive
+        api.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        r = a.get("/health")
+        assert r.status_code == 503 and r.headers["connection"] == "close"
+        r = b.post("/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["connection"] == "close"
+    with socket.create_connection(("127.0.0.1", sock.getsockname()[1])) as fresh:
+        fresh.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        fresh.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            fresh.recv(100)  # queued in the (supervisor's) listen backlog; this server no longer accepts
+    assert api.proc.wait(10) == 0
