@@ -60,27 +60,41 @@ def configure(
     structlog.contextvars.bind_contextvars(pid=os.getpid(), role=role)
     if dp_rank is not None:
         structlog.contextvars.bind_contextvars(dp_rank=dp_rank)
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
     renderer: Any
     if wants_json(fmt):
+        shared.append(structlog.processors.format_exc_info)
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=stream.isatty())
+        # plain_traceback: rich's pretty tracebacks took seconds per error under load.
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         # One write per line (text and newline together): processes sharing stderr never
         # split each other's lines, even unbuffered (PYTHONUNBUFFERED, print() writes twice).
         logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(level, logging.WARNING), stream=stream, force=True)
+    # Library logs (hypercorn, asyncio …) go through the same renderer, so a JSON journal
+    # never gets a plain-text line; StreamHandler also writes each line in one call.
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.WARNING))
 
 
 def set_level(level_name: str) -> None:
