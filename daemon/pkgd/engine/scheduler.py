@@ -1,0 +1,284 @@
+"""`Scheduler`: continuous batching with a token budget (vLLM v1's ``vllm/v1/core/sched/``).
+
+Each `schedule` hands out token counts under ``scheduler.max_num_batched_tokens``: every
+request's computed tokens catch up with its tokens, so a long prompt is spread over steps
+(chunked prefill), a decode is one token, and a request resumed after preemption recomputes
+its prompt and outputs, all in the same batch. Order of one step:
+
+1. **Running requests first**, in order: each gets ``min(num_tokens - num_computed_tokens,
+   budget left)`` tokens. When the KV cache has no block for it, the lowest-priority running
+   request (FCFS: the latest admitted; priority: the highest ``(priority, arrival)``) is
+   *preempted by recompute*: its blocks are freed and it returns to the front of the waiting
+   queue, keeping its output tokens.
+2. **Waiting requests** (only when nothing was preempted this step), in queue order while
+   budget, ``max_num_seqs`` and blocks allow: prefix-cache hits are taken first, then slots
+   for the rest of the prompt (or a chunk of it).
+
+`update_from_output` appends the runner's sampled tokens, applies the stop rules
+(`Request.check_stop`), publishes full computed blocks to the prefix cache, frees finished
+requests at once and returns one `EngineCoreOutput` per request that produced tokens.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pkgd.config.sections import SchedulerConfig
+from pkgd.engine.kv_cache_manager import KVCacheManager
+from pkgd.engine.request import Request, RequestStatus
+from pkgd.engine.request_queue import create_request_queue
+from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pkgd.ipc.messages import EngineCoreOutput, SchedulerStats
+from pkgd.runner.output import ModelRunnerOutput
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        scheduler_config: budget (``max_num_batched_tokens``, ``max_num_seqs``),
+            ``enable_chunked_prefill`` and ``policy`` (``fcfs`` or ``priority``).
+        kv_cache_manager: the block tables and prefix cache this scheduler fills.
+        max_model_len: effective context length in tokens; requests stop there.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, max_model_len: int) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.policy
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last schedule(): the runner drops them.
+        self.finished_req_ids: set[str] = set()
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises `ValueError` for an id already live."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """End live requests now (abort): their blocks are freed at once. Unknown ids are
+        ignored. Returns the requests ended."""
+        ended = [self.requests[i] for i in set(request_ids) if i in self.requests]
+        if not ended:
+            return []
+        gone = {id(r) for r in ended}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting.remove(r for r in ended if r.status != RequestStatus.RUNNING)
+        for request in ended:
+            request.status = status
+            self._free(request)
+        return ended
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's work; advances ``num_computed_tokens`` of every scheduled request."""
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.new
+        ]
+        cached = CachedRequestData()
+        for r in step.running:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(step.new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        for r in (*step.running, *step.new):
+            r.num_computed_tokens += step.num_tokens[r.request_id]
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            finished_req_ids=finished,
+        )
+
+    def _schedule_running(self, step: _Step) -> None:
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+            if block_ids is None:
+                continue  # ``request`` itself was preempted; index i now holds the next one
+            step.add(request, num_new, block_ids, new=False)
+            i += 1
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.arrival_seq))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        self.running.remove(request)
+        step.unschedule(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        if not request.sent_first_output:
+            request.prompt_logprobs = []  # recomputed from the start on resume
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(request.request_id)
+        self.waiting.prepend(request)
+        step.preempted.append(request)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        while len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            # Without chunked prefill a prompt waits for a step with room for all of it,
+            # unless it could never fit in one step (then it is chunked after all).
+            if not self.enable_chunked_prefill and step.budget < num_new <= self.max_num_batched_tokens:
+                break
+            num_new = min(num_new, step.budget)
+            block_ids = kv.allocate_slots(request, num_new, hit_blocks)
+            if block_ids is None:
+                break
+            self.waiting.pop()
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add(request, num_new, block_ids, new=True)
+
+    # ---- after the runner ---------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Apply one step's sampled tokens; returns outputs of requests that got tokens.
+
+        Requests that stopped are freed before this returns (their blocks stay cached).
+        Tokens for requests aborted since `schedule` are dropped.
+        """
+        kv = self.kv_cache_manager
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                kv.cache_blocks(request, request.num_computed_tokens)
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        logprobs = runner_output.logprobs
+        for i, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            prompt_lps = runner_output.prompt_logprobs.get(req_id)
+            if prompt_lps and not request.sent_first_output:
+                request.prompt_logprobs.extend(prompt_lps)
+            sampled = runner_output.sampled_token_ids[i]
+            if not sampled or request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            new_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_ids.append(token_id)
+                if request.check_stop(self.max_model_len):
+                    stopped.append(request)
+                    break
+            outputs.append(self._make_output(request, new_ids, logprobs[i] if logprobs else None))
+        if stopped:
+            gone = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in stopped:
+                self._free(request)
+        return outputs
+
+    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None) -> EngineCoreOutput:
+        out = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_logprobs=logprobs[: len(new_ids)] if logprobs else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        if not request.sent_first_output:
+            request.sent_first_output = True
+            out.num_cached_tokens = max(request.num_cached_tokens, 0)
+            if request.sampling_params.prompt_logprobs is not None:
+                out.new_prompt_logprobs = request.prompt_logprobs
+        return out
+
+
+class _Step:
+    """What one `Scheduler.schedule` call has decided so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_tokens: dict[str, int] = {}
+        self.new_block_ids: dict[str, list[int]] = {}
+        self.running: list[Request] = []
+        self.new: list[Request] = []
+        self.preempted: list[Request] = []
+
+    def add(self, request: Request, num_tokens: int, block_ids: list[int], *, new: bool) -> None:
+        self.num_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = block_ids
+        (self.new if new else self.running).append(request)
+        self.budget -= num_tokens
+
+    def unschedule(self, request: Request) -> None:
+        """A request scheduled earlier in this step was preempted: give its tokens back."""
+        num = self.num_tokens.pop(request.request_id, None)
+        if num is not None:
+            self.budget += num
+            self.new_block_ids.pop(request.request_id)
+            self.running.remove(request)
