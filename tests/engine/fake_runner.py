@@ -129,6 +129,9 @@ def fake_factory(**kwargs):
     """A ``runner_factory`` for `EngineCore` building a `FakeModelRunner`."""
 
     def factory(config):
-        return types.SimpleNamespace(name="fake", model_dir=None), FakeModelRunner(**kwargs)
+        kw = dict(kwargs)
+        if config.model.max_model_len is not None:
+            kw["max_model_len"] = config.model.max_model_len
+        return types.SimpleNamespace(name="fake", model_dir=None), FakeModelRunner(**kw)
 
     return factory
