@@ -87,6 +87,13 @@ class FakeModelRunner:
             token = (token + 1) % self.model_info.vocab_size
         return token
 
+    def _logprobs(self, tok: int, k: int | None) -> list[TokenLogprobs] | None:
+        """The sampled token at -0.5, then k candidates tok, tok+1 … at -0.5, -1.2, -1.9 …"""
+        if k is None:
+            return None
+        top = [(tok + j) % self.model_info.vocab_size for j in range(k)]
+        return [TokenLogprobs([tok, *top], [-0.5, *(-0.5 - 0.7 * j for j in range(k))], 1)]
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
         self.step_log.append(so)
@@ -117,7 +124,7 @@ class FakeModelRunner:
                 tok = self._sample(st)
                 st.tokens.append(tok)
                 sampled.append([tok])
-                logprobs.append([TokenLogprobs([tok], [-0.5], 1)] if st.params.logprobs is not None else None)
+                logprobs.append(self._logprobs(tok, st.params.logprobs))
             else:
                 sampled.append([])
                 logprobs.append(None)
