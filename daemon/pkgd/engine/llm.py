@@ -104,10 +104,10 @@ class LLM:
         if len(prios) != len(prompt_list):
             raise ValueError(f"{len(prios)} priorities for {len(prompt_list)} prompts")
         processed = [
-            self.input_processor.process(self._next_id(), _prompt_of(p), sp, priority=pr)
+            self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr)
             for p, sp, pr in zip(prompt_list, params, prios, strict=True)
         ]
-        return self._run(processed, use_tqdm)
+        return self.run_processed(processed, use_tqdm)
 
     def chat(
         self,
@@ -129,10 +129,10 @@ class LLM:
                   continue_final_message=continue_final_message, tools=tools,
                   chat_template_kwargs=chat_template_kwargs)
         processed = [
-            self.input_processor.process_chat(self._next_id(), conv, sp, **kw)
+            self.input_processor.process_chat(self.next_request_id(), conv, sp, **kw)
             for conv, sp in zip(conversations, params, strict=True)
         ]
-        return self._run(processed, use_tqdm)
+        return self.run_processed(processed, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search per prompt (see `pkgd.engine.beam_search`); sequences best first,
@@ -149,7 +149,7 @@ class LLM:
             proc = InputProcessor(self.tokenizer, max_model_len=self.engine.max_model_len,
                                   vocab_size=self.engine.vocab_size, eos_token_id=self.engine.eos_token_id,
                                   max_logprobs=max(k, 1))
-            outs = self._run([proc.process(self._next_id(), s, sp) for s in seqs], use_tqdm=False)
+            outs = self.run_processed([proc.process(self.next_request_id(), s, sp) for s in seqs], use_tqdm=False)
             return [o.outputs[0].logprobs[0] for o in outs]
 
         results = beam_search(token_prompts, params, next_token_logprobs,
@@ -162,7 +162,10 @@ class LLM:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def _run(self, processed: list[ProcessedRequest], use_tqdm: bool) -> list[RequestOutput]:
+    def run_processed(self, processed: list[ProcessedRequest], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run requests built by ``self.input_processor`` (ids unique among live requests) to
+        completion; finished `RequestOutput`s in the same order. On any error or interrupt
+        every request of this call is aborted before the exception propagates."""
         order = {p.request_id: i for i, p in enumerate(processed)}
         results: list[RequestOutput | None] = [None] * len(processed)
         added: list[str] = []
@@ -202,7 +205,7 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
         return params
 
-    def _next_id(self) -> str:
+    def next_request_id(self) -> str:
         return str(next(self._ids))
 
     def shutdown(self) -> None:

@@ -1,0 +1,200 @@
+"""``pkgd bench throughput``: offline throughput of the engine (the seeds' ``vllm bench throughput``).
+
+Prints, from one run: requests/s, output and total tokens/s, peak RSS of the engine; the
+fp32 ``torch.mm`` FLOP/s and the roofline fraction ``2 × params × tokens ÷ time ÷ GEMM
+FLOP/s``; a single-stream decode figure (1 request, 128 in / 128 out) against the memory
+bandwidth bound ``read bandwidth ÷ weight bytes per token``; and with ``--baseline hf`` the
+same prompts through Hugging Face ``generate()`` in static batches, with the ratio.
+
+Order matters for memory: the engine runs first and its peak RSS is read before the
+micro-benchmarks and the HF model allocate anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+GB = 1e9
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model.source (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="input and output lengths uniform in [len·(1−r), len·(1+r)]")
+    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="output lengths uniform in [MIN, MAX] (mixed lengths); overrides --output-len")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    p.add_argument("--prompts", choices=["random", "fixed"], default="random",
+                   help="random token ids, or a fixed English paragraph tiled to the input length")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also run transformers generate() on the same prompts")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the HF baseline")
+    p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
+    p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="scheduler.max_num_seqs")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="scheduler.max_num_batched_tokens")
+    p.add_argument("--num-blocks", type=int, default=None, help="cache.num_blocks")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="cache.kv_cache_memory_bytes")
+    p.add_argument("--cpu-threads", type=int, default=None, help="parallel.cpu_threads (default: every core)")
+    p.add_argument("--dtype", default=None, help="model.dtype")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other config key, dotted (cache.block_size=32) or an LLM keyword; repeatable")
+    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+
+
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory_bytes", "cpu_threads", "dtype"):
+        if getattr(args, key) is not None:
+            kw[key] = getattr(args, key)
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        kw[key.strip()] = yaml.safe_load(value)
+    return kw
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from pkgd.benchmarks import hardware, throughput
+    from pkgd.benchmarks.roofline import count_parameters, dtype_bytes
+    from pkgd.engine.llm import LLM
+
+    llm = LLM(args.model, **_llm_kwargs(args))
+    engine = llm.engine
+    threads = llm.config.parallel.cpu_threads
+    torch.set_num_threads(threads)
+    tok = llm.get_tokenizer()
+    workload = throughput.make_workload(
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
+        prompt_kind=args.prompts, tokenizer=tok, seed=args.seed,
+    )
+    # warm-up: first-call set-up must not count
+    throughput.run_pkgd(llm, throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok), ignore_eos=True)
+    res = throughput.run_pkgd(llm, workload, ignore_eos=args.ignore_eos, temperature=args.temperature, use_tqdm=args.progress)
+    single = None if args.skip_single_stream else throughput.run_single_stream(llm, vocab_size=engine.vocab_size)
+    fig: dict[str, Any] = {
+        "model": engine.model_name, "num_prompts": args.num_prompts, "threads": threads,
+        "dtype": str(engine.model_runner.model_info.dtype), "num_kv_blocks": engine.num_kv_blocks,
+        "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens, "elapsed_s": res.elapsed,
+        "requests_per_s": res.requests_per_s, "output_tokens_per_s": res.output_tokens_per_s,
+        "total_tokens_per_s": res.total_tokens_per_s, "peak_rss_bytes": hardware.peak_rss_bytes(),
+        "num_preemptions": engine.stats().num_preemptions,
+    }
+    if single is not None:
+        fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
+    model_dir = getattr(engine.model_files, "model_dir", None)
+    if not args.skip_roofline and model_dir is not None:
+        params = count_parameters(model_dir)
+        fig["parameters"] = params
+        fig["gemm_flops"] = hardware.gemm_flops()
+        fig["achieved_flops"] = 2 * params * (res.prompt_tokens + res.output_tokens) / res.elapsed
+        fig["roofline_fraction"] = fig["achieved_flops"] / fig["gemm_flops"]
+        if single is not None:
+            fig["read_bandwidth_bytes_per_s"] = hardware.read_bandwidth()
+            fig["weight_bytes_per_token"] = params * dtype_bytes(engine.model_runner.model_info.dtype)
+            fig["bandwidth_bound_tokens_per_s"] = fig["read_bandwidth_bytes_per_s"] / fig["weight_bytes_per_token"]
+            fig["single_stream_fraction"] = single.decode_tokens_per_s / fig["bandwidth_bound_tokens_per_s"]
+    if args.baseline == "hf":
+        fig.update(_run_hf_baseline(llm, workload, args))
+    _print_report(fig, args)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(fig, f, indent=2)
+    llm.shutdown()
+    return 0
+
+
+def _run_hf_baseline(llm: Any, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from pkgd.benchmarks.hf_baseline import load_hf_model, run_hf
+
+    engine = llm.engine
+    model_dir = getattr(engine.model_files, "model_dir", None)
+    if model_dir is None:
+        raise SystemExit("--baseline hf needs a model directory with safetensors")
+    model = load_hf_model(model_dir)
+    tok = llm.get_tokenizer()
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (engine.eos_token_id or 0)
+    hf = run_hf(model, workload, batch_size=args.hf_batch_size, ignore_eos=args.ignore_eos,
+                pad_token_id=pad, eos_token_id=engine.eos_token_id)
+    return {"hf_batch_size": args.hf_batch_size, "hf_elapsed_s": hf.elapsed, "hf_requests_per_s": hf.requests_per_s,
+            "hf_output_tokens_per_s": hf.output_tokens_per_s, "hf_total_tokens_per_s": hf.total_tokens_per_s}
+
+
+def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
+    out_desc = f"{args.output_len_range[0]}-{args.output_len_range[1]}" if args.output_len_range else str(args.output_len)
+    print(f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts ({args.prompts}), input {args.input_len}, "
+          f"output {out_desc}{' (ignore_eos)' if args.ignore_eos else ''}, range ratio {args.random_range_ratio}, "
+          f"dtype {fig['dtype']}, {fig['threads']} threads, {fig['num_kv_blocks']} KV blocks")
+    print(f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
+          f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in {fig['elapsed_s']:.1f} s, "
+          f"{fig['num_preemptions']} preemptions)")
+    print(f"Peak RSS (engine, before baselines): {fig['peak_rss_bytes'] / GB:.2f} GB")
+    if "gemm_flops" in fig:
+        print(f"GEMM (torch.mm fp32 2048x2048x2048): {fig['gemm_flops'] / 1e9:.1f} GFLOP/s")
+        print(f"Roofline: 2 x {fig['parameters'] / 1e6:.1f}M params x {fig['prompt_tokens'] + fig['output_tokens']} tokens "
+              f"/ {fig['elapsed_s']:.1f} s = {fig['achieved_flops'] / 1e9:.1f} GFLOP/s = {100 * fig['roofline_fraction']:.1f}% of GEMM")
+    if "single_stream_decode_tokens_per_s" in fig:
+        line = (f"Single stream (128 in / 128 out): decode {fig['single_stream_decode_tokens_per_s']:.1f} tokens/s, "
+                f"TTFT {fig['single_stream_ttft_s']:.3f} s")
+        if "bandwidth_bound_tokens_per_s" in fig:
+            line += (f"; bandwidth bound {fig['bandwidth_bound_tokens_per_s']:.1f} tokens/s "
+                     f"({fig['read_bandwidth_bytes_per_s'] / GB:.1f} GB/s / {fig['weight_bytes_per_token'] / 1e6:.0f} MB per token)"
+                     f" = {100 * fig['single_stream_fraction']:.0f}% of the bound")
+        print(line)
+    if "hf_output_tokens_per_s" in fig:
+        print(f"HF generate() static batches of {fig['hf_batch_size']}: {fig['hf_requests_per_s']:.2f} requests/s, "
+              f"{fig['hf_total_tokens_per_s']:.1f} total tokens/s, {fig['hf_output_tokens_per_s']:.1f} output tokens/s "
+              f"({fig['hf_elapsed_s']:.1f} s)")
+        print(f"pkgd / HF output tokens/s: {fig['output_tokens_per_s'] / fig['hf_output_tokens_per_s']:.2f}x")
+
+
+class BenchSubcommand:
+    """``pkgd bench {throughput}``."""
+
+    name = "bench"
+    help = "Benchmark the engine (throughput)."
+
+    def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
+        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput}")
+        t = sub.add_parser("throughput", help="Offline throughput (vllm bench throughput).", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_throughput_args(t)
+        t.set_defaults(bench_dispatch=run_throughput)
+        return parser
+
+    def cmd(self, args: argparse.Namespace) -> int:
+        return args.bench_dispatch(args)
+
+
+def cmd_init() -> list[BenchSubcommand]:
+    return [BenchSubcommand()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pkgd.cli.bench throughput …`` (the same as ``pkgd bench throughput …``)."""
+    parser = argparse.ArgumentParser(prog="pkgd")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    (cmd,) = cmd_init()
+    cmd.subparser_init(subparsers)
+    return cmd.cmd(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
