@@ -50,11 +50,30 @@ class ModelRunnerLike(Protocol):
 RunnerFactory = Callable[[VllmConfig], "tuple[Any, ModelRunnerLike]"]
 
 
+def default_cpu_threads(config: VllmConfig) -> int:
+    """``parallel.cpu_threads``, else the cores left after reserving one for the API servers
+    (vLLM's CPU build does the same), at least 1."""
+    if config.parallel.cpu_threads is not None:
+        return config.parallel.cpu_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
-    """Resolve ``model.source`` and load it into a `ModelRunner` (imports torch)."""
-    from pkgd.runner.loader import resolve_model
+    """Resolve ``model.source`` and load it into a `ModelRunner` (imports torch).
+
+    Sets torch's intra-op thread count first (`default_cpu_threads`): the runner leaves
+    threads to the process owner, and loading already runs on them.
+    """
+    import torch
+
+    from pkgd.runner.loader.resolve import resolve_model
     from pkgd.runner.model_runner import ModelRunner
 
+    torch.set_num_threads(default_cpu_threads(config))
     model_files = resolve_model(config.model)
     return model_files, ModelRunner(config, model_files)
 
@@ -228,4 +247,4 @@ def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
     return free
 
 
-__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]

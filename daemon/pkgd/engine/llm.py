@@ -55,13 +55,7 @@ class LLM:
                  runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
         self.config = build_llm_config(model, config=config, **kwargs)
         self.engine = EngineCore(self.config, runner_factory=runner_factory)
-        m = self.config.model
-        model_dir = getattr(self.engine.model_files, "model_dir", None)
-        self.tokenizer = (
-            load_tokenizer(model_dir, tokenizer=m.tokenizer, chat_template=m.chat_template)
-            if model_dir is not None or m.tokenizer is not None
-            else None
-        )
+        self.tokenizer = _load_tokenizer(self.config, self.engine.model_files)
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=self.engine.max_model_len,
@@ -217,6 +211,19 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _load_tokenizer(config: VllmConfig, model_files: Any):
+    """The tokenizer from the resolved files (``tokenizer_dir`` honours ``model.tokenizer``);
+    None when the source has none (token-id prompts only)."""
+    m = config.model
+    tokenizer_dir = getattr(model_files, "tokenizer_dir", None)
+    if tokenizer_dir is not None:
+        return load_tokenizer(tokenizer_dir, chat_template=m.chat_template)
+    model_dir = getattr(model_files, "model_dir", None)
+    if model_dir is None and m.tokenizer is None:
+        return None
+    return load_tokenizer(model_dir, tokenizer=m.tokenizer, chat_template=m.chat_template)
 
 
 def _final_only(req: EngineCoreRequest) -> EngineCoreRequest:
