@@ -23,7 +23,6 @@ GB = 1e9
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model.source (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
@@ -35,35 +34,41 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", choices=["random", "fixed"], default="random",
                    help="random token ids, or a fixed English paragraph tiled to the input length")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="hf: also run transformers generate() on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the HF baseline")
     p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="scheduler.max_num_seqs")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="scheduler.max_num_batched_tokens")
-    p.add_argument("--num-blocks", type=int, default=None, help="cache.num_blocks")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="cache.kv_cache_memory_bytes")
-    p.add_argument("--cpu-threads", type=int, default=None, help="parallel.cpu_threads (default: every core)")
-    p.add_argument("--dtype", default=None, help="model.dtype")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other config key, dotted (cache.block_size=32) or an LLM keyword; repeatable")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
+                        "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
+                        "are composed with every config layer instead)")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
 
 
-def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
-    for key in ("max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory_bytes", "cpu_threads", "dtype"):
-        if getattr(args, key) is not None:
-            kw[key] = getattr(args, key)
-    for item in args.overrides:
+def offline_llm(args: argparse.Namespace) -> Any:
+    """The offline `LLM` of a CLI command.
+
+    Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
+    tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
+    run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
+    way the engine uses every core unless ``parallel.cpu_threads`` is set.
+    """
+    from pkgd.engine.llm import LLM
+
+    request = getattr(args, "compose_request", None)
+    if request is not None:
+        from pkgd.config.compose import compose
+
+        return LLM(config=compose(request).config)
+    kwargs: dict[str, Any] = {}
+    for item in getattr(args, "overrides", None) or []:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
-        kw[key.strip()] = yaml.safe_load(value)
-    return kw
+            raise SystemExit(f"{item!r}: expected KEY=VALUE")
+        kwargs[key.strip()] = yaml.safe_load(value)
+    return LLM(**kwargs)
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -71,9 +76,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from pkgd.benchmarks import hardware, throughput
     from pkgd.benchmarks.roofline import count_parameters, dtype_bytes
-    from pkgd.engine.llm import LLM
-
-    llm = LLM(args.model, **_llm_kwargs(args))
+    llm = offline_llm(args)
     engine = llm.engine
     threads = llm.config.parallel.cpu_threads
     torch.set_num_threads(threads)
@@ -82,7 +85,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
         output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
-        prompt_kind=args.prompts, tokenizer=tok, seed=args.seed,
+        prompt_kind=args.prompts, tokenizer=tok, seed=llm.config.model.seed,
     )
     # warm-up: first-call set-up must not count
     throughput.run_pkgd(llm, throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok), ignore_eos=True)
@@ -178,6 +181,9 @@ class BenchSubcommand:
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
         return parser
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """Nothing to check before `cmd` (argparse did it)."""
 
     def cmd(self, args: argparse.Namespace) -> int:
         return args.bench_dispatch(args)

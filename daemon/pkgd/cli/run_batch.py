@@ -195,11 +195,11 @@ def process_batch(llm: Any, lines: list[str], *, use_tqdm: bool = False) -> list
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    from pkgd.engine.llm import LLM
+    from pkgd.cli.bench import offline_llm
 
     with (sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")) as f:
         lines = f.readlines()
-    llm = LLM(args.model, **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
+    llm = offline_llm(args)
     results = process_batch(llm, lines, use_tqdm=not args.no_progress)
     llm.shutdown()
     out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
@@ -225,10 +225,14 @@ class RunBatchSubcommand:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("-i", "--input-file", required=True, help="batch requests, JSONL ('-' = stdin)")
         p.add_argument("-o", "--output-file", required=True, help="results, JSONL ('-' = stdout)")
-        p.add_argument("--model", default=None, help="model.source (default: the embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--max-num-seqs", type=int, default=None, help="scheduler.max_num_seqs")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="config keys when run as 'python -m pkgd.cli.run_batch' (under 'pkgd', "
+                            "--model, --max-num-seqs and other config flags are composed with every layer)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         return p
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """Nothing to check before `cmd` (argparse did it)."""
 
     def cmd(self, args: argparse.Namespace) -> int:
         return run_batch(args)
