@@ -38,6 +38,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="hf: also run transformers generate() on the same prompts")
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the HF baseline")
     p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
+    p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
+                   help="input and output tokens of the single-stream run (default 128 in / 128 out)")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
@@ -75,11 +77,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     import torch
 
     from pkgd.benchmarks import hardware, throughput
-    from pkgd.benchmarks.roofline import count_parameters, dtype_bytes
+
     llm = offline_llm(args)
     engine = llm.engine
-    threads = llm.config.parallel.cpu_threads
-    torch.set_num_threads(threads)
+    torch.set_num_threads(llm.config.parallel.cpu_threads)
     tok = llm.get_tokenizer()
     workload = throughput.make_workload(
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
@@ -88,11 +89,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         prompt_kind=args.prompts, tokenizer=tok, seed=llm.config.model.seed,
     )
     # warm-up: first-call set-up must not count
-    throughput.run_pkgd(llm, throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok), ignore_eos=True)
+    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    throughput.run_pkgd(llm, warm, ignore_eos=True)
     res = throughput.run_pkgd(llm, workload, ignore_eos=args.ignore_eos, temperature=args.temperature, use_tqdm=args.progress)
-    single = None if args.skip_single_stream else throughput.run_single_stream(llm, vocab_size=engine.vocab_size)
+    single = None if args.skip_single_stream else throughput.run_single_stream(
+        llm, input_len=args.single_stream_len, output_len=args.single_stream_len, vocab_size=engine.vocab_size)
     fig: dict[str, Any] = {
-        "model": engine.model_name, "num_prompts": args.num_prompts, "threads": threads,
+        "model": engine.model_name, "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
         "dtype": str(engine.model_runner.model_info.dtype), "num_kv_blocks": engine.num_kv_blocks,
         "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens, "elapsed_s": res.elapsed,
         "requests_per_s": res.requests_per_s, "output_tokens_per_s": res.output_tokens_per_s,
@@ -101,18 +104,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     }
     if single is not None:
         fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
-    model_dir = getattr(engine.model_files, "model_dir", None)
-    if not args.skip_roofline and model_dir is not None:
-        params = count_parameters(model_dir)
-        fig["parameters"] = params
-        fig["gemm_flops"] = hardware.gemm_flops()
-        fig["achieved_flops"] = 2 * params * (res.prompt_tokens + res.output_tokens) / res.elapsed
-        fig["roofline_fraction"] = fig["achieved_flops"] / fig["gemm_flops"]
-        if single is not None:
-            fig["read_bandwidth_bytes_per_s"] = hardware.read_bandwidth()
-            fig["weight_bytes_per_token"] = params * dtype_bytes(engine.model_runner.model_info.dtype)
-            fig["bandwidth_bound_tokens_per_s"] = fig["read_bandwidth_bytes_per_s"] / fig["weight_bytes_per_token"]
-            fig["single_stream_fraction"] = single.decode_tokens_per_s / fig["bandwidth_bound_tokens_per_s"]
+    if not args.skip_roofline:
+        fig.update(_roofline(engine, res, single))
     if args.baseline == "hf":
         fig.update(_run_hf_baseline(llm, workload, args))
     _print_report(fig, args)
@@ -121,6 +114,24 @@ def run_throughput(args: argparse.Namespace) -> int:
             json.dump(fig, f, indent=2)
     llm.shutdown()
     return 0
+
+
+def _roofline(engine: Any, res: Any, single: Any) -> dict[str, Any]:
+    """GEMM FLOP/s and achieved FLOP/s; read bandwidth and the single-stream bound."""
+    from pkgd.benchmarks import hardware
+    from pkgd.benchmarks.roofline import count_parameters, dtype_bytes
+
+    info = engine.model_runner.model_info
+    params = getattr(info, "num_params", None) or count_parameters(engine.model_files.model_dir)
+    fig: dict[str, Any] = {"parameters": params, "gemm_flops": hardware.gemm_flops()}
+    fig["achieved_flops"] = 2 * params * (res.prompt_tokens + res.output_tokens) / res.elapsed
+    fig["roofline_fraction"] = fig["achieved_flops"] / fig["gemm_flops"]
+    if single is not None:
+        fig["read_bandwidth_bytes_per_s"] = hardware.read_bandwidth()
+        fig["weight_bytes_per_token"] = params * dtype_bytes(info.dtype)
+        fig["bandwidth_bound_tokens_per_s"] = fig["read_bandwidth_bytes_per_s"] / fig["weight_bytes_per_token"]
+        fig["single_stream_fraction"] = single.decode_tokens_per_s / fig["bandwidth_bound_tokens_per_s"]
+    return fig
 
 
 def _run_hf_baseline(llm: Any, workload: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -153,7 +164,8 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"Roofline: 2 x {fig['parameters'] / 1e6:.1f}M params x {fig['prompt_tokens'] + fig['output_tokens']} tokens "
               f"/ {fig['elapsed_s']:.1f} s = {fig['achieved_flops'] / 1e9:.1f} GFLOP/s = {100 * fig['roofline_fraction']:.1f}% of GEMM")
     if "single_stream_decode_tokens_per_s" in fig:
-        line = (f"Single stream (128 in / 128 out): decode {fig['single_stream_decode_tokens_per_s']:.1f} tokens/s, "
+        n = args.single_stream_len
+        line = (f"Single stream ({n} in / {n} out): decode {fig['single_stream_decode_tokens_per_s']:.1f} tokens/s, "
                 f"TTFT {fig['single_stream_ttft_s']:.3f} s")
         if "bandwidth_bound_tokens_per_s" in fig:
             line += (f"; bandwidth bound {fig['bandwidth_bound_tokens_per_s']:.1f} tokens/s "
