@@ -111,7 +111,7 @@ class FakeModelRunner:
             st = self.reqs[rid]
             assert st.num_computed == num_computed, f"{rid}: computed {st.num_computed} != {num_computed}"
             st.block_ids.extend(blocks)
-        req_ids, sampled, logprobs = [], [], []
+        # Like a real runner's layers: every scheduled token's KV is written, then read.
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
             assert st.num_computed + n <= len(st.tokens), f"{rid}: scheduled past its tokens"
@@ -119,6 +119,9 @@ class FakeModelRunner:
                 b, o = self._slot(st, pos)
                 self.cache[b][o] = st.tokens[pos]
             st.num_computed += n
+        req_ids, sampled, logprobs = [], [], []
+        for rid in so.num_scheduled_tokens:
+            st = self.reqs[rid]
             req_ids.append(rid)
             if st.num_computed == len(st.tokens):
                 tok = self._sample(st)

@@ -211,3 +211,16 @@ def test_generated_tokens_are_prefix_cached_too():
     add(e, "b", [1, 2, 3] + toks[:8] + [999], max_tokens=1)  # same 11 tokens: 2 full blocks
     run(e)
     assert e.stats().prefix_cache_hits == 8
+
+
+def test_identical_prompts_in_one_step_share_their_blocks():
+    e = make_engine(block_size=4)
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    add(e, "a", prompt, max_tokens=3)
+    add(e, "b", prompt, max_tokens=3)
+    first = e.model_runner.step_log  # both admitted in the first step
+    res = run(e)
+    new = {r.req_id: r.num_computed_tokens for r in first[0].scheduled_new_reqs}
+    assert new == {"a": 0, "b": 12} and first[0].num_scheduled_tokens == {"a": 13, "b": 1}
+    assert res["a"][0] == res["b"][0]
+    assert e.kv_cache_manager.get_num_free_blocks() == 64

@@ -14,10 +14,14 @@ its prompt and outputs, all in the same batch. Order of one step:
    budget, ``max_num_seqs`` and blocks allow: prefix-cache hits are taken first, then slots
    for the rest of the prompt (or a chunk of it).
 
+Full blocks are published to the prefix cache as soon as they are scheduled (vLLM v1 does
+the same), so a request admitted later in the same step can already share them. That relies
+on the runner's contract: in every layer the KV of all of a step's tokens is written to the
+cache before any attention of that layer reads it.
+
 `update_from_output` appends the runner's sampled tokens, applies the stop rules
-(`Request.check_stop`), publishes full computed blocks to the prefix cache, frees finished
-requests at once and returns one `EngineCoreOutput` per request that produced tokens.
-Torch-free.
+(`Request.check_stop`), frees finished requests at once (their blocks stay cached) and
+returns one `EngineCoreOutput` per request that produced tokens. Torch-free.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ class Scheduler:
                     break
             if block_ids is None:
                 continue  # ``request`` itself was preempted; index i now holds the next one
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + num_new)
             step.add(request, num_new, block_ids, new=False)
             i += 1
 
@@ -199,6 +204,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            kv.cache_blocks(request, num_hit + num_new)
             step.add(request, num_new, block_ids, new=True)
 
     # ---- after the runner ---------------------------------------------------------------
@@ -209,11 +215,6 @@ class Scheduler:
         Requests that stopped are freed before this returns (their blocks stay cached).
         Tokens for requests aborted since `schedule` are dropped.
         """
-        kv = self.kv_cache_manager
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                kv.cache_blocks(request, request.num_computed_tokens)
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
         logprobs = runner_output.logprobs
