@@ -112,6 +112,7 @@ def run_pkgd(llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: flo
         SamplingParams(max_tokens=n, ignore_eos=ignore_eos, temperature=temperature, seed=i, detokenize=False)
         for i, n in enumerate(workload.output_lens)
     ]
+    llm.engine.reset_prefix_cache()  # a repeated workload must not be served from the cache
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - t0
