@@ -15,14 +15,17 @@ from .fake_runner import fake_factory
 
 
 def make_engine(*, num_blocks=64, block_size=4, max_model_len=128, batched=64, seqs=16, chunked=True,
-                policy="fcfs", caching=True, **runner_kw):
+                policy="fcfs", caching=True, lookahead=None, **runner_kw):
     cfg = VllmConfig.model_validate({
         "model": {"max_model_len": max_model_len},
         "cache": {"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": caching},
         "scheduler": {"max_num_batched_tokens": batched, "max_num_seqs": seqs,
                       "enable_chunked_prefill": chunked, "policy": policy},
     })
-    return EngineCore(cfg, runner_factory=fake_factory(**runner_kw))
+    engine = EngineCore(cfg, runner_factory=fake_factory(**runner_kw))
+    if lookahead is not None:
+        engine.scheduler.admission_lookahead = lookahead
+    return engine
 
 
 def add(engine, rid, prompt, priority=0, arrival=0.0, eos=None, **sp):
@@ -110,27 +113,44 @@ def test_priority_policy_admits_lowest_priority_value_first():
     assert order == ["high", "mid-early", "mid-late", "low"]
 
 
+def run_16(**kw):
+    engine = make_engine(**kw)
+    for i, p in enumerate(prompts(16, length=12)):
+        add(engine, f"r{i}", p, max_tokens=20, priority=i % 3)
+    return engine, run(engine)
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_with_a_tiny_cache_gives_the_same_tokens(policy):
-    ps = prompts(16, length=12)
-    ref = make_engine(num_blocks=512)
-    for i, p in enumerate(ps):
-        add(ref, f"r{i}", p, max_tokens=20, priority=i % 3)
-    expected = run(ref)
+    ref, expected = run_16(num_blocks=512)
     assert ref.stats().num_preemptions == 0
-
-    tiny = make_engine(num_blocks=12, max_model_len=48, policy=policy)  # 48 token slots for 16 requests
-    for i, p in enumerate(ps):
-        add(tiny, f"r{i}", p, max_tokens=20, priority=i % 3)
-    got = run(tiny)
+    # 48 token slots for 16 requests; no admission lookahead (vLLM's policy) so blocks run out
+    tiny, got = run_16(num_blocks=12, max_model_len=48, policy=policy, lookahead=0)
     assert got == expected
     assert tiny.stats().num_preemptions > 0
     assert tiny.kv_cache_manager.get_num_free_blocks() == 12
     assert tiny.stats().kv_cache_usage == 0.0
 
 
+def test_admission_lookahead_avoids_recomputation():
+    _, expected = run_16(num_blocks=512)
+    plain, got_plain = run_16(num_blocks=12, max_model_len=48, lookahead=0)
+    ahead, got_ahead = run_16(num_blocks=12, max_model_len=48)  # the default lookahead
+    assert got_plain == got_ahead == expected
+    computed = [sum(s.total_num_scheduled_tokens for s in e.model_runner.step_log) for e in (plain, ahead)]
+    assert ahead.stats().num_preemptions == 0 < plain.stats().num_preemptions
+    assert computed[1] < computed[0]
+
+
+def test_requests_outgrowing_the_lookahead_are_still_preempted():
+    ref, expected = run_16(num_blocks=512)
+    e, got = run_16(num_blocks=12, max_model_len=48, lookahead=4)
+    assert got == expected and e.stats().num_preemptions > 0
+    assert e.kv_cache_manager.get_num_free_blocks() == 12
+
+
 def test_priority_preemption_evicts_the_lowest_priority_request():
-    e = make_engine(num_blocks=8, max_model_len=32, policy="priority", caching=False)
+    e = make_engine(num_blocks=8, max_model_len=32, policy="priority", caching=False, lookahead=0)
     add(e, "vip", range(1, 13), priority=0, arrival=1.0, max_tokens=16)
     add(e, "bulk", range(20, 32), priority=9, arrival=0.0, max_tokens=16)
     run(e)
