@@ -43,17 +43,21 @@ def field(
 ) -> Any:
     """Declare a config leaf with its description, CLI aliases and reload class.
 
-    ``constraints`` are pydantic's (``ge``, ``le``, ``min_length`` …). The description is
-    mandatory in spirit: a test fails for any leaf without one.
+    ``constraints`` are pydantic's (``ge``, ``le``, ``min_length`` …). Prefer a plain mutable
+    default (``[]``; pydantic copies it for each instance) to ``default_factory``: only a plain
+    default shows in the schema and ``--help``. A test fails for any leaf without a description.
     """
     extra: dict[str, Any] = {"x-reload": reload.value}
     if aliases:
         extra["x-cli-aliases"] = list(aliases)
     if default_factory is not None:
-        return Field(
-            default_factory=default_factory,
-            description=description,
-            json_schema_extra=extra,
-            **constraints,
-        )
+        return Field(default_factory=default_factory, description=description, json_schema_extra=extra, **constraints)
     return Field(default, description=description, json_schema_extra=extra, **constraints)
+
+
+def section(model: type, description: str) -> Any:
+    """Declare a nested section (a model whose own fields are the leaves).
+
+    A section has no reload class of its own: reload planning looks at its leaves.
+    """
+    return Field(default_factory=model, description=description)

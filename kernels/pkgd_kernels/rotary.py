@@ -1,0 +1,174 @@
+"""Rotary position embedding, RoPE (Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary
+Position Embedding"), applied to query and key heads with a precomputed cos/sin table.
+
+Pairs of channels among the first ``rot_dim`` of each head are rotated by the angle of the
+token's position; channels past ``rot_dim`` (partial rotary) pass through unchanged. Two
+pairings exist: GPT-NeoX style (``is_neox=True``, Llama/Qwen/Hugging Face's ``rotate_half``)
+pairs channel ``i`` with ``i + rot_dim/2``; GPT-J style pairs ``2i`` with ``2i + 1``. In both,
+pair ``i`` uses ``cos_sin_cache[pos, i]`` and ``cos_sin_cache[pos, rot_dim/2 + i]`` (vLLM's
+table layout: cos in the first half of the columns, sin in the second)::
+
+    out_a = a * cos - b * sin
+    out_b = b * cos + a * sin
+
+The rotation is computed in float32 and rounded once to the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pkgd_kernels._util import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_same,
+    check_shape,
+    next_power_of_2,
+    on_device,
+    triton_module,
+    unit_stride,
+    use_triton,
+)
+
+_OP = "rotary_embedding"
+
+
+def _check(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> int:
+    """Check the arguments and return ``rot_dim``."""
+    check_shape(_OP, "positions", positions, [None])
+    check_dtype(_OP, "positions", positions, [torch.int64])
+    num_tokens = positions.shape[0]
+    if head_size <= 0:
+        raise ValueError(f"{_OP}: head_size must be > 0, got {head_size}")
+    for name, t in (("query", query), ("key", key)):
+        check_shape(_OP, name, t, [num_tokens, None])
+        if t.shape[1] % head_size != 0:
+            raise ValueError(
+                f"{_OP}: {name} must have shape [T, heads * {head_size}], got {list(t.shape)}"
+            )
+    check_dtype(_OP, "query", query, FLOAT_DTYPES)
+    check_shape(_OP, "cos_sin_cache", cos_sin_cache, [None, None])
+    check_dtype(_OP, "cos_sin_cache", cos_sin_cache, FLOAT_DTYPES + (torch.float64,))
+    rot_dim = cos_sin_cache.shape[1]
+    if rot_dim % 2 != 0 or not 0 < rot_dim <= head_size:
+        raise ValueError(
+            f"{_OP}: cos_sin_cache must have shape [max_position, rot_dim] with rot_dim even and "
+            f"0 < rot_dim <= head_size={head_size}, got {list(cos_sin_cache.shape)}"
+        )
+    check_same(_OP, {"query": query, "key": key})
+    check_same(_OP, {"query": query, "positions": positions, "cos_sin_cache": cos_sin_cache},
+               dtype=False)
+    return rot_dim
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, is_neox: bool
+) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H*D]`` with ``cos``/``sin`` ``[T, rot_dim/2]`` float32; new tensor."""
+    heads = x.view(x.shape[0], x.shape[1] // head_size, head_size)
+    rot_dim = 2 * cos.shape[-1]
+    rot = heads[..., :rot_dim].float()
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if is_neox:
+        a, b = rot.chunk(2, dim=-1)
+        rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    out = torch.cat((rotated.to(x.dtype), heads[..., rot_dim:]), dim=-1)
+    return out.view(x.shape)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply RoPE to ``query`` and ``key`` (PyTorch reference).
+
+    Args:
+        positions: int64 ``[T]``, each token's position, in ``[0, max_position)``.
+        query: ``[T, num_heads * head_size]`` float32/float16/bfloat16, unit last-dim stride
+            (a view into a fused QKV row is fine).
+        key: ``[T, num_kv_heads * head_size]``, same dtype and device.
+        head_size: channels per head.
+        cos_sin_cache: ``[max_position, rot_dim]``, any float dtype: cos in columns
+            ``[0, rot_dim/2)``, sin in ``[rot_dim/2, rot_dim)``; rot_dim even, <= head_size.
+        is_neox: GPT-NeoX pairing (``i``, ``i + rot_dim/2``) if True, GPT-J (``2i``, ``2i+1``)
+            otherwise.
+
+    Returns:
+        ``(query, key)``: new tensors, same shapes and dtype as the inputs.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree, or a position lies outside the table.
+    """
+    rot_dim = _check(positions, query, key, head_size, cos_sin_cache)
+    max_position = cos_sin_cache.shape[0]
+    bad = (positions < 0) | (positions >= max_position)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{_OP}: positions must lie in [0, {max_position}), got {positions[bad][0].item()}"
+        )
+    cos_sin = cos_sin_cache.index_select(0, positions).float()
+    cos, sin = cos_sin[:, : rot_dim // 2], cos_sin[:, rot_dim // 2 :]
+    return _rotate(query, cos, sin, head_size, is_neox), _rotate(key, cos, sin, head_size, is_neox)
+
+
+def rotary_embedding_triton(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`rotary_embedding_ref` (same arguments and results): one program
+    per (token, tile of heads), writing rotated and pass-through channels in one pass.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree. Positions are not checked (that would
+            need a device sync): one outside the table is undefined behaviour here.
+    """
+    _check(positions, query, key, head_size, cos_sin_cache)
+    kernels = triton_module("rotary_triton")
+    positions, cos_sin_cache = unit_stride(positions), unit_stride(cos_sin_cache)
+    block_d = next_power_of_2(head_size)
+    block_h = max(1, min(16, 2048 // block_d))
+    outputs = []
+    for x in (query, key):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if out.numel() > 0:
+            with on_device(x):
+                kernels.launch_rotary_embedding(
+                    positions, x, out, head_size, cos_sin_cache, is_neox,
+                    block_h=block_h, block_d=block_d,
+                )
+        outputs.append(out)
+    return outputs[0], outputs[1]
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on query and key: :func:`rotary_embedding_triton` on CUDA tensors,
+    :func:`rotary_embedding_ref` otherwise (see it for shapes and errors)."""
+    if use_triton(query):
+        return rotary_embedding_triton(positions, query, key, head_size, cos_sin_cache, is_neox)
+    return rotary_embedding_ref(positions, query, key, head_size, cos_sin_cache, is_neox)

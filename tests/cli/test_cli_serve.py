@@ -1,0 +1,57 @@
+"""`pkgd serve` hands the composed config and the request to the supervisor daemon."""
+
+import sys
+import textwrap
+
+import pytest
+
+from pkgd.cli import main as cli_main
+from pkgd.cli import serve
+
+
+@pytest.fixture
+def fake_daemon(tmp_path, monkeypatch):
+    """A stand-in for pkgd.supervisor.daemon recording what `run` received."""
+    (tmp_path / "fake_pkgd_daemon.py").write_text(textwrap.dedent("""
+        calls = []
+        def run(composed, request):
+            calls.append((composed, request))
+            return 7
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(serve, "SUPERVISOR_MODULE", "fake_pkgd_daemon")
+    yield __import__("fake_pkgd_daemon")
+    sys.modules.pop("fake_pkgd_daemon", None)
+
+
+def test_serve_is_the_default_and_runs_the_daemon(fake_daemon, tmp_path):
+    rc = cli_main.main(["+model=qwen", "--config-dir", str(tmp_path), "--port", "9001"])
+    assert rc == 7
+    (composed, request), = fake_daemon.calls
+    assert composed.config.model.source.endswith("Qwen3-0.6B") and composed.config.frontend.port == 9001
+    assert request.overrides == ("+model=qwen",) and request.config_dir == str(tmp_path)
+    assert request.flags == ("--port", "9001") and request.env is None
+
+
+def test_positional_model_goes_into_the_request(fake_daemon):
+    assert cli_main.main(["serve", "/models/x", "parallel.tp=2"]) == 7
+    (composed, request), = fake_daemon.calls
+    assert composed.config.model.source == "/models/x"
+    assert request.flags[-2:] == ("--model", "/models/x")  # so a SIGHUP re-compose keeps it
+
+
+def test_invalid_config_never_reaches_the_daemon(fake_daemon, capsys):
+    assert cli_main.main(["frontend.headless=true", "--api-server-count", "2"]) == 2
+    assert fake_daemon.calls == []
+    assert "frontend.api_server_count: 2 conflicts with frontend.headless: true" in capsys.readouterr().err
+
+
+def test_without_a_supervisor_serving_is_not_implemented(monkeypatch, capsys):
+    monkeypatch.setattr(serve, "SUPERVISOR_MODULE", "pkgd.supervisor.no_such_daemon")
+    assert cli_main.main([]) == 1
+    assert "pkgd: serving is not implemented yet" in capsys.readouterr().err
+
+
+def test_serve_logs_config_warnings(fake_daemon, capsys):
+    assert cli_main.main(["parallel.dp=2", "parallel.enable_elastic_ep=true", "logging.format=json"]) == 7
+    assert '"event": "config_warning"' in capsys.readouterr().err

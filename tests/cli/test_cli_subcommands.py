@@ -1,0 +1,68 @@
+"""The subcommand table: lazily listed modules, and no option that shadows a config flag."""
+
+import argparse
+import importlib
+
+import pytest
+
+from pkgd.cli.main import SUBCOMMANDS, available_subcommands, build_parser, main
+from pkgd.config.schema import alias_index
+
+AVAILABLE = available_subcommands()
+
+
+def test_only_existing_modules_are_listed(monkeypatch, capsys):
+    monkeypatch.setitem(SUBCOMMANDS, "frobnicate", ("pkgd.cli.no_such_module", "not written yet"))
+    assert "frobnicate" not in available_subcommands()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "frobnicate" not in capsys.readouterr().out
+    assert {"serve", "config"} <= set(AVAILABLE)
+
+
+@pytest.mark.parametrize("name", sorted(AVAILABLE))
+def test_module_declares_its_commands(name):
+    module = importlib.import_module(AVAILABLE[name][0])
+    names = [cmd.name for cmd in module.cmd_init()]
+    assert name in names
+    assert {n for n, (m, _) in SUBCOMMANDS.items() if m == module.__name__} == set(names)
+
+
+def _options(parser: argparse.ArgumentParser):
+    for action in parser._actions:  # argparse exposes no public walk over its options
+        yield from action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _options(sub)
+
+
+@pytest.mark.parametrize("name", sorted(AVAILABLE))
+def test_no_subcommand_option_shadows_a_config_flag(name):
+    parser, commands = build_parser(name, with_help_text=False)
+    assert name in commands
+    clashes = set(_options(parser)) & set(alias_index())
+    assert not clashes, f"options of `pkgd {name}` are config flags, taken out before argparse: {clashes}"
+
+
+def test_config_show_in_process(capsys, tmp_path):
+    assert main(["config", "show", "--config-dir", str(tmp_path), "cache.block_size=32"]) == 0
+    assert "  block_size: 32\n" in capsys.readouterr().out
+
+
+def test_misspelt_command_is_not_served_as_a_model(capsys):
+    assert main(["confg", "show"]) == 2
+    assert "pkgd: error: unknown command 'confg'; did you mean config?" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("pkgd ")
+
+
+def test_validate_without_path_checks_the_default_tree(capsys, tmp_path):
+    (tmp_path / "pkgd.yaml").write_text("frontend: {port: 70000}\n")
+    assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 2
+    assert f"{tmp_path}: frontend.port: bad value 70000 (set by system:pkgd.yaml)" in capsys.readouterr().err
+    (tmp_path / "pkgd.yaml").write_text("frontend: {port: 7000}\n")
+    assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 0

@@ -1,0 +1,1 @@
+"""Tests of pkgd_kernels: PyTorch references, and Triton kernels under the interpreter."""
