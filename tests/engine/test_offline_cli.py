@@ -10,16 +10,18 @@ pytest.importorskip("pkgd.runner.model_runner")
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["cache.num_blocks=64", "model.max_model_len=512"]
+SMALL = ["cache.num_blocks=64", "--max-model-len", "512"]
 
 
-def run(module, *args, timeout=600):
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, check=False)
+def pkgd(*args, timeout=600):
+    """``pkgd ARGS`` in a child process (config overrides go through the real composition)."""
+    return subprocess.run([sys.executable, "-m", "pkgd.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
 
 
 def test_bench_throughput_prints_every_figure(tmp_path):
     out_json = tmp_path / "fig.json"
-    p = run("pkgd.cli.bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
+    p = pkgd("bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
             "--ignore-eos", "--single-stream-len", "16", "--baseline", "hf", "--hf-batch-size", "2", "--output-json", str(out_json), *SMALL)
     assert p.returncode == 0, p.stderr[-3000:]
     for words in ("Throughput:", "requests/s", "output tokens/s", "Peak RSS", "GEMM", "Roofline:",
@@ -39,7 +41,7 @@ def test_run_batch_writes_one_result_per_line(tmp_path):
         {"custom_id": "c", "method": "POST", "url": "/v1/nope", "body": {}},
     ]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    p = run("pkgd.cli.run_batch", "-i", str(src), "-o", str(dst), "--no-progress", *SMALL)
+    p = pkgd("run-batch", "-i", str(src), "-o", str(dst), "--no-progress", *SMALL)
     assert p.returncode == 0, p.stderr[-3000:]
     res = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [r["custom_id"] for r in res] == ["a", "b", "c"]

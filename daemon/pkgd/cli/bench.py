@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from pkgd.cli.base import CLISubcommand
+
 GB = 1e9
 
 
@@ -196,7 +198,7 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"pkgd / HF output tokens/s: {fig['output_tokens_per_s'] / fig['hf_output_tokens_per_s']:.2f}x")
 
 
-class BenchSubcommand:
+class BenchSubcommand(CLISubcommand):
     """``pkgd bench {throughput}``."""
 
     name = "bench"
@@ -210,9 +212,6 @@ class BenchSubcommand:
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
         return parser
-
-    def validate(self, args: argparse.Namespace) -> None:
-        """Nothing to check before `cmd` (argparse did it)."""
 
     def cmd(self, args: argparse.Namespace) -> int:
         return args.bench_dispatch(args)

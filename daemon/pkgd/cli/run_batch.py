@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import Any
 
+from pkgd.cli.base import CLISubcommand
 from pkgd.engine.sampling_params import SamplingParams
 
 # OpenAI body field -> SamplingParams field (same meaning), plus vLLM's extra fields.
@@ -214,7 +215,7 @@ def run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-class RunBatchSubcommand:
+class RunBatchSubcommand(CLISubcommand):
     """``pkgd run-batch``."""
 
     name = "run-batch"
@@ -230,9 +231,6 @@ class RunBatchSubcommand:
                             "--model, --max-num-seqs and other config flags are composed with every layer)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         return p
-
-    def validate(self, args: argparse.Namespace) -> None:
-        """Nothing to check before `cmd` (argparse did it)."""
 
     def cmd(self, args: argparse.Namespace) -> int:
         return run_batch(args)
