@@ -1,0 +1,47 @@
+"""Tensor-parallel group of one model replica (torch.distributed; gloo on CPU, NCCL on GPU).
+
+The process owner (a TP worker) calls `torch.distributed.init_process_group` before building
+the model; layers only call `TPGroup.all_reduce` / `all_gather`, which are no-ops when the
+group has one rank, so a single-process runner never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group (``rank`` in ``[0, size)``)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside [0, {self.size})")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns ``x``."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def shard(self, total: int, what: str) -> int:
+        """``total // size``; raises `ValueError` naming ``what`` when it does not divide."""
+        if total % self.size:
+            raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({self.size})")
+        return total // self.size
+
+
+SINGLE = TPGroup()

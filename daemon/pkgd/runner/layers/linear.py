@@ -1,0 +1,129 @@
+"""Tensor-parallel linear layers (Megatron-LM's column/row split, Shoeybi et al., 2019).
+
+Layouts are chosen for the batch-1 (memory-bound) matrix-vector product, where MKL's speed
+depends on the shape; for batches both layouts reach the same GEMM speed. Measured here (fp32,
+one thread, best of 7, weights far beyond the caches): wide outputs (QKV 576->1728, gate/up
+576->3072, LM head 576->49152) read 21-26 GB/s as ``x @ W`` with ``W [in, out]`` against 12 GB/s
+with ``F.linear`` on ``[out, in]`` (DESIGN.md §5 "CPU specifics"), while the narrow
+row-parallel outputs (down 1536->576) read 15-17 GB/s with ``F.linear`` against 13-14 as
+``x @ W``. So column-parallel weights are stored ``[in, out]`` and row-parallel ones
+``[out, in]``.
+
+* `MergedColumnParallelLinear`: several projections of one input fused into one GEMM (QKV,
+  gate/up). Each part is split by output rows across ranks; the local weight is the
+  concatenation of every part's shard. ``load_part(i, w)`` takes the full HF weight
+  ``[out_i, in]`` (or bias) of part i.
+* `RowParallelLinear`: input features split across ranks, partial outputs summed with an
+  all-reduce; the bias is added once, after the reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pkgd.runner.distributed import SINGLE, TPGroup
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """``y = x @ [W_0 | W_1 | ...] (+ b)`` with each part sharded by output rows.
+
+    Args:
+        in_features: input size H.
+        part_sizes: full (unsharded) output size of each fused part.
+        part_shards: how many equal shards each part has: the TP size normally; for K/V heads
+            fewer than ranks, the number of KV heads (each rank then holds a replica, vLLM's rule).
+        bias: whether the parts have biases.
+
+    Input ``[T, H]`` in the model dtype; output ``[T, sum(local part sizes)]``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: list[int],
+        *,
+        bias: bool,
+        tp: TPGroup = SINGLE,
+        part_shards: list[int] | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        shards = part_shards or [tp.size] * len(part_sizes)
+        self.part_sizes = list(part_sizes)
+        self.shard_counts = shards
+        self.local_sizes = [tp_shard(size, n, "output features") for size, n in zip(part_sizes, shards)]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(part_sizes))]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return torch.addmm(self.bias, x, self.weight)
+        return x @ self.weight
+
+    def load_part(self, index: int, tensor: torch.Tensor, kind: str = "weight") -> None:
+        """Copy this rank's rows of part ``index``'s full HF ``weight [out_i, in]`` or
+        ``bias [out_i]`` (``kind``)."""
+        rows = self._rows(index, tensor.shape[0])
+        cols = slice(self.offsets[index], self.offsets[index] + self.local_sizes[index])
+        if kind == "bias":
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a layer built without one")
+            _check_shape(tensor[rows], self.bias[cols], f"part {index} bias")
+            self.bias[cols].copy_(tensor[rows])
+            return
+        _check_shape(tensor[rows].t(), self.weight[:, cols], f"part {index} weight")
+        self.weight[:, cols].copy_(tensor[rows].t())
+
+    def _rows(self, index: int, full: int) -> slice:
+        if full != self.part_sizes[index]:
+            raise ValueError(f"part {index} has {full} output rows, expected {self.part_sizes[index]}")
+        n = self.shard_counts[index]
+        shard = (self.tp.rank * n // self.tp.size) if n < self.tp.size else self.tp.rank
+        size = self.local_sizes[index]
+        return slice(shard * size, (shard + 1) * size)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_local @ W_local^T) (+ b)``; input ``[T, in/tp]``, output ``[T, out]``.
+    ``weight`` is ``[out, in/tp]`` (see the module docstring for why)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_local = tp.shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+    def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
+        """Copy this rank's input columns of the full HF ``weight [out, in]``, or the whole
+        ``bias [out]`` (``kind``)."""
+        if kind == "bias":
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a layer built without one")
+            _check_shape(tensor, self.bias, "bias")
+            self.bias.copy_(tensor)
+            return
+        cols = slice(self.tp.rank * self.in_local, (self.tp.rank + 1) * self.in_local)
+        _check_shape(tensor[:, cols], self.weight, "weight")
+        self.weight.copy_(tensor[:, cols])
+
+
+def tp_shard(total: int, shards: int, what: str) -> int:
+    """Size of one of ``shards`` equal parts of ``total``; `ValueError` when it does not divide."""
+    if total % shards:
+        raise ValueError(f"{what} ({total}) is not divisible into {shards} tensor-parallel shards")
+    return total // shards
+
+
+def _check_shape(src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
+    if src.shape != dst.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match the model's {tuple(dst.shape)}")

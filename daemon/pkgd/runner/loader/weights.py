@@ -1,0 +1,98 @@
+"""Build a model and load its safetensors weights (HF names, full tensors; each layer keeps
+its tensor-parallel shard, see `pkgd.runner.layers.linear`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pkgd.runner.distributed import SINGLE, TPGroup
+from pkgd.runner.loader.resolve import ModelSourceError
+from pkgd.runner.models import get_model_class
+from pkgd.runner.models.config import ArchConfig
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of every ``*.safetensors`` file in ``model_dir``.
+
+    Reads each tensor with ``readinto`` into a fresh tensor instead of memory-mapping the file
+    (the safetensors library's way): mapped pages stay resident until the file closes, which
+    for SmolLM2 adds the whole 540 MB file to the loading process's peak RSS. Format
+    (huggingface/safetensors): 8-byte little-endian header length, a JSON header mapping names
+    to ``dtype``, ``shape`` and ``data_offsets`` relative to the end of the header, the data.
+
+    Raises:
+        ModelSourceError: no file, or one that is not valid safetensors (names the path).
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"no *.safetensors file in {model_dir}")
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                header, base = _read_header(f, size, path)
+                for name, info in header.items():
+                    if name != "__metadata__":
+                        yield name, _read_tensor(f, name, info, base, size, path)
+        except OSError as e:
+            raise ModelSourceError(f"{path}: cannot read ({e})") from e
+
+
+def _read_header(f, size: int, path: Path) -> tuple[dict, int]:
+    raw = f.read(8)
+    n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+    if n < 2 or 8 + n > size:
+        raise ModelSourceError(f"{path}: not a valid safetensors file (bad header length)")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelSourceError(f"{path}: not a valid safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise ModelSourceError(f"{path}: not a valid safetensors file (header is not an object)")
+    return header, 8 + n
+
+
+def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> torch.Tensor:
+    try:
+        dtype = _ST_DTYPES[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        start, end = (int(o) for o in info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelSourceError(f"{path}: tensor {name!r} has a malformed header entry ({e!r})") from e
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if end - start != nbytes or base + end > size:
+        raise ModelSourceError(f"{path}: tensor {name!r} data does not match its shape or lies past the end of the file")
+    f.seek(base + start)
+    if nbytes and f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != nbytes:
+        raise ModelSourceError(f"{path}: tensor {name!r} is truncated")
+    return t
+
+
+def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+    """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
+
+    Raises:
+        UnsupportedArchitectureError: the architecture is not registered.
+        ModelSourceError: the weight files are missing or unreadable.
+        ValueError: the weights do not fit the architecture (names, shapes, missing tensors).
+    """
+    cls = get_model_class(cfg.architecture)
+    with torch.device(device):
+        model = cls(cfg, tp=tp, dtype=dtype)
+    with torch.no_grad():
+        model.load_weights(iter_safetensors(model_dir))
+    return model.eval()

@@ -1,0 +1,217 @@
+"""`ModelRunner`: one model replica (or one tensor-parallel rank of it) on one device.
+
+The engine core drives it: ``model_info`` and ``kv_cache_bytes_per_block`` size the KV
+cache, ``initialize_kv_cache`` allocates it, then each step ``execute_model(SchedulerOutput)
+-> ModelRunnerOutput`` runs one flattened batch (contracts in
+`pkgd.engine.scheduler_output` and `pkgd.runner.output`).
+
+A step: apply the scheduler's diffs to the per-request states -> flatten (one-token queries
+first) -> model forward over all scheduled tokens -> LM head only on the rows that sample (the
+last scheduled token of each request whose known tokens are all computed) and on the rows that
+give prompt logprobs -> `Sampler` -> append each sampled token to its request.
+
+Threads are the process owner's business (``torch.set_num_threads``); the runner never sets
+them. With ``world_size > 1`` the owner initialises ``torch.distributed`` first; every rank
+runs the same steps and samples the same tokens (same logits after the all-gather, same
+generators), so any rank's output may be used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.engine.scheduler_output import SchedulerOutput
+from pkgd.ipc.messages import TokenLogprobs
+from pkgd.runner.attention import AttentionMetadata
+from pkgd.runner.distributed import TPGroup
+from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
+from pkgd.runner.loader.dtype import resolve_dtype
+from pkgd.runner.loader.resolve import ModelFiles
+from pkgd.runner.loader.weights import load_model
+from pkgd.runner.models.config import ArchConfig, load_arch_config
+from pkgd.runner.models.llama import kv_heads_per_rank
+from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
+
+# Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
+PROMPT_LOGPROBS_SLICE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model.
+
+    ``max_model_len`` is effective: ``min(model.max_model_len, max_position_embeddings)``, in
+    tokens. Head counts are the whole model's; ``num_kv_heads_per_rank`` what one rank caches.
+    """
+
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    num_kv_heads_per_rank: int
+    head_dim: int
+    hidden_size: int
+    dtype: str
+    num_params: int
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``parallel.device``: ``auto`` = cuda when available, else cpu."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+class ModelRunner:
+    """Loads the model and executes scheduler steps (see the module docstring).
+
+    Raises (from the constructor):
+        UnsupportedArchitectureError: ``config.json`` names an unregistered architecture.
+        ModelSourceError: weight files are missing or unreadable.
+        ValueError: weights that do not fit, or a TP size the head counts do not divide.
+    """
+
+    def __init__(
+        self,
+        config: VllmConfig,
+        model_files: ModelFiles,
+        *,
+        device: torch.device | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.model_files = model_files
+        self.device = device or resolve_device(config.parallel.device)
+        self.tp = TPGroup(rank, world_size)
+        self.arch: ArchConfig = load_arch_config(model_files.model_dir)
+        self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
+        self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
+        self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
+        self.model_info = self._model_info()
+        gen = torch.Generator().manual_seed(config.model.seed)
+        self.sampler = Sampler(self.model_info.eos_token_ids, gen)
+        self.states: dict[str, RequestState] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    def _model_info(self) -> ModelInfo:
+        a = self.arch
+        configured = self.config.model.max_model_len
+        max_len = a.max_position_embeddings if configured is None else min(configured, a.max_position_embeddings)
+        num_params = sum(p.numel() for p in self.model.parameters())  # this rank's share
+        return ModelInfo(
+            architecture=a.architecture,
+            max_model_len=max_len,
+            vocab_size=a.vocab_size,
+            eos_token_id=a.eos_token_ids[0] if a.eos_token_ids else None,
+            eos_token_ids=a.eos_token_ids,
+            bos_token_id=a.bos_token_id,
+            num_layers=a.num_hidden_layers,
+            num_heads=a.num_attention_heads,
+            num_kv_heads=a.num_key_value_heads,
+            num_kv_heads_per_rank=self.num_kv_heads_local,
+            head_dim=a.head_dim,
+            hidden_size=a.hidden_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            num_params=num_params,
+        )
+
+    # ---- KV cache ------------------------------------------------------------------------
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block takes on this rank: K and V of every layer, ``block_size`` tokens."""
+        elt = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.arch.num_hidden_layers * block_size * self.num_kv_heads_local * self.arch.head_dim * elt
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate (zeroed) ``key_cache``/``value_cache`` of shape ``[num_blocks, block_size,
+        num_kv_heads_per_rank, head_dim]`` per layer. Zeroed so padding slots in a gathered
+        block are finite (a masked NaN would still poison the attention's ``p @ V``)."""
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.arch.num_hidden_layers)
+        ]
+        self.block_size = block_size
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled tokens per scheduled request (decodes first).
+
+        Raises:
+            RuntimeError: the KV cache is not initialised.
+            KeyError / ValueError: the scheduler's diffs do not match the runner's state.
+        """
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        update_states(self.states, scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        batch = build_batch(self.states, scheduler_output, self.block_size)
+        hidden = self._forward(batch)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if batch.sample_rows:
+            self._sample(batch, hidden, sampled, logprobs)
+        out = ModelRunnerOutput(
+            req_ids=[st.req_id for st in batch.states],
+            sampled_token_ids=[sampled.get(st.req_id, []) for st in batch.states],
+        )
+        if any(st.sampling_params.logprobs is not None for st in batch.states):
+            out.logprobs = [
+                logprobs.get(st.req_id, []) if st.sampling_params.logprobs is not None else None for st in batch.states
+            ]
+        if batch.prompt_logprobs:
+            out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        return out
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        a = self.arch
+        meta = AttentionMetadata.build(
+            query_lens=batch.query_lens,
+            seq_lens=batch.seq_lens,
+            block_table_rows=batch.block_table_rows,
+            slot_mapping=batch.slot_mapping,
+            block_size=self.block_size,
+            kv_bytes_per_token=2 * self.num_kv_heads_local * a.head_dim * self.kv_caches[0][0].element_size(),
+            device=self.device,
+        )
+        return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
+
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict) -> None:
+        rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        spec = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
+        result = self.sampler(logits, spec)
+        tokens = result.token_ids.tolist()
+        for st, tok, lp in zip(batch.sample_states, tokens, result.logprobs):
+            st.append(tok)
+            sampled[st.req_id] = [tok]
+            if lp is not None:
+                logprobs[st.req_id] = [lp]
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs | None]]:
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for span in batch.prompt_logprobs:
+            entries: list[TokenLogprobs | None] = [None] * span.leading_nones
+            for s in range(span.row_start, span.row_end, PROMPT_LOGPROBS_SLICE):
+                e = min(span.row_end, s + PROMPT_LOGPROBS_SLICE)
+                lp = torch.log_softmax(self.model.compute_logits(hidden[s:e]).cpu(), dim=-1)
+                targets = torch.tensor(span.target_ids[s - span.row_start : e - span.row_start], dtype=torch.int64)
+                entries.extend(batch_token_logprobs(lp, targets, [span.num_logprobs] * (e - s)))
+            out[span.req_id] = entries
+        return out

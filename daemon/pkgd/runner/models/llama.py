@@ -1,0 +1,277 @@
+"""Llama (Touvron et al., 2023) for the paged KV cache; also the base of Qwen2 and Qwen3.
+
+Pre-norm decoder: ``h += attn(rms_norm(h)); h += mlp(rms_norm(h))`` with the residual adds
+fused into the next norm (`RMSNorm` with a residual), GQA attention with RoPE, SwiGLU MLP,
+final RMSNorm, LM head (tied to the embedding when ``tie_word_embeddings``). Tensor parallel:
+Q/K/V and gate/up are column-parallel (heads / intermediate features split across ranks),
+o_proj and down_proj row-parallel, embedding and LM head vocab-parallel.
+
+``forward(input_ids [T] int64, positions [T] int64, kv_caches, meta) -> hidden [T, H]``
+after the final norm; ``compute_logits(hidden [N, H]) -> [N, V]`` float32 for the rows that
+need them only (the LM head is 28M of SmolLM2's 135M parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pkgd.runner import ops
+from pkgd.runner.attention import AttentionMetadata, paged_attention
+from pkgd.runner.distributed import SINGLE, TPGroup
+from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pkgd.runner.layers.norm import RMSNorm
+from pkgd.runner.layers.rotary import RotaryEmbedding, apply_rotary_complex, to_interleaved
+from pkgd.runner.models.config import ArchConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RopeContext:
+    """Per-forward rotary inputs shared by every layer: positions and, on CPU, the complex
+    rotations ``cos + i sin`` for them (Q/K are in the adjacent-pair layout, see
+    `pkgd.runner.layers.rotary`)."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rope = rope
+        self.positions = positions
+        self.freqs = None
+        if not positions.is_cuda:
+            cos, sin = ops.cos_sin_for(positions, rope.cos_sin_cache, torch.float32)
+            self.freqs = torch.complex(cos, sin)
+            if dtype != torch.float32:  # complex32 kernels are sparse on CPU: rotate in fp32
+                self.freqs = self.freqs.to(torch.complex64)
+
+    def apply(self, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``qk [T, Hq + Hkv, D]`` (queries then keys); returns ``(q, k)``."""
+        r = self.rope
+        t, _, d = qk.shape
+        if self.freqs is None:
+            q, k = qk[:, :num_q_heads].reshape(t, -1), qk[:, num_q_heads:].reshape(t, -1)
+            q, k = ops.rotary_embedding(self.positions, q, k, d, r.cos_sin_cache, r.is_neox)
+            return q.view(t, -1, d), k.view(t, -1, d)
+        if qk.dtype != torch.float32:
+            out = apply_rotary_complex(qk.float(), self.freqs, r.rot_dim).to(qk.dtype)
+        else:
+            out = apply_rotary_complex(qk, self.freqs, r.rot_dim)
+        return out[:, :num_q_heads], out[:, num_q_heads:]
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
+    """``(local KV heads, shard count)``: KV heads split across ranks, or, when there are fewer
+    KV heads than ranks, each rank holds one replica (vLLM's rule)."""
+    if num_kv_heads >= tp.size:
+        return tp.shard(num_kv_heads, "num_key_value_heads"), tp.size
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tensor-parallel size {tp.size} is not a multiple of num_key_value_heads {num_kv_heads}")
+    return 1, num_kv_heads
+
+
+def check_tp_size(cfg: ArchConfig, tp_size: int) -> None:
+    """Raise `ValueError` naming the first size ``tp_size`` ranks cannot split evenly."""
+    tp = TPGroup(0, tp_size)
+    tp.shard(cfg.num_attention_heads, "num_attention_heads")
+    kv_heads_per_rank(cfg.num_key_value_heads, tp)
+    tp.shard(cfg.intermediate_size, "intermediate_size")
+    tp.shard(cfg.vocab_size, "vocab_size")
+
+
+class LlamaAttention(nn.Module):
+    qk_norm = False
+    o_proj_bias_follows_attention_bias = True
+
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_dim = d = cfg.head_dim
+        self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads, kv_shards = kv_heads_per_rank(cfg.num_key_value_heads, tp)
+        self.scale = d**-0.5
+        self.qkv_proj = MergedColumnParallelLinear(
+            cfg.hidden_size,
+            [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
+            bias=cfg.attention_bias,
+            tp=tp,
+            part_shards=[tp.size, kv_shards, kv_shards],
+            dtype=dtype,
+        )
+        o_bias = cfg.attention_bias and self.o_proj_bias_follows_attention_bias
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h: torch.Tensor, rope: RopeContext, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t, d = h.shape[0], self.head_dim
+        qkv = self.qkv_proj(h)
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        qk = qkv[:, : q_size + kv_size].view(t, -1, d)
+        v = qkv[:, q_size + kv_size :].view(t, -1, d)
+        if self.qk_norm:
+            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, d)).view(t, -1, d)
+            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, d)).view(t, -1, d)
+            qk = torch.cat((q, k), dim=1)
+        q, k = rope.apply(qk, self.num_heads)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.view(t, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, tp, dtype)
+        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, h, residual, rope: RopeContext, kv_cache: KVCache, meta: AttentionMetadata):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. Parameter names follow HF's, with q/k/v fused into ``qkv_proj`` and
+    gate/up into ``gate_up_proj`` (`load_weights` maps them)."""
+
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.dtype = dtype
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype)
+        tied = self.lm_head.weight if cfg.tie_word_embeddings else None
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, transposed_weight=tied)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # Q/K rows are loaded in the adjacent-pair layout (`to_interleaved`): GPT-J-style RoPE.
+        self.rotary_emb = RotaryEmbedding(cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        rope = RopeContext(self.rotary_emb, positions, self.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, H] -> logits [N, V]`` in float32."""
+        return self.lm_head(hidden).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (full, unsharded; any float dtype).
+
+        Raises:
+            ValueError: an unknown name, a shape mismatch, or parameters left unloaded
+                (the message lists them).
+        """
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._load_one(name, tensor)
+            if target:
+                loaded.add(target)
+        missing = set(self._expected_names()) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+
+    def _expected_names(self) -> list[str]:
+        names = ["model.norm.weight", "lm_head.weight"]
+        if not self.cfg.tie_word_embeddings:
+            names.append("model.embed_tokens.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            if layer.self_attn.qk_norm:
+                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        return names
+
+    def _load_one(self, name: str, t: torch.Tensor) -> str | None:
+        if "rotary_emb" in name:
+            return None
+        if name == "model.embed_tokens.weight":
+            if self.cfg.tie_word_embeddings:
+                self.lm_head.load(t)
+                return "lm_head.weight"
+            self.embed_tokens.load(t)
+            return name
+        if name == "lm_head.weight":
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head.load(t)
+            return name
+        if name == "model.norm.weight":
+            _copy(self.norm.weight, t, name)
+            return name
+        if not name.startswith("model.layers."):
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        idx_str, _, rest = name[len("model.layers.") :].partition(".")
+        layer = self.layers[int(idx_str)]
+        _load_layer(layer, rest, self._to_pair_layout(rest, t), name)
+        return name
+
+    def _to_pair_layout(self, rest: str, t: torch.Tensor) -> torch.Tensor:
+        """Q/K projection rows (and QK-norm weights) in the adjacent-pair RoPE layout."""
+        c = self.cfg
+        if rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.")):
+            heads = c.num_attention_heads if rest.startswith("self_attn.q") else c.num_key_value_heads
+            return to_interleaved(t, heads, c.head_dim, c.rot_dim)
+        if rest.startswith(("self_attn.q_norm.", "self_attn.k_norm.")):
+            return to_interleaved(t, 1, c.head_dim, c.rot_dim)
+        return t
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def _load_layer(layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name: str) -> None:
+    module, _, kind = rest.rpartition(".")
+    group, _, proj = module.partition(".")
+    if group == "self_attn" and proj in _QKV:
+        layer.self_attn.qkv_proj.load_part(_QKV[proj], t, kind)
+    elif group == "self_attn" and proj == "o_proj":
+        layer.self_attn.o_proj.load(t, kind)
+    elif group == "self_attn" and proj in ("q_norm", "k_norm") and layer.self_attn.qk_norm:
+        _copy(getattr(layer.self_attn, proj).weight, t, full_name)
+    elif group == "mlp" and proj in _GATE_UP:
+        layer.mlp.gate_up_proj.load_part(_GATE_UP[proj], t, kind)
+    elif group == "mlp" and proj == "down_proj":
+        layer.mlp.down_proj.load(t, kind)
+    elif module in ("input_layernorm", "post_attention_layernorm") and kind == "weight":
+        _copy(getattr(layer, module).weight, t, full_name)
+    else:
+        raise ValueError(f"unexpected tensor {full_name!r} in checkpoint")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} does not match the model's {tuple(dst.shape)}")
+    dst.copy_(src)

