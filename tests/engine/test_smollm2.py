@@ -129,3 +129,4 @@ def test_16_requests_on_a_few_blocks_match_a_large_cache(llm):
         tiny.shutdown()
         del tiny
         gc.collect()
+

@@ -51,19 +51,21 @@ RunnerFactory = Callable[[VllmConfig], "tuple[Any, ModelRunnerLike]"]
 
 
 def default_cpu_threads(config: VllmConfig) -> int:
-    """``parallel.cpu_threads``, else the cores left after reserving one for the API servers
-    (vLLM's CPU build does the same), at least 1."""
+    """Torch threads per engine worker (tensor-parallel rank): ``parallel.cpu_threads``, else
+    the cores left after reserving one for the API servers (vLLM's CPU build does the same),
+    shared among the ``parallel.tp`` ranks, at least 1."""
     if config.parallel.cpu_threads is not None:
         return config.parallel.cpu_threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(1, (cores - 1) // config.parallel.tp)
 
 
 def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
-    """Resolve ``model.source`` and load it into a `ModelRunner` (imports torch).
+    """Resolve ``model.source`` and load it (imports torch): a `ModelRunner`, or with
+    ``parallel.tp > 1`` a `TPExecutor` whose worker processes hold the other ranks.
 
     Sets torch's intra-op thread count first (`default_cpu_threads`): the runner leaves
     threads to the process owner, and loading already runs on them.
@@ -71,10 +73,16 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     import torch
 
     from pkgd.runner.loader.resolve import resolve_model
-    from pkgd.runner.model_runner import ModelRunner
+    from pkgd.runner.model_runner import ModelRunner, resolve_device
 
-    torch.set_num_threads(default_cpu_threads(config))
+    threads = default_cpu_threads(config)
+    torch.set_num_threads(threads)
     model_files = resolve_model(config.model)
+    if config.parallel.tp > 1:
+        from pkgd.runner.tp_executor import TPExecutor
+
+        device = resolve_device(config.parallel.device)
+        return model_files, TPExecutor(config, model_files, threads=threads, device=device)
     return model_files, ModelRunner(config, model_files)
 
 

@@ -15,6 +15,7 @@ core unless ``parallel.cpu_threads`` says otherwise.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -215,10 +216,13 @@ class LLM:
 
 def _load_tokenizer(config: VllmConfig, model_files: Any):
     """The tokenizer from the resolved files (``tokenizer_dir`` honours ``model.tokenizer``);
-    None when the source has none (token-id prompts only)."""
+    None when the model directory has none and ``model.tokenizer`` is unset (token-id prompts
+    only, like vLLM's ``skip_tokenizer_init``)."""
     m = config.model
     tokenizer_dir = getattr(model_files, "tokenizer_dir", None)
     if tokenizer_dir is not None:
+        if m.tokenizer is None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            return None
         return load_tokenizer(tokenizer_dir, chat_template=m.chat_template)
     model_dir = getattr(model_files, "model_dir", None)
     if model_dir is None and m.tokenizer is None:

@@ -100,7 +100,8 @@ def build_llm_config(model: str | None = None, *, config: VllmConfig | None = No
 
     Starts from ``config`` (or the defaults), sets ``model.source`` to ``model`` when given,
     applies ``overrides``, and, unless ``parallel.cpu_threads`` is set, uses every core (an
-    offline engine has no API process to leave a core for).
+    offline engine has no API process to leave a core for), shared among the ``parallel.tp``
+    ranks.
 
     Raises:
         TypeError: an unknown keyword.
@@ -111,8 +112,10 @@ def build_llm_config(model: str | None = None, *, config: VllmConfig | None = No
     if model is not None:
         _set(extra, "model", "source", model)
     tree = _merge(tree, extra)
-    if tree.get("parallel", {}).get("cpu_threads") is None:
-        _set(tree, "parallel", "cpu_threads", available_cores())
+    parallel = tree.get("parallel", {})
+    if parallel.get("cpu_threads") is None:
+        tp = parallel.get("tp", 1) if isinstance(parallel.get("tp", 1), int) else 1
+        _set(tree, "parallel", "cpu_threads", max(1, available_cores() // max(tp, 1)))
     try:
         return VllmConfig.model_validate(tree)
     except pydantic.ValidationError as exc:
