@@ -176,9 +176,12 @@ class Scheduler:
                     break
             if block_ids is None:
                 continue  # ``request`` itself was preempted; index i now holds the next one
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + num_new)
             step.add(request, num_new, block_ids, new=False)
             i += 1
+        # Published only now: a request preempted later in the loop must not leave hashes on
+        # blocks whose KV this step will not compute.
+        for request in step.running:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + step.num_tokens[request.request_id])
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
