@@ -43,12 +43,15 @@ from pkgd.ipc.messages import EngineCoreOutput, SchedulerStats
 from pkgd.runner.output import ModelRunnerOutput
 
 # Admission lookahead, in tokens (see the module docstring). Chosen by simulating 256 requests
-# of 128 prompt tokens on SmolLM2's default CPU cache (728 blocks of 16) with a null runner:
-# without it, 29 % (128 output tokens each), 24 % (16-256, ignore_eos) and 25 % (EOS after
-# 16-256 of max_tokens 1024) of all computed tokens were recomputation after preemption; with
-# 128 none was, at mean batches of 43, 36 and 31 (32 keeps larger batches but leaves 12 % for
-# uniform lengths; 256 and more shrink the batches of EOS-stopped requests).
-ADMISSION_LOOKAHEAD_TOKENS = 128
+# of 128 prompt tokens on SmolLM2's default CPU cache (728 blocks of 16) with a null runner and
+# the step cost measured for pkgd's runner on this 2-core machine (45 ms + 1.5 ms per token +
+# 2.7 ms per token for the first 64 of a step: small decode batches are inefficient, so fewer,
+# larger steps matter as much as fewer tokens). Without a lookahead 24-29 % of all computed
+# tokens were recomputation after preemption; modelled output tokens/s for 128 output tokens,
+# 16-256 output tokens (ignore_eos) and EOS after 16-256 of max_tokens 1024:
+#   lookahead 0: 134 / 134 / 134;  16: 143 / 147 / 147;  32: 144 / 145 / 145;
+#   64: 144 / 142 / 141;  128: 148 / 138 / 133 (no recomputation left, but smaller batches).
+ADMISSION_LOOKAHEAD_TOKENS = 32
 
 
 class Scheduler:
