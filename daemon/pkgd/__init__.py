@@ -1,0 +1,47 @@
+"""pkgd: an LLM serving daemon with vLLM's engine and OpenAI-compatible API.
+
+``from pkgd import LLM, SamplingParams`` works as in vLLM. The names are resolved lazily
+(PEP 562), so ``import pkgd`` stays light: torch loads only when an `LLM` is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "pkgd.engine.llm",
+    "SamplingParams": "pkgd.engine.sampling_params",
+    "BeamSearchParams": "pkgd.engine.sampling_params",
+    "RequestOutputKind": "pkgd.engine.sampling_params",
+    "RequestOutput": "pkgd.engine.outputs",
+    "CompletionOutput": "pkgd.engine.outputs",
+    "Logprob": "pkgd.engine.outputs",
+    "BeamSearchOutput": "pkgd.engine.beam_search",
+    "BeamSearchSequence": "pkgd.engine.beam_search",
+    "VllmConfig": "pkgd.config.vllm_config",
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+if TYPE_CHECKING:
+    from pkgd.config.vllm_config import VllmConfig
+    from pkgd.engine.beam_search import BeamSearchOutput, BeamSearchSequence
+    from pkgd.engine.llm import LLM
+    from pkgd.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from pkgd.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pkgd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,52 @@
+"""Machine ceilings measured in the same run as a benchmark: GEMM FLOP/s, memory read
+bandwidth, peak RSS. Ratios against these are what stays meaningful on a shared, noisy CPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gemm_flops(n: int = 2048, *, dtype: torch.dtype = torch.float32, repeats: int = 5, device: str = "cpu") -> float:
+    """Best FLOP/s of ``torch.mm`` on two ``n × n`` matrices (2·n³ FLOPs per product), on the
+    current torch thread count."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    torch.mm(a, b)  # warm-up: MKL/oneDNN set-up, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def read_bandwidth(nbytes: int = 256 * 1024 * 1024, *, repeats: int = 5, device: str = "cpu") -> float:
+    """Best bytes/s reading an fp32 buffer of ``nbytes`` once (``torch.sum``), the access pattern
+    of decode: every weight streamed from memory once per step."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()

@@ -1,0 +1,234 @@
+"""``pkgd bench throughput``: offline throughput of the engine (the seeds' ``vllm bench throughput``).
+
+Prints, from one run: requests/s, output and total tokens/s, peak RSS of the engine; the
+fp32 ``torch.mm`` FLOP/s and the roofline fraction ``2 × params × tokens ÷ time ÷ GEMM
+FLOP/s``; a single-stream decode figure (1 request, 128 in / 128 out) against the memory
+bandwidth bound ``read bandwidth ÷ weight bytes per token``; and with ``--baseline hf`` the
+same prompts through Hugging Face ``generate()`` in static batches, with the ratio.
+
+Order matters for memory: the engine runs first and its peak RSS is read before the
+micro-benchmarks and the HF model allocate anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import yaml
+
+from pkgd.cli.base import CLISubcommand
+
+GB = 1e9
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="input and output lengths uniform in [len·(1−r), len·(1+r)]")
+    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
+                   help="output lengths uniform in [MIN, MAX] (mixed lengths); overrides --output-len")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    p.add_argument("--prompts", choices=["random", "fixed"], default="random",
+                   help="random token ids, or a fixed English paragraph tiled to the input length")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="hf: also run transformers generate() on the same prompts")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the HF baseline")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run pkgd (and the baseline) this many times, alternating, and report the fastest "
+                        "of each: on a shared machine the quietest window is the closest to the truth")
+    p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
+    p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
+                   help="input and output tokens of the single-stream run (default 128 in / 128 out)")
+    p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
+                        "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
+                        "are composed with every config layer instead)")
+    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+
+
+def offline_llm(args: argparse.Namespace) -> Any:
+    """The offline `LLM` of a CLI command.
+
+    Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
+    tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
+    run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
+    way the engine uses every core unless ``parallel.cpu_threads`` is set.
+    """
+    from pkgd.engine.llm import LLM
+
+    request = getattr(args, "compose_request", None)
+    if request is not None:
+        from pkgd.config.compose import compose
+
+        return LLM(config=compose(request).config)
+    kwargs: dict[str, Any] = {}
+    for item in getattr(args, "overrides", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"{item!r}: expected KEY=VALUE")
+        kwargs[key.strip()] = yaml.safe_load(value)
+    return LLM(**kwargs)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    import torch
+
+    from pkgd.benchmarks import hardware, throughput
+
+    llm = offline_llm(args)
+    engine = llm.engine
+    torch.set_num_threads(llm.config.parallel.cpu_threads)
+    tok = llm.get_tokenizer()
+    workload = throughput.make_workload(
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
+        prompt_kind=args.prompts, tokenizer=tok, seed=llm.config.model.seed,
+    )
+    # warm-up: first-call set-up must not count
+    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    throughput.run_pkgd(llm, warm, ignore_eos=True)
+
+    def pkgd_run() -> Any:
+        return throughput.run_pkgd(llm, workload, ignore_eos=args.ignore_eos, temperature=args.temperature, use_tqdm=args.progress)
+
+    runs = [pkgd_run()]
+    single = None if args.skip_single_stream else throughput.run_single_stream(
+        llm, input_len=args.single_stream_len, output_len=args.single_stream_len, vocab_size=engine.vocab_size)
+    peak_rss = hardware.peak_rss_bytes()  # before the micro-benchmarks and HF allocate anything
+    hf_run = _hf_runner(llm, workload, args) if args.baseline == "hf" else None
+    hf_runs = [hf_run()] if hf_run else []
+    for _ in range(args.repeats - 1):  # alternate, so both see the same load on a shared machine
+        runs.append(pkgd_run())
+        if hf_run:
+            hf_runs.append(hf_run())
+    res = min(runs, key=lambda r: r.elapsed)
+    fig: dict[str, Any] = {
+        "model": engine.model_name, "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
+        "dtype": str(engine.model_runner.model_info.dtype), "num_kv_blocks": engine.num_kv_blocks,
+        "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens, "elapsed_s": res.elapsed,
+        "all_elapsed_s": [r.elapsed for r in runs], "requests_per_s": res.requests_per_s,
+        "output_tokens_per_s": res.output_tokens_per_s, "total_tokens_per_s": res.total_tokens_per_s,
+        "peak_rss_bytes": peak_rss, "num_preemptions": engine.stats().num_preemptions,
+    }
+    if single is not None:
+        fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
+    if not args.skip_roofline:
+        fig.update(_roofline(engine, res, single))
+    if hf_runs:
+        hf = min(hf_runs, key=lambda r: r.elapsed)
+        fig.update(hf_batch_size=args.hf_batch_size, hf_elapsed_s=hf.elapsed, hf_all_elapsed_s=[r.elapsed for r in hf_runs],
+                   hf_requests_per_s=hf.requests_per_s, hf_output_tokens_per_s=hf.output_tokens_per_s,
+                   hf_total_tokens_per_s=hf.total_tokens_per_s)
+    _print_report(fig, args)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(fig, f, indent=2)
+    llm.shutdown()
+    return 0
+
+
+def _roofline(engine: Any, res: Any, single: Any) -> dict[str, Any]:
+    """GEMM FLOP/s and achieved FLOP/s; read bandwidth and the single-stream bound."""
+    from pkgd.benchmarks import hardware
+    from pkgd.benchmarks.roofline import count_parameters, dtype_bytes
+
+    info = engine.model_runner.model_info
+    params = getattr(info, "num_params", None) or count_parameters(engine.model_files.model_dir)
+    fig: dict[str, Any] = {"parameters": params, "gemm_flops": hardware.gemm_flops()}
+    fig["achieved_flops"] = 2 * params * (res.prompt_tokens + res.output_tokens) / res.elapsed
+    fig["roofline_fraction"] = fig["achieved_flops"] / fig["gemm_flops"]
+    if single is not None:
+        fig["read_bandwidth_bytes_per_s"] = hardware.read_bandwidth()
+        fig["weight_bytes_per_token"] = params * dtype_bytes(info.dtype)
+        fig["bandwidth_bound_tokens_per_s"] = fig["read_bandwidth_bytes_per_s"] / fig["weight_bytes_per_token"]
+        fig["single_stream_fraction"] = single.decode_tokens_per_s / fig["bandwidth_bound_tokens_per_s"]
+    return fig
+
+
+def _hf_runner(llm: Any, workload: Any, args: argparse.Namespace) -> Any:
+    """Load the HF model once; returns a function running the workload on it."""
+    from pkgd.benchmarks.hf_baseline import load_hf_model, run_hf
+
+    engine = llm.engine
+    model_dir = getattr(engine.model_files, "model_dir", None)
+    if model_dir is None:
+        raise SystemExit("--baseline hf needs a model directory with safetensors")
+    model = load_hf_model(model_dir)
+    tok = llm.get_tokenizer()
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (engine.eos_token_id or 0)
+    return lambda: run_hf(model, workload, batch_size=args.hf_batch_size, ignore_eos=args.ignore_eos,
+                          pad_token_id=pad, eos_token_id=engine.eos_token_id)
+
+
+def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
+    out_desc = f"{args.output_len_range[0]}-{args.output_len_range[1]}" if args.output_len_range else str(args.output_len)
+    print(f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts ({args.prompts}), input {args.input_len}, "
+          f"output {out_desc}{' (ignore_eos)' if args.ignore_eos else ''}, range ratio {args.random_range_ratio}, "
+          f"dtype {fig['dtype']}, {fig['threads']} threads, {fig['num_kv_blocks']} KV blocks")
+    print(f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
+          f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in {fig['elapsed_s']:.1f} s, "
+          f"runs {', '.join(f'{t:.1f}' for t in fig['all_elapsed_s'])} s; {fig['num_preemptions']} preemptions)")
+    print(f"Peak RSS (engine, before baselines): {fig['peak_rss_bytes'] / GB:.2f} GB")
+    if "gemm_flops" in fig:
+        print(f"GEMM (torch.mm fp32 2048x2048x2048): {fig['gemm_flops'] / 1e9:.1f} GFLOP/s")
+        print(f"Roofline: 2 x {fig['parameters'] / 1e6:.1f}M params x {fig['prompt_tokens'] + fig['output_tokens']} tokens "
+              f"/ {fig['elapsed_s']:.1f} s = {fig['achieved_flops'] / 1e9:.1f} GFLOP/s = {100 * fig['roofline_fraction']:.1f}% of GEMM")
+    if "single_stream_decode_tokens_per_s" in fig:
+        n = args.single_stream_len
+        line = (f"Single stream ({n} in / {n} out): decode {fig['single_stream_decode_tokens_per_s']:.1f} tokens/s, "
+                f"TTFT {fig['single_stream_ttft_s']:.3f} s")
+        if "bandwidth_bound_tokens_per_s" in fig:
+            line += (f"; bandwidth bound {fig['bandwidth_bound_tokens_per_s']:.1f} tokens/s "
+                     f"({fig['read_bandwidth_bytes_per_s'] / GB:.1f} GB/s / {fig['weight_bytes_per_token'] / 1e6:.0f} MB per token)"
+                     f" = {100 * fig['single_stream_fraction']:.0f}% of the bound")
+        print(line)
+    if "hf_output_tokens_per_s" in fig:
+        print(f"HF generate() static batches of {fig['hf_batch_size']}: {fig['hf_requests_per_s']:.2f} requests/s, "
+              f"{fig['hf_total_tokens_per_s']:.1f} total tokens/s, {fig['hf_output_tokens_per_s']:.1f} output tokens/s "
+              f"(runs {', '.join(f'{t:.1f}' for t in fig['hf_all_elapsed_s'])} s)")
+        print(f"pkgd / HF output tokens/s: {fig['output_tokens_per_s'] / fig['hf_output_tokens_per_s']:.2f}x")
+
+
+class BenchSubcommand(CLISubcommand):
+    """``pkgd bench {throughput}``."""
+
+    name = "bench"
+    help = "Benchmark the engine (throughput)."
+
+    def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
+        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput}")
+        t = sub.add_parser("throughput", help="Offline throughput (vllm bench throughput).", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_throughput_args(t)
+        t.set_defaults(bench_dispatch=run_throughput)
+        return parser
+
+    def cmd(self, args: argparse.Namespace) -> int:
+        return args.bench_dispatch(args)
+
+
+def cmd_init() -> list[BenchSubcommand]:
+    return [BenchSubcommand()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pkgd.cli.bench throughput …`` (the same as ``pkgd bench throughput …``)."""
+    parser = argparse.ArgumentParser(prog="pkgd")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    (cmd,) = cmd_init()
+    cmd.subparser_init(subparsers)
+    return cmd.cmd(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""``pkgd run-batch -i requests.jsonl -o results.jsonl``: an OpenAI batch file on the offline engine.
+
+Input: one JSON object per line, OpenAI's batch format ``{"custom_id", "method": "POST",
+"url": "/v1/completions" | "/v1/chat/completions", "body": {...}}``. Every valid request runs
+in one continuous batch on an in-process engine (`LLM`). Output: one line per input line, in
+input order, ``{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}``
+where ``body`` is the completion / chat completion object the HTTP API would return. A bad
+line (malformed JSON, unsupported URL, invalid field, prompt too long) gets status 400 and an
+OpenAI-shaped error, and the rest of the batch still runs. ``-i``/``-o`` accept ``-`` for
+stdin/stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from typing import Any
+
+from pkgd.cli.base import CLISubcommand
+from pkgd.engine.sampling_params import SamplingParams
+
+# OpenAI body field -> SamplingParams field (same meaning), plus vLLM's extra fields.
+_COMMON = {
+    "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens", "include_stop_str_in_output": "include_stop_str_in_output",
+}
+
+
+class BadRequest(ValueError):
+    """A line that cannot run; becomes a 400 with this message."""
+
+
+def sampling_params_from_body(body: dict[str, Any], *, chat: bool) -> SamplingParams:
+    """`SamplingParams` of an OpenAI completions / chat completions body; raises `BadRequest`."""
+    kw: dict[str, Any] = {dst: body[src] for src, dst in _COMMON.items() if body.get(src) is not None}
+    stop = body.get("stop")
+    if stop is not None:
+        kw["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if body.get("logit_bias"):
+        kw["logit_bias"] = {int(k): float(v) for k, v in body["logit_bias"].items()}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens", 16)
+    kw["max_tokens"] = max_tokens
+    if chat:
+        if body.get("logprobs"):
+            kw["logprobs"] = int(body.get("top_logprobs") or 0)
+    elif body.get("logprobs") is not None:
+        kw["logprobs"] = int(body["logprobs"])
+    try:
+        params = SamplingParams(**kw)
+        params.verify()
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from None
+    return params
+
+
+def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+            return list(prompt)
+    raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists")
+
+
+class _Item:
+    """One input line: its ids, what it asks, and the engine requests built for it."""
+
+    def __init__(self, line_no: int, custom_id: str | None) -> None:
+        self.line_no = line_no
+        self.custom_id = custom_id
+        self.request_id = f"batch-{uuid.uuid4().hex}"
+        self.error: str | None = None
+        self.url = ""
+        self.body: dict[str, Any] = {}
+        self.processed: list[Any] = []
+
+
+def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        item = _Item(line_no, None)
+        item.error = f"line {line_no}: malformed JSON: {exc}"
+        return item
+    item = _Item(line_no, obj.get("custom_id") if isinstance(obj, dict) else None)
+    try:
+        if not isinstance(obj, dict) or not isinstance(obj.get("body"), dict):
+            raise BadRequest("each line needs an object with 'custom_id', 'url' and a 'body' object")
+        item.url, item.body = obj.get("url", ""), obj["body"]
+        if item.body.get("model") not in (None, model_name):
+            raise BadRequest(f"the model {item.body['model']!r} does not exist; this batch runs {model_name!r}")
+        proc = llm.input_processor
+        if item.url == "/v1/completions":
+            params = sampling_params_from_body(item.body, chat=False)
+            item.processed = [proc.process(f"{item.request_id}-{i}", p, params) for i, p in enumerate(_completion_prompts(item.body))]
+        elif item.url == "/v1/chat/completions":
+            params = sampling_params_from_body(item.body, chat=True)
+            messages = item.body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("'messages' must be a non-empty list")
+            item.processed = [proc.process_chat(item.request_id, messages, params)]
+        else:
+            raise BadRequest(f"unsupported url {item.url!r}; supported: /v1/completions, /v1/chat/completions")
+    except ValueError as exc:
+        item.error = str(exc)
+        item.processed = []
+    return item
+
+
+def _completion_logprobs(c: Any) -> dict[str, Any] | None:
+    """Legacy completions ``logprobs``: per token its text, logprob and the candidates (the
+    sampled token and the top ``logprobs``, as vLLM reports them)."""
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops = [], [], []
+    for tid, entry in zip(c.token_ids, c.logprobs, strict=False):
+        tokens.append(entry[tid].decoded_token)
+        token_lps.append(entry[tid].logprob)
+        tops.append({v.decoded_token: v.logprob for v in entry.values()})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": None}
+
+
+def _token_info(lp: Any) -> dict[str, Any]:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+
+def _chat_logprobs(c: Any, top_k: int) -> dict[str, Any] | None:
+    """Chat ``logprobs.content``: per token its info and the ``top_logprobs`` most likely."""
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids, c.logprobs, strict=False):
+        ranked = sorted(entry.values(), key=lambda v: v.rank if v.rank is not None else 0)[:top_k]
+        content.append({**_token_info(entry[tid]), "top_logprobs": [_token_info(v) for v in ranked]})
+    return {"content": content}
+
+
+def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str, Any]:
+    chat = item.url == "/v1/chat/completions"
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    echo = bool(item.body.get("echo")) and not chat
+    for ro in outputs:
+        prompt_tokens += len(ro.prompt_token_ids)
+        for c in ro.outputs:
+            completion_tokens += len(c.token_ids)
+            choice: dict[str, Any] = {"index": len(choices), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["logprobs"] = _chat_logprobs(c, int(item.body.get("top_logprobs") or 0))
+            else:
+                choice["text"] = (ro.prompt or "") + c.text if echo else c.text
+                choice["logprobs"] = _completion_logprobs(c)
+            choices.append(choice)
+    return {
+        "id": ("chatcmpl-" if chat else "cmpl-") + item.request_id.removeprefix("batch-"),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def _result_line(item: _Item, body: dict[str, Any] | None) -> dict[str, Any]:
+    if item.error is not None:
+        response = {"status_code": 400, "request_id": item.request_id,
+                    "body": {"error": {"message": item.error, "type": "BadRequestError", "param": None, "code": 400}}}
+        error = {"code": "invalid_request", "message": item.error}
+    else:
+        response, error = {"status_code": 200, "request_id": item.request_id, "body": body}, None
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id, "response": response, "error": error}
+
+
+def process_batch(llm: Any, lines: list[str], *, use_tqdm: bool = False) -> list[dict[str, Any]]:
+    """Run the batch lines on ``llm``; one result object per non-blank line, in order."""
+    model_name = llm.engine.model_name
+    items = [_prepare(llm, model_name, i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    flat = [p for it in items for p in it.processed]
+    done = llm.run_processed(flat, use_tqdm=use_tqdm)
+    outputs = dict(zip((p.request_id for p in flat), done, strict=True))
+    return [
+        _result_line(it, None if it.error else _response_body(it, [outputs[p.request_id] for p in it.processed], model_name))
+        for it in items
+    ]
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    from pkgd.cli.bench import offline_llm
+
+    with (sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")) as f:
+        lines = f.readlines()
+    llm = offline_llm(args)
+    results = process_batch(llm, lines, use_tqdm=not args.no_progress)
+    llm.shutdown()
+    out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+    try:
+        for r in results:
+            out.write(json.dumps(r, ensure_ascii=False) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    bad = sum(1 for r in results if r["error"])
+    print(f"pkgd run-batch: {len(results) - bad} requests done, {bad} failed -> {args.output_file}", file=sys.stderr)
+    return 0
+
+
+class RunBatchSubcommand(CLISubcommand):
+    """``pkgd run-batch``."""
+
+    name = "run-batch"
+    help = "Run an OpenAI batch file (JSONL) on the offline engine."
+
+    def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
+        p = subparsers.add_parser(self.name, help=self.help, description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("-i", "--input-file", required=True, help="batch requests, JSONL ('-' = stdin)")
+        p.add_argument("-o", "--output-file", required=True, help="results, JSONL ('-' = stdout)")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="config keys when run as 'python -m pkgd.cli.run_batch' (under 'pkgd', "
+                            "--model, --max-num-seqs and other config flags are composed with every layer)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        return p
+
+    def cmd(self, args: argparse.Namespace) -> int:
+        return run_batch(args)
+
+
+def cmd_init() -> list[RunBatchSubcommand]:
+    return [RunBatchSubcommand()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pkgd.cli.run_batch -i … -o …`` (the same as ``pkgd run-batch``)."""
+    parser = argparse.ArgumentParser(prog="pkgd")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    (cmd,) = cmd_init()
+    cmd.subparser_init(subparsers)
+    return cmd.cmd(parser.parse_args(["run-batch", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

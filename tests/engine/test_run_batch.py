@@ -1,0 +1,50 @@
+"""run-batch: OpenAI batch lines → result lines (fake runner, real tokenizer)."""
+
+import json
+
+import pytest
+
+from pkgd import LLM
+from pkgd.cli.run_batch import process_batch
+
+from .conftest import smollm2_gguf
+from .fake_runner import fake_factory
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(runner_factory=fake_factory(vocab_size=49152), tokenizer=str(smollm2_gguf()), name="m",
+               num_blocks=64, max_model_len=256)
+
+
+def line(cid, url, body):
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def test_completions_and_chat_lines_with_errors_in_between(llm):
+    lines = [
+        line("c1", "/v1/completions", {"model": "m", "prompt": ["Hello", "Bye"], "max_tokens": 3, "temperature": 0, "logprobs": 1}),
+        "{not json",
+        line("bad-url", "/v1/embeddings", {"input": "x"}),
+        line("too-long", "/v1/completions", {"prompt": [1] * 250, "max_tokens": 10}),
+        line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+                                               "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}),
+        "",
+        line("wrong-model", "/v1/completions", {"model": "other", "prompt": "x"}),
+    ]
+    res = process_batch(llm, lines)
+    assert [r["custom_id"] for r in res] == ["c1", None, "bad-url", "too-long", "chat", "wrong-model"]
+    c1 = res[0]["response"]
+    assert c1["status_code"] == 200 and res[0]["error"] is None
+    body = c1["body"]
+    assert body["object"] == "text_completion" and len(body["choices"]) == 2
+    assert body["usage"]["completion_tokens"] == 6
+    assert len(body["choices"][0]["logprobs"]["tokens"]) == 3
+    for r, words in ((res[1], "malformed JSON"), (res[2], "unsupported url"), (res[3], "exceeds max_model_len"),
+                     (res[5], "does not exist")):
+        assert r["response"]["status_code"] == 400 and words in r["error"]["message"]
+    chat = res[4]["response"]["body"]
+    assert chat["object"] == "chat.completion" and [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert not llm.engine.has_unfinished_requests()
