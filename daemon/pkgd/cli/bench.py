@@ -199,18 +199,24 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 class BenchSubcommand(CLISubcommand):
-    """``pkgd bench {throughput}``."""
+    """``pkgd bench {throughput,serve}``."""
 
     name = "bench"
-    help = "Benchmark the engine (throughput)."
+    help = "Benchmark the offline engine (throughput) or a running server (serve)."
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
-        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput}")
+        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve}")
         t = sub.add_parser("throughput", help="Offline throughput (vllm bench throughput).", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
+        from pkgd.cli import bench_serve  # light: argparse only until it runs
+
+        s = sub.add_parser("serve", help="Load a running OpenAI-compatible server (vllm bench serve).",
+                           description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        bench_serve.add_serve_args(s)
+        s.set_defaults(bench_dispatch=bench_serve.run_serve)
         return parser
 
     def cmd(self, args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -30,8 +31,10 @@ import httpx
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
-    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--api-key", default=None, help="Bearer key, when the server wants one")
+    # Not --model / --api-key / --seed: under `pkgd` those are config flags (frontend, model).
+    p.add_argument("--model-name", dest="model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--bearer-token", dest="api_key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer key, when the server wants one (default: $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -39,7 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) first")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--random-seed", dest="seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
 
 
