@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pkgd.cli.ctl import find_runtime_dir
+from pkgd.cli.ctl import _accepts_connections, find_runtime_dir
 
 
 PKGD = str(Path(sys.executable).with_name("pkgd"))
@@ -76,6 +76,18 @@ def test_runtime_dir_lookup_order(tmp_path):
     assert find_runtime_dir(None, {**env, "PKGD_SUPERVISOR__RUNTIME_DIR": "/y"}) == Path("/y")
     assert find_runtime_dir(None, {**env, "RUNTIME_DIRECTORY": "/run/pkgd/a"}) == Path("/run/pkgd/a")
     assert find_runtime_dir(None, env) == tmp_path / "pkgd"
+
+
+def test_a_stale_control_socket_is_not_taken_for_a_live_daemon(tmp_path):
+    path = tmp_path / "control.sock"
+    with socket.socket(socket.AF_UNIX) as s:  # bound, then closed: the file a kill -9 leaves
+        s.bind(str(path))
+    assert path.exists() and not _accepts_connections(path)
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(live))
+        s.listen()
+        assert _accepts_connections(live)
 
 
 def test_ctl_and_the_supervisor_stay_light():

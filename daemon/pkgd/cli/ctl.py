@@ -2,9 +2,10 @@
 
 The daemon listens on ``RUNTIME_DIR/control.sock`` (`pkgd.supervisor.control`). Which runtime
 directory: ``--runtime-dir``, else ``$PKGD_SUPERVISOR__RUNTIME_DIR`` (the config's environment
-layer), else the first of the defaults the daemon would pick that holds a control socket
-(``$RUNTIME_DIRECTORY``, ``$XDG_RUNTIME_DIR/pkgd``, ``/tmp/pkgd-UID``), then ``/run/pkgd``
-(the systemd unit's ``RuntimeDirectory=``; ``/run/pkgd/NAME`` for ``pkgd@NAME``).
+layer), else ``$RUNTIME_DIRECTORY`` (set by systemd), else the first of the defaults the
+daemon would pick whose control socket accepts a connection (``$XDG_RUNTIME_DIR/pkgd``,
+``/tmp/pkgd-UID``, then ``/run/pkgd``, the systemd unit's ``RuntimeDirectory=``); a socket
+file a killed daemon left behind is skipped.
 
 Light on purpose: no Hydra, no torch. Exit status: 0 success; 1 the daemon answered with a
 failure (reload rejected or failed); 2 no daemon reachable.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,11 +33,26 @@ def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None
         return Path(explicit)
     if env.get("PKGD_SUPERVISOR__RUNTIME_DIR"):
         return Path(env["PKGD_SUPERVISOR__RUNTIME_DIR"])
+    if env.get("RUNTIME_DIRECTORY"):
+        return default_runtime_dir(env)
     candidates = [default_runtime_dir(env), Path(f"/tmp/pkgd-{os.getuid()}"), Path("/run/pkgd")]
     for candidate in candidates:
-        if (candidate / CONTROL_SOCKET).exists():
+        if _accepts_connections(candidate / CONTROL_SOCKET):
             return candidate
     return candidates[0]
+
+
+def _accepts_connections(path: Path) -> bool:
+    """Whether a daemon listens on the Unix socket ``path`` (False for a stale socket file)."""
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

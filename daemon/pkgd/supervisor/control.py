@@ -58,6 +58,8 @@ class ControlServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await asyncio.wait_for(reader.readline(), 5.0)
+            if not line:  # a probe (``pkgd status`` finding the live daemon) that sent nothing
+                return
             reply = await self._dispatch(line)
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
