@@ -140,3 +140,39 @@ def test_unsupported_architecture_lists_supported(llama, tmp_path):
         make_runner(d)
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg and "Qwen3ForCausalLM" in msg
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache_halves_the_bytes_and_keeps_the_logits_close(llama, cache_dtype):
+    from pkgd.config.vllm_config import VllmConfig
+    from pkgd.runner.loader.resolve import resolve_model
+    from pkgd.runner.model_runner import ModelRunner
+    from tests.runner.conftest import LogitsRecorder
+
+    model_dir, _ = llama
+    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32"}, cache={"cache_dtype": cache_dtype})
+    half = ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
+    full = make_runner(model_dir)
+    assert half.kv_cache_bytes_per_block(16) * 2 == full.kv_cache_bytes_per_block(16)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    logits = []
+    for runner in (full, half):
+        rec = LogitsRecorder(runner)
+        drv = Driver(runner, num_blocks=32)
+        drv.add("a", _prompt(5, 9), sp)
+        drv.add("b", _prompt(6, 14), sp)
+        drv.run(chunk=8)  # chunked prefill reads the 16-bit cache too
+        assert runner.kv_caches[0][0].dtype == getattr(torch, "float32" if runner is full else cache_dtype)
+        logits.append(torch.cat([c for c in rec.calls]))
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert 0 < diff < 0.05 * logits[0].abs().max().item()  # rounded K/V, not a different model
+
+
+def test_a_16_bit_kv_cache_is_refused_off_cpu():
+    from pkgd.runner.model_runner import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", torch.float32, torch.device("cpu")) == torch.float32
+    assert resolve_kv_cache_dtype("float16", torch.float32, torch.device("cpu")) == torch.float16
+    assert resolve_kv_cache_dtype("float16", torch.float16, torch.device("cuda")) == torch.float16
+    with pytest.raises(ValueError, match="cache.cache_dtype: bfloat16 differs from the model dtype float16"):
+        resolve_kv_cache_dtype("bfloat16", torch.float16, torch.device("cuda"))

@@ -114,6 +114,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     fig: dict[str, Any] = {
         "model": engine.model_name, "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
         "dtype": str(engine.model_runner.model_info.dtype), "num_kv_blocks": engine.num_kv_blocks,
+        "kv_cache_dtype": str(getattr(engine.model_runner, "kv_dtype", "")).removeprefix("torch."),
         "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens, "elapsed_s": res.elapsed,
         "all_elapsed_s": [r.elapsed for r in runs], "requests_per_s": res.requests_per_s,
         "output_tokens_per_s": res.output_tokens_per_s, "total_tokens_per_s": res.total_tokens_per_s,
@@ -173,7 +174,7 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
     out_desc = f"{args.output_len_range[0]}-{args.output_len_range[1]}" if args.output_len_range else str(args.output_len)
     print(f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts ({args.prompts}), input {args.input_len}, "
           f"output {out_desc}{' (ignore_eos)' if args.ignore_eos else ''}, range ratio {args.random_range_ratio}, "
-          f"dtype {fig['dtype']}, {fig['threads']} threads, {fig['num_kv_blocks']} KV blocks")
+          f"dtype {fig['dtype']}, {fig['threads']} threads, {fig['num_kv_blocks']} KV blocks ({fig['kv_cache_dtype']})")
     print(f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
           f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in {fig['elapsed_s']:.1f} s, "
           f"runs {', '.join(f'{t:.1f}' for t in fig['all_elapsed_s'])} s; {fig['num_preemptions']} preemptions)")

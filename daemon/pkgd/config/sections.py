@@ -190,6 +190,13 @@ class CacheConfig(Section):
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
     )
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        "auto",
+        "Dtype of the stored K/V (vLLM's --kv-cache-dtype). 'auto' = the model dtype. A 16-bit "
+        "cache under a float32 model holds twice the tokens in the same bytes (rounded K/V, "
+        "attention still computed in float32); CPU only.",
+        aliases=("--kv-cache-dtype",),
+    )
     enable_prefix_caching: bool = field(True, "Reuse KV blocks of identical prompt prefixes (chained block hashes).", aliases=("--enable-prefix-caching",))
 
     @field_validator("block_size")

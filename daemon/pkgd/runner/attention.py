@@ -188,6 +188,8 @@ def reshape_and_cache(
 
 def _write_cache(key, value, key_cache, value_cache, slots) -> None:
     nb, bs, h, d = key_cache.shape
+    if key.dtype != key_cache.dtype:  # a 16-bit cache under a float32 model (cache.cache_dtype)
+        key, value = key.to(key_cache.dtype), value.to(key_cache.dtype)
     key_cache.view(nb * bs, h, d).index_copy_(0, slots, key)
     value_cache.view(nb * bs, h, d).index_copy_(0, slots, value)
 
@@ -205,7 +207,7 @@ def paged_attention_decode(
     if query.is_cuda:
         return kernels().paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     _, bs, hkv, d = key_cache.shape
-    chunks = _decode_chunks(block_tables.cpu(), seq_lens.tolist(), bs, 2 * hkv * d * key_cache.element_size())
+    chunks = _decode_chunks(block_tables.cpu(), seq_lens.tolist(), bs, 2 * hkv * d * max(key_cache.element_size(), query.element_size()))
     return _decode_cpu(query, key_cache, value_cache, chunks, scale)
 
 
@@ -293,6 +295,8 @@ def _decode_chunk(q, key_cache, value_cache, c: DecodeChunk, scale, hq, hkv, d) 
         k, v = k[:, : c.max_len], v[:, : c.max_len]
     elif mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
+    if k.dtype != q.dtype:  # a 16-bit cache: attend in the model dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
     # The G = Hq/Hkv query heads of a KV head act as G queries against that head's K/V: one
     # read of K/V serves them all (~10% faster than enable_gqa with one query per head).
     out = F.scaled_dot_product_attention(q.view(n, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
@@ -311,5 +315,7 @@ def _prefill_one(q, k, v, key_cache, value_cache, seq: PrefillSeq, scale: float)
         ks = key_cache.index_select(0, seq.block_ids).view(-1, hkv, d)[: seq.seq_len].transpose(0, 1).unsqueeze(0)
         vs = value_cache.index_select(0, seq.block_ids).view(-1, hkv, d)[: seq.seq_len].transpose(0, 1).unsqueeze(0)
         causal, mask = False, seq.mask
+        if ks.dtype != qs.dtype:  # a 16-bit cache: attend in the model dtype
+            ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
     out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=hq != ks.shape[1])
     return out[0].transpose(0, 1)

@@ -64,6 +64,22 @@ class ModelInfo:
     num_params: int
 
 
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``cache.cache_dtype`` as a torch dtype: ``auto`` is the model dtype (vLLM's rule).
+
+    Raises:
+        ValueError: a cache dtype other than the model's on CUDA (the Triton kernels read and
+            write the cache in the model dtype).
+    """
+    kv = model_dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+    if kv != model_dtype and device.type != "cpu":
+        raise ValueError(
+            f"cache.cache_dtype: {cache_dtype} differs from the model dtype "
+            f"{str(model_dtype).removeprefix('torch.')}, which only the CPU path supports; use auto on {device.type}"
+        )
+    return kv
+
+
 def resolve_device(requested: str) -> torch.device:
     """``parallel.device``: ``auto`` = cuda when available, else cpu."""
     if requested == "auto":
@@ -97,6 +113,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
         self.model_info = self._model_info()
         gen = torch.Generator().manual_seed(config.model.seed)
         self.sampler = Sampler(self.model_info.eos_token_ids, gen)
@@ -130,7 +147,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block takes on this rank: K and V of every layer, ``block_size`` tokens."""
-        elt = torch.empty(0, dtype=self.dtype).element_size()
+        elt = torch.empty(0, dtype=self.kv_dtype).element_size()
         return 2 * self.arch.num_hidden_layers * block_size * self.num_kv_heads_local * self.arch.head_dim * elt
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
@@ -141,7 +158,7 @@ class ModelRunner:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(self.arch.num_hidden_layers)
         ]
         self.block_size = block_size
@@ -187,7 +204,7 @@ class ModelRunner:
             block_table_rows=batch.block_table_rows,
             slot_mapping=batch.slot_mapping,
             block_size=self.block_size,
-            kv_bytes_per_token=2 * self.num_kv_heads_local * a.head_dim * self.kv_caches[0][0].element_size(),
+            kv_bytes_per_token=2 * self.num_kv_heads_local * a.head_dim * max(self.kv_caches[0][0].element_size(), self.dtype.itemsize),
             device=self.device,
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
