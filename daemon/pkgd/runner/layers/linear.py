@@ -27,6 +27,8 @@ M=2048 both ~190. Without oneDNN in the torch build the dense path stays.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +37,10 @@ from pkgd.runner.distributed import SINGLE, TPGroup
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the packing for (any batch works)
+# oneDNN keeps one primitive (and its buffers, ~0.2-0.4 MB) per distinct (shape, batch size);
+# its default 1024 entries let a long-running engine grow by hundreds of MB as batch sizes
+# vary. 128 holds the ~30 batch sizes per weight shape a serving load cycles through.
+PRIMITIVE_CACHE_CAPACITY = "128"
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -42,6 +48,9 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     packed linear is unavailable or does not apply (device, dtype)."""
     if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
+    # Read by oneDNN when it creates its first primitive, which is after loading; an
+    # operator's own setting wins.
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVE_CACHE_CAPACITY)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
