@@ -1,0 +1,46 @@
+"""The CPU linears before and after `process_weights_after_loading` (oneDNN packing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pkgd.runner.layers.linear import ONEDNN_LINEAR, MergedColumnParallelLinear, RowParallelLinear
+
+
+@pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linears_compute_what_the_dense_ones_did(bias):
+    g = torch.Generator().manual_seed(0)
+    col = MergedColumnParallelLinear(48, [32, 16, 16], bias=bias)
+    row = RowParallelLinear(64, 48, bias=bias)
+    full = [torch.randn(n, 48, generator=g) for n in (32, 16, 16)]
+    for i, w in enumerate(full):
+        col.load_part(i, w)
+        if bias:
+            col.load_part(i, torch.randn(w.shape[0], generator=g), "bias")
+    row.load(torch.randn(48, 64, generator=g))
+    if bias:
+        row.load(torch.randn(48, generator=g), "bias")
+    xs = [torch.randn(m, 48, generator=g) for m in (0, 1, 7, 64, 300)]
+    want_col = [col(x) for x in xs]
+    want_row = [row(F.silu(y)) for y in want_col]
+    for layer in (col, row):
+        layer.process_weights_after_loading()
+        assert layer.packed and layer.weight.is_mkldnn
+        layer.process_weights_after_loading()  # idempotent
+    for x, wc, wr in zip(xs, want_col, want_row):
+        got = col(x)
+        assert got.shape == wc.shape
+        torch.testing.assert_close(got, wc, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row(F.silu(got)), wr, rtol=1e-5, atol=1e-5)
+    # a strided input (a slice of the fused QKV output) works too
+    wide = torch.randn(5, 96, generator=g)
+    torch.testing.assert_close(col(wide[:, :48]), col(wide[:, :48].contiguous()))
+
+
+def test_non_float32_weights_stay_dense():
+    layer = MergedColumnParallelLinear(8, [8], bias=False, dtype=torch.bfloat16)
+    layer.process_weights_after_loading()
+    assert not layer.packed and not layer.weight.is_mkldnn
