@@ -110,6 +110,14 @@ def test_secrets_are_never_echoed():
     assert "frontend.api_keys.1: bad value **********" in problems[0]
 
 
+def test_an_empty_api_key_is_refused_not_accepted_as_a_key():
+    problems = problems_of(cli(env={"PKGD_FRONTEND__API_KEYS": ""}))
+    assert len(problems) == 1 and problems[0].startswith("frontend.api_keys: bad value ")
+    assert "an API key must not be empty" in problems[0]
+    problems = problems_of(cli(env={"PKGD_FRONTEND__API_KEYS": '["sk-a", " "]'}))
+    assert "sk-a" not in problems[0] and "must not be empty" in problems[0]
+
+
 def test_config_error_message_is_the_problem_lines():
     err = ConfigError(["a: x", "b: y"])
     assert str(err) == "a: x\nb: y" and err.problems == ["a: x", "b: y"]

@@ -30,6 +30,12 @@ def test_status_lists_children_pids_uptime_hash_and_mode(start_daemon):
     roles = sorted((c["role"], c["index"]) for c in s["children"])
     assert roles == [("api-server", 0), ("api-server", 1), ("engine-core", 0)]
     assert {c["pid"] for c in s["children"]} == d.all_child_pids()
+    # Found without --runtime-dir: supervisor.runtime_dir composed from the daemon's own layers.
+    r = ctl("--config-dir", str(d.config_path.parent), "status", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["status"]["pid"] == d.proc.pid
+    r = ctl(f"supervisor.runtime_dir={d.runtime_dir}", "status", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["status"]["pid"] == d.proc.pid, r.stderr
     text = ctl("status", "--runtime-dir", str(d.runtime_dir)).stdout
     assert f"pid {d.proc.pid}" in text and "multi_api" in text and s["config_hash"] in text
     assert all(str(c["pid"]) in text for c in s["children"])

@@ -44,6 +44,7 @@ def test_service_contract(name):
     assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
     assert s["ExecReload"] == "/bin/kill -HUP $MAINPID"
     assert s["Restart"] == "on-failure" and s["KillMode"] == "mixed"
+    assert s["RestartPreventExitStatus"] == "2"  # a bad config is not restarted in a loop
     assert int(s["WatchdogSec"]) > 0
     stop_needs = SupervisorConfig().drain_timeout + API_STOP_EXTRA + ENGINE_STOP_GRACE
     assert int(s["TimeoutStopSec"]) > stop_needs  # the drain finishes before systemd kills

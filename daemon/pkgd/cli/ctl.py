@@ -1,14 +1,16 @@
 """``pkgd status`` and ``pkgd reload``: talk to a running daemon over its control socket.
 
 The daemon listens on ``RUNTIME_DIR/control.sock`` (`pkgd.supervisor.control`). Which runtime
-directory: ``--runtime-dir``, else ``$PKGD_SUPERVISOR__RUNTIME_DIR`` (the config's environment
-layer), else ``$RUNTIME_DIRECTORY`` (set by systemd), else the first of the defaults the
+directory: ``--runtime-dir``, else ``supervisor.runtime_dir`` composed from the same layers
+as the daemon's (``--config-dir``, ``/etc/pkgd``, ``PKGD_SUPERVISOR__RUNTIME_DIR``,
+overrides), else ``$RUNTIME_DIRECTORY`` (set by systemd), else the first of the defaults the
 daemon would pick whose control socket accepts a connection (``$XDG_RUNTIME_DIR/pkgd``,
 ``/tmp/pkgd-UID``, then ``/run/pkgd``, the systemd unit's ``RuntimeDirectory=``); a socket
 file a killed daemon left behind is skipped.
 
-Light on purpose: no Hydra, no torch. Exit status: 0 success; 1 the daemon answered with a
-failure (reload rejected or failed); 2 no daemon reachable.
+Light on purpose: no torch; Hydra only to read ``supervisor.runtime_dir``. Exit status: 0
+success; 1 the daemon answered with a failure (reload rejected or failed); 2 no daemon
+reachable.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from pkgd.supervisor.control import ControlError, send_command
 from pkgd.supervisor.runtime import CONTROL_SOCKET, default_runtime_dir
 
 
-def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None) -> Path:
-    """The runtime directory to use (see module docstring)."""
+def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None, configured: str | None = None) -> Path:
+    """The runtime directory to use (see module docstring); ``configured`` is
+    ``supervisor.runtime_dir`` of the composed configuration."""
     env = os.environ if environ is None else environ
     if explicit:
         return Path(explicit)
+    if configured:
+        return Path(configured).expanduser().absolute()
     if env.get("PKGD_SUPERVISOR__RUNTIME_DIR"):
         return Path(env["PKGD_SUPERVISOR__RUNTIME_DIR"])
     if env.get("RUNTIME_DIRECTORY"):
@@ -60,8 +65,24 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
 
 
+def _configured_runtime_dir(args: argparse.Namespace) -> str | None:
+    """``supervisor.runtime_dir`` as the daemon composes it (same layers: ``--config-dir``,
+    ``/etc/pkgd``, environment, overrides); None when unset or the config does not compose
+    (then the default lookup still finds a daemon started with the defaults)."""
+    request = getattr(args, "compose_request", None)
+    if request is None or args.runtime_dir:
+        return None
+    from pkgd.config.compose import compose
+    from pkgd.config.errors import ConfigError
+
+    try:
+        return compose(request).config.supervisor.runtime_dir
+    except ConfigError:
+        return None
+
+
 def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
-    path = find_runtime_dir(args.runtime_dir) / CONTROL_SOCKET
+    path = find_runtime_dir(args.runtime_dir, configured=_configured_runtime_dir(args)) / CONTROL_SOCKET
     try:
         return send_command(path, command)
     except ControlError as exc:

@@ -169,6 +169,13 @@ class FrontendConfig(Section):
     def _one_key_as_list(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
 
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_key(cls, v: list[SecretStr]) -> list[SecretStr]:
+        if any(not k.get_secret_value().strip() for k in v):
+            raise ValueError("an API key must not be empty (an empty list turns authentication off)")
+        return v
+
 
 class SchedulerConfig(Section):
     """Continuous batching (vLLM v1's token-budget scheduler)."""
