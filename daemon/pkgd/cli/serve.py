@@ -45,13 +45,20 @@ class ServeSubcommand(CLISubcommand):
         return parser
 
     def validate(self, args: argparse.Namespace) -> None:
-        """Compose the configuration (a `ConfigError` exits 2 before anything starts)."""
+        """Compose the configuration and check the model source exists (a `ConfigError`
+        exits 2 before anything starts)."""
         from pkgd.config.compose import compose
 
         if args.model_tag:
             request = args.compose_request
             args.compose_request = dataclasses.replace(request, flags=(*request.flags, "--model", args.model_tag))
         args.composed = compose(args.compose_request)
+        from pkgd.config.errors import ConfigError
+        from pkgd.runner.loader.resolve import model_source_problems
+
+        problems = model_source_problems(args.composed.config.model)
+        if problems:  # exit 2 like any config error, so systemd does not restart in a loop
+            raise ConfigError(problems)
 
     def cmd(self, args: argparse.Namespace) -> int:
         from pkgd import log

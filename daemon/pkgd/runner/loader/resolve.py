@@ -114,6 +114,22 @@ def model_name(path: Path) -> str:
     return _QUANT_SUFFIX.sub("", stem) or stem
 
 
+def model_source_problems(model_cfg: ModelConfig) -> list[str]:
+    """Config-error lines for a ``model.source`` / ``model.tokenizer`` that names nothing on
+    this machine (checked before anything starts, and by ``pkgd config validate``); cheap:
+    no file is read."""
+    problems = []
+    for key in ("source", "tokenizer"):
+        value = getattr(model_cfg, key)
+        if value is None:
+            continue
+        try:
+            _locate(value)
+        except ModelSourceError as e:
+            problems.append(f"model.{key}: {e}")
+    return problems
+
+
 def _locate(source: str) -> Path:
     """The local path a source string names (``pkg:`` references included)."""
     if source.startswith("pkg:"):
