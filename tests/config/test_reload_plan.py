@@ -35,6 +35,12 @@ def test_reload_class_of_one_change(sections, expected, api, engine):
     assert (plan.restarts_api_servers, plan.restarts_engine_cores) == (api, engine)
 
 
+def test_an_address_change_is_described_as_a_rebind():
+    assert "new address" in plan_reload(BASE, changed(frontend={"port": 9000})).effect
+    assert "socket stays open" in plan_reload(BASE, changed(frontend={"max_logprobs": 5})).effect
+    assert "engine cores" in plan_reload(BASE, changed(frontend={"port": 9000}, parallel={"tp": 2})).effect
+
+
 def test_most_disruptive_change_wins_and_sections_are_listed():
     new = changed(logging={"level": "debug"}, frontend={"port": 9000}, cache={"block_size": 32})
     plan = plan_reload(BASE, new)

@@ -23,6 +23,9 @@ _EFFECT = {
     ReloadClass.ENGINE: "new engine cores start, then the old ones drain (API servers reconnect)",
     ReloadClass.RESTART: "cannot be applied by a reload: restart the daemon",
 }
+# Listening-address keys: the rolling restart binds the new address and closes the old one.
+_ADDRESS_KEYS = frozenset({"frontend.host", "frontend.port", "frontend.uds"})
+_REBIND_EFFECT = "rolling restart of the API servers on the new address (bound first; the old one closes)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,11 @@ class ReloadPlan:
     @property
     def effect(self) -> str:
         """One line on what applying the plan does."""
-        return "nothing to do" if self.is_noop else _EFFECT[self.reload_class]
+        if self.is_noop:
+            return "nothing to do"
+        if self.reload_class is ReloadClass.API and _ADDRESS_KEYS.intersection(self.changed):
+            return _REBIND_EFFECT
+        return _EFFECT[self.reload_class]
 
 
 def _rank(cls: ReloadClass) -> int:
