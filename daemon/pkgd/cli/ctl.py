@@ -25,7 +25,7 @@ from typing import Any
 
 from pkgd.cli.base import CLISubcommand
 from pkgd.supervisor.control import ControlError, send_command
-from pkgd.supervisor.runtime import CONTROL_SOCKET, default_runtime_dir
+from pkgd.supervisor.runtime import CONTROL_SOCKET, default_runtime_dir, resolve_runtime_dir
 
 
 def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None, configured: str | None = None) -> Path:
@@ -35,7 +35,7 @@ def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None
     if explicit:
         return Path(explicit)
     if configured:
-        return Path(configured).expanduser().absolute()
+        return resolve_runtime_dir(configured, env)
     if env.get("PKGD_SUPERVISOR__RUNTIME_DIR"):
         return Path(env["PKGD_SUPERVISOR__RUNTIME_DIR"])
     if env.get("RUNTIME_DIRECTORY"):
@@ -90,12 +90,8 @@ def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
         return None
 
 
-class StatusCommand(CLISubcommand):
-    """``pkgd status``: children, PIDs, uptime, config hash, serve mode, endpoint health."""
-
-    name = "status"
-    help = "show the running daemon's processes and configuration"
-    description = "Show the running daemon's children (PIDs, state, uptime, restarts), serve mode, config hash and endpoint health."
+class _ControlCommand(CLISubcommand):
+    """A subcommand that sends ``name`` to the daemon's control socket and prints the reply."""
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
@@ -103,17 +99,31 @@ class StatusCommand(CLISubcommand):
         return parser
 
     def cmd(self, args: argparse.Namespace) -> int:
-        reply = _ask(args, "status")
+        reply = _ask(args, self.name)
         if reply is None:
             return 2
-        if args.json:
-            print(json.dumps(reply, indent=2))
-        else:
-            print(format_status(reply["status"]))
+        print(json.dumps(reply, indent=2) if args.json else self.format(reply))
+        return self.exit_status(reply)
+
+    def format(self, reply: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def exit_status(self, reply: dict[str, Any]) -> int:
         return 0
 
 
-class ReloadCommand(CLISubcommand):
+class StatusCommand(_ControlCommand):
+    """``pkgd status``: children, PIDs, uptime, config hash, serve mode, endpoint health."""
+
+    name = "status"
+    help = "show the running daemon's processes and configuration"
+    description = "Show the running daemon's children (PIDs, state, uptime, restarts), serve mode, config hash and endpoint health."
+
+    def format(self, reply: dict[str, Any]) -> str:
+        return format_status(reply["status"])
+
+
+class ReloadCommand(_ControlCommand):
     """``pkgd reload``: re-compose and apply the config, as SIGHUP does, and wait for the outcome."""
 
     name = "reload"
@@ -123,19 +133,10 @@ class ReloadCommand(CLISubcommand):
         "waits for the outcome and exits 1 when the new configuration was rejected or failed to start."
     )
 
-    def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
-        _add_common(parser)
-        return parser
+    def format(self, reply: dict[str, Any]) -> str:
+        return format_reload(reply)
 
-    def cmd(self, args: argparse.Namespace) -> int:
-        reply = _ask(args, "reload")
-        if reply is None:
-            return 2
-        if args.json:
-            print(json.dumps(reply, indent=2))
-        else:
-            print(format_reload(reply))
+    def exit_status(self, reply: dict[str, Any]) -> int:
         return 0 if reply.get("ok") else 1
 
 

@@ -54,6 +54,14 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
+def _repack(layer: nn.Module, weight_out_in: torch.Tensor) -> None:
+    """Replace ``layer.weight`` by its oneDNN packing (given as ``[out, in]``) once."""
+    packed = None if layer.packed else pack_for_onednn(weight_out_in)
+    if packed is not None:
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.packed = True
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [T, in] @ W^T (+ bias) -> [T, out]`` with a weight from `pack_for_onednn`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -103,10 +111,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weight for oneDNN on CPU (module docstring); no-op elsewhere."""
-        packed = None if self.packed else pack_for_onednn(self.weight.t())
-        if packed is not None:
-            self.weight = nn.Parameter(packed, requires_grad=False)
-            self.packed = True
+        _repack(self, self.weight.t())
 
     def load_part(self, index: int, tensor: torch.Tensor, kind: str = "weight") -> None:
         """Copy this rank's rows of part ``index``'s full HF ``weight [out_i, in]`` or
@@ -150,10 +155,7 @@ class RowParallelLinear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Repack the loaded weight for oneDNN on CPU (module docstring); no-op elsewhere."""
-        packed = None if self.packed else pack_for_onednn(self.weight)
-        if packed is not None:
-            self.weight = nn.Parameter(packed, requires_grad=False)
-            self.packed = True
+        _repack(self, self.weight)
 
     def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
         """Copy this rank's input columns of the full HF ``weight [out, in]``, or the whole
