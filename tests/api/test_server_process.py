@@ -34,11 +34,25 @@ def procs():
         child.stop()
 
 
-def test_ready_frame_then_sighup_reloads_live_fields(tmp_path, procs, tokenizer_ready):
-    cfg = write_config(tmp_path, VllmConfig.model_validate({"frontend": {"api_keys": ["old"]}}))
+def start_fake_engine(tmp_path, procs, config: VllmConfig | None = None):
+    """A fake engine core (no model) on ``tmp_path``'s IPC address; returns (config path, address)."""
+    cfg = write_config(tmp_path, config) if config is not None else write_config(tmp_path)
     address = transport.ipc_address(tmp_path, 0)
     procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
     engine.wait_ready(30)
+    return cfg, address
+
+
+def start_api_on_tcp(cfg, address, procs):
+    """One API server on a free 127.0.0.1 port in front of ``address``; returns (it, its socket, URL)."""
+    sock = listen_socket()
+    procs.append(api := spawn_api_server(cfg, sock, [address]))
+    api.wait_ready(60)
+    return api, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_ready_frame_then_sighup_reloads_live_fields(tmp_path, procs, tokenizer_ready):
+    cfg, address = start_fake_engine(tmp_path, procs, VllmConfig.model_validate({"frontend": {"api_keys": ["old"]}}))
     sock = listen_socket()
     procs.append(api := spawn_api_server(cfg, sock, [address], index=3))
     msg = api.wait_ready(60)
@@ -95,15 +109,10 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
     import subprocess
     import sys
 
-    cfg = write_config(tmp_path)
-    address = transport.ipc_address(tmp_path, 0)
-    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
-    engine.wait_ready(30)
-    sock = listen_socket()
-    procs.append(api := spawn_api_server(cfg, sock, [address]))
-    api.wait_ready(60)
+    cfg, address = start_fake_engine(tmp_path, procs)
+    _, _, url = start_api_on_tcp(cfg, address, procs)
     out = tmp_path / "fig.json"
-    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", f"http://127.0.0.1:{sock.getsockname()[1]}",
+    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", url,
                         "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "8", "--output-len", "5",
                         "--output-json", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -115,10 +124,7 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
 def test_serves_an_inherited_unix_socket(tmp_path, procs, tokenizer_ready):
     import socket
 
-    cfg = write_config(tmp_path)
-    address = transport.ipc_address(tmp_path, 0)
-    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
-    engine.wait_ready(30)
+    cfg, address = start_fake_engine(tmp_path, procs)
     path = str(tmp_path / "api.sock")
     uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     uds.bind(path)
@@ -170,14 +176,8 @@ def test_sigterm_stops_accepting_but_answers_keep_alive_stragglers(tmp_path, pro
     connections are left to the other API servers sharing the socket."""
     import socket
 
-    cfg = write_config(tmp_path)
-    address = transport.ipc_address(tmp_path, 0)
-    procs.append(engine := spawn_engine(cfg, address, env=FAKE_ENV))
-    engine.wait_ready(30)
-    sock = listen_socket()
-    procs.append(api := spawn_api_server(cfg, sock, [address]))
-    api.wait_ready(60)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg, address = start_fake_engine(tmp_path, procs)
+    api, sock, url = start_api_on_tcp(cfg, address, procs)
     with httpx.Client(base_url=url) as a, httpx.Client(base_url=url) as b:
         assert a.get("/health").status_code == 200 and b.get("/health").status_code == 200  # both kept alive
         api.proc.send_signal(signal.SIGTERM)
