@@ -45,6 +45,35 @@ class LogitsRecorder:
 
 
 @pytest.fixture(autouse=True)
+def _restore_cpu_kernels():
+    """A runner enables the C kernels process-wide (`pkgd.runner.ops`); each test starts from
+    and returns to the state before it, so a test's path does not depend on test order."""
+    from pkgd.runner import ops
+
+    before = ops.cpu_kernels()
+    ops.disable_cpu_kernels()
+    yield
+    ops._cpu_kernels = before
+
+
+@pytest.fixture(params=["c-kernels", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """Run a test on both CPU paths: the C kernels (enabled; skipped where they cannot be
+    built) and plain PyTorch (``PKGD_CPU_KERNELS=0``, so a runner built in the test keeps it)."""
+    from pkgd.runner import ops
+
+    if request.param == "pytorch":
+        monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+    else:
+        from pkgd_kernels import cpu
+
+        why_not = ops.enable_cpu_kernels(cpu.default_cache_dir())
+        if why_not:
+            pytest.skip(f"C kernels unavailable: {why_not}")
+    return request.param
+
+
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
     """The engine owns its thread count; tests use one thread, which stays fast when other
     processes share the cores (2-thread OpenMP regions stall under contention)."""

@@ -38,7 +38,7 @@ def _setup(seq_lens, num_blocks=64, seed=0):
     return kc, vc, table, k_full, v_full
 
 
-def test_decode_matches_dense_with_gqa_and_ragged_lengths():
+def test_decode_matches_dense_with_gqa_and_ragged_lengths(cpu_path):
     lens = [1, 5, 17, 30, 9]
     kc, vc, table, ks, vs = _setup(lens)
     q = torch.randn(len(lens), HQ, D)
@@ -72,7 +72,7 @@ def test_prefill_with_cached_context_matches_dense():
         torch.testing.assert_close(out[a:b], want, atol=1e-5, rtol=1e-5)
 
 
-def test_layer_entry_point_mixed_batch_writes_cache_and_attends():
+def test_layer_entry_point_mixed_batch_writes_cache_and_attends(cpu_path):
     # sequences: decode (ctx 6), fresh prompt of 5, chunk of 4 over 3 cached tokens
     q_lens, seq_lens = [1, 5, 4], [7, 5, 7]
     kc, vc, table, _, _ = _setup([7, 5, 7])

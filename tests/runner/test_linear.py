@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import ONEDNN_LINEAR, MergedColumnParallelLinear, RowParallelLinear
+
+_nothing = contextlib.nullcontext
 
 
 @pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
@@ -44,3 +49,37 @@ def test_non_float32_weights_stay_dense():
     layer = MergedColumnParallelLinear(8, [8], bias=False, dtype=torch.bfloat16)
     layer.process_weights_after_loading()
     assert not layer.packed and not layer.weight.is_mkldnn
+
+
+@pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
+def test_small_batches_take_the_c_gemv_and_agree(cpu_path):
+    g = torch.Generator().manual_seed(1)
+    col = MergedColumnParallelLinear(48, [64, 64], bias=True)
+    for i in range(2):
+        col.load_part(i, torch.randn(64, 48, generator=g))
+        col.load_part(i, torch.randn(64, generator=g), "bias")
+    xs = [torch.randn(m, 48, generator=g) for m in (1, 3, 8, 9, 40)]
+    want = [col(x) for x in xs]
+    col.process_weights_after_loading()
+    assert (col.gemv_ptr is not None) == (cpu_path == "c-kernels")
+    for x, w in zip(xs, want):
+        torch.testing.assert_close(col(x), w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
+def test_tied_lm_head_is_packed_once_and_the_embedding_reads_its_rows(cpu_path):
+    g = torch.Generator().manual_seed(2)
+    head = ParallelLMHead(192, 48, tied=True)
+    emb = VocabParallelEmbedding(192, 48, tied_rows=head.embedding_rows)
+    w = torch.randn(192, 48, generator=g)
+    head.load(w)
+    head.process_weights_after_loading()
+    # packed only when the embedding can read the packing (checked through the C GEMV)
+    assert head.packed == (cpu_path == "c-kernels")
+    ids = torch.tensor([0, 5, 63, 64, 191, 5])
+    assert torch.equal(emb(ids), w[ids])
+    for m in (1, 3, 20):
+        h = torch.randn(m, 48, generator=g)
+        torch.testing.assert_close(head(h), h @ w.t(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="already packed") if head.packed else _nothing():
+        head.load(w)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pkgd.engine.sampling_params import SamplingParams
+from pkgd.runner import ops
 from tests.runner.conftest import LogitsRecorder, make_runner
 from tests.runner.driver import Driver
 
@@ -35,9 +36,10 @@ def _check(hf, prompt, outputs, logits_seq):
 
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole-prompt", "chunked-prefill"])
-def test_prompt_and_five_decodes_match_transformers(tiny_dirs, arch, chunk):
+def test_prompt_and_five_decodes_match_transformers(tiny_dirs, arch, chunk, cpu_path):
     model_dir, hf = tiny_dirs(arch)
     runner = make_runner(model_dir)
+    assert (ops.cpu_kernels() is not None) == (cpu_path == "c-kernels")
     rec = LogitsRecorder(runner)
     drv = Driver(runner, num_blocks=32, block_size=4)
     prompt = _prompt(1, 23)
@@ -50,7 +52,7 @@ def test_prompt_and_five_decodes_match_transformers(tiny_dirs, arch, chunk):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_two_requests_batched_with_mixed_prefill_and_decode(tiny_dirs, arch):
+def test_two_requests_batched_with_mixed_prefill_and_decode(tiny_dirs, arch, cpu_path):
     model_dir, hf = tiny_dirs(arch)
     runner = make_runner(model_dir)
     rec = LogitsRecorder(runner)

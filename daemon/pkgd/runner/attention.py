@@ -6,9 +6,11 @@ Cache layout (shared with ``pkgd_kernels``): per layer ``key_cache`` and ``value
 (one query token each), then prefill / chunked-prefill sequences, so each group is one
 contiguous token range and maps to one kernel call.
 
-CPU path (plain PyTorch; DESIGN.md §5):
+CPU path (DESIGN.md §5):
 
-* decode: sequences are processed in chunks whose gathered K/V (``index_select`` of whole
+* decode, when the C kernels are loaded (`pkgd.runner.ops.cpu_kernels`): one call per layer
+  reads each sequence's K/V in place through its block table (``pkgd_kernels.cpu``), no
+  gathered copies. Otherwise (plain PyTorch): sequences are processed in chunks whose gathered K/V (``index_select`` of whole
   blocks) stays a few MB, so it is re-read from cache rather than DRAM and every temporary
   stays under glibc's mmap threshold (a fresh 100 MB buffer per layer costs more in page
   faults than the attention itself). Each chunk is one ``scaled_dot_product_attention`` call
@@ -27,7 +29,9 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from pkgd_kernels.cpu import supports_decode
 
+from pkgd.runner import ops
 from pkgd.runner.ops import kernels
 
 # Bytes of gathered K+V per decode chunk on CPU (fits in L2/L3 beside the weights' stream).
@@ -73,7 +77,8 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     prefills: list[PrefillSeq]
-    decode_chunks: list[DecodeChunk]
+    kv_bytes_per_token: int = 0
+    _decode_chunks: list[DecodeChunk] | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -116,12 +121,19 @@ class AttentionMetadata:
             num_tokens=qsl[-1],
             block_size=block_size,
             prefills=[],
-            decode_chunks=[],
+            kv_bytes_per_token=kv_bytes_per_token,
         )
         if device.type == "cpu":
-            meta.decode_chunks = _decode_chunks(table[:num_decodes], seq_lens[:num_decodes], block_size, kv_bytes_per_token)
             meta.prefills = _prefill_seqs(table, query_lens, seq_lens, qsl, num_decodes, block_size)
         return meta
+
+    @property
+    def decode_chunks(self) -> list[DecodeChunk]:
+        """The PyTorch CPU decode path's chunks (computed on first use, once per step)."""
+        if self._decode_chunks is None:
+            nd = self.num_decodes
+            self._decode_chunks = _decode_chunks(self.block_tables[:nd], self.seq_lens[:nd].tolist(), self.block_size, self.kv_bytes_per_token)
+        return self._decode_chunks
 
 
 def _decode_chunks(table: torch.Tensor, seq_lens: list[int], block_size: int, kv_bytes_per_token: int) -> list[DecodeChunk]:
@@ -206,6 +218,9 @@ def paged_attention_decode(
     attending to its first ``seq_lens[s]`` cached tokens. Returns ``[S, Hq, D]``."""
     if query.is_cuda:
         return kernels().paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    cpu = ops.cpu_kernels()
+    if cpu is not None and supports_decode(query, key_cache):
+        return cpu.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
     _, bs, hkv, d = key_cache.shape
     chunks = _decode_chunks(block_tables.cpu(), seq_lens.tolist(), bs, 2 * hkv * d * max(key_cache.element_size(), query.element_size()))
     return _decode_cpu(query, key_cache, value_cache, chunks, scale)
@@ -266,13 +281,22 @@ def paged_attention(
         return out
     _write_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     if not meta.prefills:
-        return _decode_cpu(q, key_cache, value_cache, meta.decode_chunks, scale)
+        return _decode_step(q, key_cache, value_cache, meta, scale)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_cpu(q[:nd], key_cache, value_cache, meta.decode_chunks, scale)
+        out[:nd] = _decode_step(q[:nd], key_cache, value_cache, meta, scale)
     for seq in meta.prefills:
         out[seq.token_start : seq.token_end] = _prefill_one(q, k, v, key_cache, value_cache, seq, scale)
     return out
+
+
+def _decode_step(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The decode sequences of a step (``q [num_decodes, Hq, D]``) on CPU."""
+    cpu = ops.cpu_kernels()
+    if cpu is not None and supports_decode(q, key_cache):
+        nd = meta.num_decodes
+        return cpu.paged_attention_decode(q, key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    return _decode_cpu(q, key_cache, value_cache, meta.decode_chunks, scale)
 
 
 def _decode_cpu(q, key_cache, value_cache, chunks: list[DecodeChunk], scale: float) -> torch.Tensor:

@@ -22,19 +22,23 @@ import dataclasses
 
 import torch
 
+from pkgd import log
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
+from pkgd.runner import ops
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
-from pkgd.runner.loader.resolve import ModelFiles
+from pkgd.runner.loader.resolve import ModelFiles, default_cache_dir
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
 from pkgd.runner.output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
+
+logger = log.get_logger("pkgd.runner")
 
 # Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
 PROMPT_LOGPROBS_SLICE = 256
@@ -111,6 +115,10 @@ class ModelRunner:
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
+        if self.device.type == "cpu":
+            why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+            if why_not:
+                logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
         self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)

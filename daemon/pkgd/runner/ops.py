@@ -9,11 +9,16 @@ DESIGN.md §7). Signatures and semantics are those of the shared kernel contract
 * `fused_add_rms_norm`: ``(x, residual) -> (rms_norm(x + residual), x + residual)``.
 * `silu_and_mul`: ``x [T, 2I] -> silu(x[:, :I]) * x[:, I:]`` (SwiGLU, Shazeer 2020).
 * `rotary_embedding`: RoPE (Su et al., 2021) from a ``[max_position, rot_dim]`` cos|sin cache.
+
+On CPU two loops go to C kernels when this host can build them (`enable_cpu_kernels`, called
+by the runner before loading weights; `cpu_kernels` returns them or None): small-batch
+linears on the packed weights and paged decode attention (``pkgd_kernels.cpu``).
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -32,6 +37,36 @@ def kernels() -> ModuleType:
     except ImportError as e:  # pragma: no cover - only on CUDA machines
         raise RuntimeError(f"running on CUDA needs the pkgd_kernels package: {e}") from e
     return pkgd_kernels
+
+
+_cpu_kernels = None
+
+
+def enable_cpu_kernels(cache_dir: Path) -> str | None:
+    """Build/load ``pkgd_kernels.cpu`` for this process (library cached under ``cache_dir``).
+
+    Returns None when they are in use, else why not (the caller logs it; the PyTorch path
+    stays). Idempotent."""
+    global _cpu_kernels
+    from pkgd_kernels import cpu
+
+    try:
+        _cpu_kernels = cpu.load(cache_dir)
+    except cpu.CpuKernelsUnavailable as e:
+        _cpu_kernels = None
+        return str(e)
+    return None
+
+
+def disable_cpu_kernels() -> None:
+    """Back to the plain-PyTorch CPU path (tests compare the two)."""
+    global _cpu_kernels
+    _cpu_kernels = None
+
+
+def cpu_kernels():
+    """The loaded `pkgd_kernels.cpu.CpuKernels`, or None."""
+    return _cpu_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

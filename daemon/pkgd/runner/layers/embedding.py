@@ -2,31 +2,41 @@
 
 Rank r holds vocabulary rows ``[r * V/tp, (r+1) * V/tp)``. The LM head weight is stored
 ``[H, V/tp]`` (applied as ``h @ W``, the fast layout at small batches, see `layers.linear`);
-with tied embeddings (``tie_word_embeddings``) the embedding lookup reads the same tensor
-column-wise, so the 28M-parameter matrix of SmolLM2 is held once.
+with tied embeddings (``tie_word_embeddings``) the embedding lookup reads the LM head's
+tensor (`ParallelLMHead.embedding_rows`), so the 28M-parameter matrix of SmolLM2 is held once.
+
+On CPU the float32 LM head is repacked for oneDNN after loading like the other linears
+(`pkgd.runner.layers.linear`), with the C GEMV for a few rows: its batched logits were the
+slowest GEMM of a decode step (MKL ~95 GFLOP/s at 64 rows against oneDNN's ~190). A tied head
+is packed only when the packing's layout is the known ``[V/64][H][64]``, which the embedding
+then reads as rows ``[ids // 64, :, ids % 64]``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pkgd.runner.distributed import SINGLE, TPGroup
+from pkgd.runner.layers.linear import gemv_or_none, onednn_linear, pack_for_onednn, packed_rows_view, verified_gemv_pointer
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token ids ``[T]`` (int64) -> ``[T, H]``. ``weight`` is ``[V/tp, H]``, or, when
-    ``transposed_weight`` is given (tied LM head), that ``[H, V/tp]`` tensor is used instead."""
+    ``tied_rows`` is given (a tied LM head's `ParallelLMHead.embedding_rows`), rows come
+    from it instead."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, transposed_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, tied_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
         self.local = tp.shard(vocab_size, "vocab_size")
         self.start = tp.rank * self.local
-        self.transposed = transposed_weight
+        self.tied_rows = tied_rows
         self.weight = None
-        if transposed_weight is None:
+        if tied_rows is None:
             self.weight = nn.Parameter(torch.empty(self.local, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -34,8 +44,8 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp.size > 1:
             mask = (ids < self.start) | (ids >= self.start + self.local)
             local_ids = (ids - self.start).masked_fill(mask, 0)
-        if self.transposed is not None:
-            out = self.transposed.index_select(1, local_ids).t().contiguous()
+        if self.tied_rows is not None:
+            out = self.tied_rows(local_ids)
         else:
             out = self.weight.index_select(0, local_ids)
         if mask is not None:
@@ -54,20 +64,57 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """``h [N, H] -> logits [N, V]`` (gathered over ranks). ``weight`` is ``[H, V/tp]``."""
+    """``h [N, H] -> logits [N, V]`` (gathered over ranks). ``weight`` is ``[H, V/tp]``, or
+    its oneDNN packing after `process_weights_after_loading` on CPU (module docstring)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, tied: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.tied = tied
         self.local = tp.shard(vocab_size, "vocab_size")
         self.start = tp.rank * self.local
+        self.in_features, self.out_features = hidden_size, self.local
         self.weight = nn.Parameter(torch.empty(hidden_size, self.local, dtype=dtype), requires_grad=False)
+        self.packed = False
+        self.gemv_ptr: int | None = None
+        self._rows_view: torch.Tensor | None = None  # [V/64, H, 64] over the packed buffer
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather(h @ self.weight, dim=-1)
+        if self.packed:
+            logits = gemv_or_none(self, h, None)
+            if logits is None:
+                logits = onednn_linear(h, self.weight, None)
+        else:
+            logits = h @ self.weight
+        return self.tp.all_gather(logits, dim=-1)
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (local int64 ``[T]``) of the ``[V/tp, H]`` matrix, as ``[T, H]``."""
+        if self._rows_view is not None:
+            return self._rows_view[ids // 64, :, ids % 64]
+        return self.weight.index_select(1, ids).t().contiguous()
+
+    def process_weights_after_loading(self) -> None:
+        """Repack for oneDNN on CPU (float32), unless tied and the layout is not the one the
+        embedding can read; no-op elsewhere."""
+        if self.packed:
+            return
+        packed = pack_for_onednn(self.weight.t())
+        if packed is None:
+            return
+        ptr = verified_gemv_pointer(packed, self.local, self.in_features)
+        if self.tied and ptr is None:
+            return  # the embedding could not read the packed rows
+        self.gemv_ptr = ptr
+        if ptr is not None:
+            self._rows_view = packed_rows_view(packed, ptr, self.local, self.in_features)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.packed = True
 
     def load(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of the full HF ``[V, H]`` weight (embedding or lm_head)."""
+        if self.packed:
+            raise RuntimeError("lm_head: weights are already packed; load before process_weights_after_loading")
         rows = weight[self.start : self.start + self.local].t()
         if rows.shape != self.weight.shape:
             raise ValueError(f"lm_head: checkpoint shape {tuple(weight.shape)} does not match the model's")

@@ -23,16 +23,24 @@ packing PyTorch Inductor uses for CPU linears) and the forward calls
 ~5% larger). Measured here (fp32, 2 threads, weights beyond the caches, GFLOP/s, MKL ``F.linear``
 -> oneDNN packed): M=1 5-7 -> 10-12; M=64 126-141 -> 182-190; M=85 142-154 -> 190-200; at
 M=2048 both ~190. Without oneDNN in the torch build the dense path stays.
+
+Up to `GEMV_MAX_BATCH` rows (decode of a few sequences, memory-bound) the forward instead
+calls the C kernel ``pkgd_kernels.cpu`` GEMV on the same packed buffer (oneDNN's layout here
+is ``[out/64][in][64]``; `_gemv_pointer` checks it against oneDNN's own result once per
+weight). Measured here (2 threads, weights beyond the caches, GB/s read, oneDNN -> C):
+M=1 15-22 -> 23-29, M=4 17-25 -> 26-32, M=8 15-23 -> 20-25, M=16 about equal.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pkgd.runner import ops
 from pkgd.runner.distributed import SINGLE, TPGroup
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -41,6 +49,7 @@ PACK_BATCH_HINT = 64  # the batch size oneDNN tunes the packing for (any batch w
 # its default 1024 entries let a long-running engine grow by hundreds of MB as batch sizes
 # vary. 128 holds the ~30 batch sizes per weight shape a serving load cycles through.
 PRIMITIVE_CACHE_CAPACITY = "128"
+GEMV_MAX_BATCH = 8  # rows up to which the C GEMV beats oneDNN (module docstring)
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -58,8 +67,43 @@ def _repack(layer: nn.Module, weight_out_in: torch.Tensor) -> None:
     """Replace ``layer.weight`` by its oneDNN packing (given as ``[out, in]``) once."""
     packed = None if layer.packed else pack_for_onednn(weight_out_in)
     if packed is not None:
+        layer.gemv_ptr = verified_gemv_pointer(packed, *weight_out_in.shape)
         layer.weight = nn.Parameter(packed, requires_grad=False)
         layer.packed = True
+
+
+def verified_gemv_pointer(packed: torch.Tensor, n: int, k: int) -> int | None:
+    """Address of ``packed``'s buffer when the C GEMV reads it right (layout ``[n/64][k][64]``,
+    checked against oneDNN's product on a random input), else None."""
+    kernels = ops.cpu_kernels()
+    if kernels is None or n % 64 or torch.ops.mkldnn._nbytes(packed) != n * k * 4:
+        return None
+    ptr = torch.ops.mkldnn.data_ptr(packed)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    ref = onednn_linear(x, packed, None)
+    got = kernels.gemv_packed64(x, ptr, None, n, k)
+    if (got - ref).abs().max() > 1e-4 * ref.abs().max() + 1e-6:
+        return None
+    return ptr
+
+
+def packed_rows_view(packed: torch.Tensor, ptr: int, n: int, k: int) -> torch.Tensor:
+    """A ``[n/64, k, 64]`` float32 view of the buffer at ``ptr`` (from
+    `verified_gemv_pointer`, so laid out ``[n/64][k][64]``): row i of ``W [n, k]`` is
+    ``view[i // 64, :, i % 64]``. Valid while ``packed`` lives."""
+    buf = (ctypes.c_float * (n * k)).from_address(ptr)
+    return torch.frombuffer(buf, dtype=torch.float32).view(n // 64, k, 64)
+
+
+def gemv_or_none(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W^T (+ bias)`` through the C GEMV when the layer has it and ``x`` has at most
+    `GEMV_MAX_BATCH` rows; None otherwise (the caller uses oneDNN)."""
+    if layer.gemv_ptr is None or x.shape[0] > GEMV_MAX_BATCH or x.stride(-1) != 1:
+        return None
+    kernels = ops.cpu_kernels()
+    if kernels is None:
+        return None
+    return kernels.gemv_packed64(x, layer.gemv_ptr, bias, layer.out_features, layer.in_features)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,13 +142,16 @@ class MergedColumnParallelLinear(nn.Module):
         self.local_sizes = [tp_shard(size, n, "output features") for size, n in zip(part_sizes, shards)]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(part_sizes))]
         out = sum(self.local_sizes)
+        self.in_features, self.out_features = in_features, out
         self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.packed = False
+        self.gemv_ptr: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return onednn_linear(x, self.weight, self.bias)
+            y = gemv_or_none(self, x, self.bias)
+            return y if y is not None else onednn_linear(x, self.weight, self.bias)
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
         return x @ self.weight
@@ -144,12 +191,18 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.in_local = tp.shard(in_features, "input features")
+        self.in_features, self.out_features = self.in_local, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed = False
+        self.gemv_ptr: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = onednn_linear(x, self.weight, None) if self.packed else F.linear(x, self.weight)
+        if self.packed:
+            y = gemv_or_none(self, x, None)
+            y = y if y is not None else onednn_linear(x, self.weight, None)
+        else:
+            y = F.linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

@@ -1,0 +1,213 @@
+"""CPU kernels written in C (``kernels.c``), compiled by the host's C compiler on first use.
+
+Two loops of CPU decode have no fast PyTorch op (DESIGN.md §5 "CPU specifics"):
+
+* `CpuKernels.gemv_packed64`: ``x [M, K] @ W^T`` for small M straight from oneDNN's packed
+  fp32 weight (layout ``[N/64][K][64]``), at DRAM read speed where MKL/oneDNN GEMV reach
+  about half of it on this machine;
+* `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
+  read in place through the block table instead of gathering K/V copies.
+
+Build: ``$CC`` (default ``gcc``) with ``-O3 -march=native -fopenmp`` into
+``<cache_dir>/cpu-kernels-<hash>.so``; the hash covers the source, the compiler's version and
+this CPU's feature flags, so a cache moved to another host is rebuilt rather than crashing.
+The file is written under a temporary name and renamed, so concurrent first starts (several
+engine cores) never load a half-written library. `load` raises `CpuKernelsUnavailable` when
+there is no compiler, the build fails, or ``PKGD_CPU_KERNELS=0``; callers then keep the
+plain-PyTorch path, which computes the same thing.
+
+The library links libgomp, which torch already loaded (same soname), so both share one
+OpenMP thread pool and ``torch.set_num_threads`` sizes both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+ABI_VERSION = 1
+BUILD_TIMEOUT_S = 120
+_CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class CpuKernelsUnavailable(RuntimeError):
+    """The C kernels cannot be used here; the message says why (no compiler, build error,
+    disabled by ``PKGD_CPU_KERNELS=0``, not an x86-64/aarch64 CPU)."""
+
+
+class CpuKernels:
+    """ctypes bindings of ``kernels.c``; each method checks the layouts it relies on."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._lib = lib
+        self._gemv = lib.pkgd_gemv_packed64
+        self._gemv.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64]
+        self._gemv.restype = None
+        self._attn = lib.pkgd_paged_attention_decode
+        self._attn.argtypes = [_p, _p, _i64, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]
+        self._attn.restype = ctypes.c_int
+        lib.pkgd_num_threads.restype = ctypes.c_int
+
+    def num_threads(self) -> int:
+        """OpenMP threads a kernel call uses (follows ``torch.set_num_threads``)."""
+        return self._lib.pkgd_num_threads()
+
+    def gemv_packed64(self, x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+        """``x [M, K]`` float32 (unit column stride) times the packed weight at ``weight_ptr``
+        (``[N/64][K][64]`` float32, the oneDNN packing of ``W [N, K]``) plus ``bias [N]``.
+        Returns a new ``[M, N]`` float32. N must be a multiple of 64."""
+        if x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] != k or n % 64:
+            raise ValueError("gemv_packed64: x must be float32 [M, K] with unit column stride, N % 64 == 0")
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        b = None
+        if bias is not None:
+            b = bias.contiguous().data_ptr()
+        self._gemv(x.data_ptr(), x.stride(0), weight_ptr, b, y.data_ptr(), x.shape[0], n, k)
+        return y
+
+    def paged_attention_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``query [S, Hq, D]`` float32 (heads contiguous, any token stride), one token per
+        sequence at position ``seq_lens[s] - 1``, over caches ``[num_blocks, block_size, Hkv,
+        D]`` (float32, float16 or bfloat16; contiguous) through ``block_tables`` int32
+        ``[S, max_blocks]``; ``seq_lens`` int32 ``[S]``. Returns ``[S, Hq, D]`` float32.
+
+        Raises:
+            ValueError: a layout or dtype the kernel does not take (`supports_decode` says
+                beforehand).
+            MemoryError: the kernel could not allocate its per-thread scratch.
+        """
+        if not supports_decode(query, key_cache):
+            raise ValueError("paged_attention_decode: unsupported layout or dtype")
+        s, hq, d = query.shape
+        _, bs, hkv, _ = key_cache.shape
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty(s, hq, d, dtype=torch.float32)
+        rc = self._attn(
+            out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            _CACHE_DTYPES[key_cache.dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            s, hq, hkv, d, bs, scale,
+        )  # fmt: skip
+        if rc:
+            raise MemoryError("paged_attention_decode: out of memory for scratch buffers")
+        return out
+
+
+def supports_decode(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether `CpuKernels.paged_attention_decode` takes these tensors."""
+    hq, d = query.shape[1], query.shape[2]
+    hkv = key_cache.shape[2]
+    return (
+        query.dtype == torch.float32
+        and key_cache.dtype in _CACHE_DTYPES
+        and query.stride(2) == 1
+        and query.stride(1) == d
+        and d % 16 == 0
+        and hq % hkv == 0
+        and hq <= 256
+        and key_cache.is_contiguous()
+    )
+
+
+def default_cache_dir() -> Path:
+    """``$PKGD_KERNEL_CACHE``, else ``$CACHE_DIRECTORY`` (systemd, first entry) ``/kernels``,
+    else ``~/.cache/pkgd/kernels``."""
+    if os.environ.get("PKGD_KERNEL_CACHE"):
+        return Path(os.environ["PKGD_KERNEL_CACHE"])
+    if os.environ.get("CACHE_DIRECTORY"):
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "kernels"
+    return Path.home() / ".cache" / "pkgd" / "kernels"
+
+
+def load(cache_dir: Path | None = None) -> CpuKernels:
+    """Build (once per host and source) and load the kernels; later calls with the same
+    ``cache_dir`` return the same object.
+
+    Raises:
+        CpuKernelsUnavailable: disabled (``PKGD_CPU_KERNELS=0``), no compiler, or the build
+            failed (the message says which).
+    """
+    if os.environ.get("PKGD_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        raise CpuKernelsUnavailable("disabled by PKGD_CPU_KERNELS=0")
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        raise CpuKernelsUnavailable(f"no C kernels for {platform.machine()}")
+    return _load(Path(cache_dir) if cache_dir else default_cache_dir())
+
+
+@functools.cache
+def _load(cache_dir: Path) -> CpuKernels:
+    path = _build(cache_dir)
+    try:
+        lib = ctypes.CDLL(str(path))
+        version = lib.pkgd_abi_version()
+    except (OSError, AttributeError) as e:
+        raise CpuKernelsUnavailable(f"cannot load {path}: {e}") from e
+    if version != ABI_VERSION:
+        raise CpuKernelsUnavailable(f"{path} has ABI {version}, expected {ABI_VERSION}")
+    return CpuKernels(lib, path)
+
+
+def _build(cache_dir: Path) -> Path:
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise CpuKernelsUnavailable(f"no C compiler ({cc!r} not on PATH)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuKernelsUnavailable(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+        key.update(part)
+    path = cache_dir / f"cpu-kernels-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".build-", suffix=".so")
+        os.close(fd)
+    except OSError as e:
+        raise CpuKernelsUnavailable(f"cannot write to {cache_dir}: {e}") from e
+    try:
+        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if r.returncode:
+            raise CpuKernelsUnavailable(f"{cc} failed on {SOURCE.name}: {r.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuKernelsUnavailable(f"building {SOURCE.name} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (what ``-march=native`` compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,134 @@
+"""``pkgd_kernels.cpu``: the C kernels the host compiler builds, against PyTorch references,
+and how the build behaves (cached, atomic, a clear reason when it cannot happen)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkgd_kernels import cpu
+from pkgd_kernels.attention import paged_attention_decode_ref
+
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        return cpu.load()
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(f"C kernels unavailable here: {e}")
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("n,k", [(64, 48), (192, 576), (128, 1536)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_reads_the_onednn_packing(kernels, n, k, m, bias):
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    assert torch.ops.mkldnn._nbytes(packed) == n * k * 4
+    x = torch.randn(m, k + 8, generator=g)[:, :k]  # rows with a stride: a view, not a copy
+    b = torch.randn(n, generator=g) if bias else None
+    y = kernels.gemv_packed64(x, torch.ops.mkldnn.data_ptr(packed), b, n, k)
+    want = x @ w.t() + (b if bias else 0)
+    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_refuses_what_it_cannot_read(kernels):
+    with pytest.raises(ValueError, match="N % 64"):
+        kernels.gemv_packed64(torch.randn(1, 8), 0, None, 96, 8)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.gemv_packed64(torch.randn(1, 8, dtype=torch.float64), 0, None, 64, 8)
+
+
+def _paged(num_seqs, hkv, d, bs, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 71, (num_seqs,), generator=g, dtype=torch.int32)
+    lens[0] = 1
+    per_seq = -(-70 // bs)
+    num_blocks = num_seqs * per_seq + 3
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * per_seq].view(num_seqs, per_seq).to(torch.int32)
+    return kc, vc, tables, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 16), (9, 3, 64), (4, 4, 32), (16, 2, 128)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 40])  # 40: work split by sequence, else by KV head
+@pytest.mark.parametrize("bs", [1, 16])
+def test_decode_attention_matches_the_reference(kernels, dtype, hq, hkv, d, num_seqs, bs):
+    kc, vc, tables, lens = _paged(num_seqs, hkv, d, bs, dtype, seed=hq * d + num_seqs + bs)
+    # queries as the model hands them over: the Q part of a [T, Hq + Hkv, D] rotary output
+    q = torch.randn(num_seqs, hq + hkv, d)[:, :hq]
+    out = kernels.paged_attention_decode(q, kc, vc, tables, lens, d**-0.5)
+    want = paged_attention_decode_ref(q.contiguous(), kc.float(), vc.float(), tables, lens, d**-0.5)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_attention_is_exact_softmax_for_long_contexts(kernels):
+    # one sequence of 3000 tokens: the score buffer and the vectorised exp over a long row
+    kc, vc, tables, _ = _paged(1, 2, 64, 16, torch.float32, seed=7)
+    kc = torch.randn(200, 16, 2, 64)
+    vc = torch.randn(200, 16, 2, 64)
+    tables = torch.randperm(200)[:188].view(1, -1).to(torch.int32)
+    lens = torch.tensor([3000], dtype=torch.int32)
+    q = 3 * torch.randn(1, 8, 64)  # large scores: the max subtraction matters
+    out = kernels.paged_attention_decode(q, kc, vc, tables, lens, 0.125)
+    want = paged_attention_decode_ref(q, kc, vc, tables, lens, 0.125)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+
+
+def test_supports_decode_says_no_to_layouts_the_kernel_does_not_take():
+    kc = torch.zeros(4, 16, 2, 64)
+    assert cpu.supports_decode(torch.zeros(3, 4, 64), kc)
+    assert not cpu.supports_decode(torch.zeros(3, 4, 64, dtype=torch.bfloat16), kc)  # bf16 queries
+    assert not cpu.supports_decode(torch.zeros(3, 4, 24), torch.zeros(4, 16, 2, 24))  # D % 16
+    assert not cpu.supports_decode(torch.zeros(3, 3, 64), kc)  # Hq % Hkv
+    assert not cpu.supports_decode(torch.zeros(3, 64, 4).transpose(1, 2), kc)  # heads strided
+
+
+def test_kernels_use_torchs_thread_count(kernels):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert kernels.num_threads() == 1
+        torch.set_num_threads(2)
+        assert kernels.num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_build_is_cached_per_source_and_leaves_no_partial_files(tmp_path):
+    try:
+        first = cpu._build(tmp_path)
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(str(e))
+    stamp = first.stat().st_mtime_ns
+    assert cpu._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no .build-* left
+
+
+def test_no_compiler_is_a_clear_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(cpu.CpuKernelsUnavailable, match="no C compiler"):
+        cpu._build(tmp_path)
+
+
+def test_a_failed_build_says_why_and_writes_nothing(tmp_path, monkeypatch):
+    script = tmp_path / "cc"
+    script.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fakecc 1.0; exit 0; fi\necho 'kernels.c:1: error: nope' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script))
+    out = tmp_path / "cache"
+    with pytest.raises(cpu.CpuKernelsUnavailable, match="error: nope"):
+        cpu._build(out)
+    assert list(out.iterdir()) == []
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+    with pytest.raises(cpu.CpuKernelsUnavailable, match="PKGD_CPU_KERNELS=0"):
+        cpu.load()
