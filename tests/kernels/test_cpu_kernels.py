@@ -132,3 +132,22 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
     with pytest.raises(cpu.CpuKernelsUnavailable, match="PKGD_CPU_KERNELS=0"):
         cpu.load()
+
+
+@pytest.mark.parametrize("t,h", [(1, 576), (3, 40), (300, 256)])  # 300 x 256: the threaded path
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_reference(kernels, t, h, with_residual):
+    g = torch.Generator().manual_seed(t + h)
+    x = torch.randn(t, h + 5, generator=g)[:, :h]  # strided rows
+    w = 1 + 0.1 * torch.randn(h, generator=g)
+    res = torch.randn(t, h, generator=g) if with_residual else None
+    out, res_out = kernels.rms_norm(x, w, 1e-5, res)
+    r = x + res if with_residual else x
+    want = w * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    if with_residual:
+        assert torch.equal(res_out, r)
+    else:
+        assert res_out is None
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rms_norm(x.double(), w, 1e-5)

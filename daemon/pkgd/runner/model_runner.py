@@ -28,6 +28,7 @@ from pkgd.engine.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner import ops
+from pkgd.runner.allocator import tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
@@ -116,6 +117,7 @@ class ModelRunner:
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         if self.device.type == "cpu":
+            tune_cpu_allocator()
             why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
             if why_not:
                 logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")

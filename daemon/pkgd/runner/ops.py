@@ -12,7 +12,8 @@ DESIGN.md §7). Signatures and semantics are those of the shared kernel contract
 
 On CPU two loops go to C kernels when this host can build them (`enable_cpu_kernels`, called
 by the runner before loading weights; `cpu_kernels` returns them or None): small-batch
-linears on the packed weights and paged decode attention (``pkgd_kernels.cpu``).
+linears on the packed weights, paged decode attention and float32 RMSNorm
+(``pkgd_kernels.cpu``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of each row of ``x [T, H]`` scaled by ``weight [H]``; same dtype as ``x``."""
     if x.is_cuda:
         return kernels().rms_norm(x, weight, eps)
+    if _cpu_kernels is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        return _cpu_kernels.rms_norm(x, weight, eps)[0]
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
@@ -84,6 +87,8 @@ def fused_add_rms_norm(
     """``new_residual = x + residual``; returns ``(rms_norm(new_residual), new_residual)``."""
     if x.is_cuda:
         return kernels().fused_add_rms_norm(x, residual, weight, eps)
+    if _cpu_kernels is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        return _cpu_kernels.rms_norm(x, weight, eps, residual)
     new_residual = x + residual
     return rms_norm(new_residual, weight, eps), new_residual
 

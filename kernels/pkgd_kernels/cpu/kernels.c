@@ -4,6 +4,8 @@
  *    blocked layout [N/64][K][64] (what torch.ops.mkldnn._reorder_linear_weight produces for
  *    the fp32 linears here), so the weight held for batched GEMMs serves decode too. Each
  *    64-row block is streamed once per call; memory-bound, so the goal is DRAM read speed.
+ *  - pkgd_rms_norm: RMSNorm of float32 rows, optionally after adding a residual (which it
+ *    also returns): one pass where PyTorch's composite op runs several (pow, mean, rsqrt, mul).
  *  - pkgd_paged_attention_decode: one query token per sequence over the paged KV cache
  *    [num_blocks, block_size, num_kv_heads, head_dim], read in place through the block table
  *    (no gathered copy), the G = Hq/Hkv query heads of a KV head sharing each K/V read
@@ -26,7 +28,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define LOADV(p) (*(const v16u*)(p))
 #define STOREV(p, v) (*(v16u*)(p) = (v))
 
-int pkgd_abi_version(void) { return 1; }
+int pkgd_abi_version(void) { return 2; }
 int pkgd_num_threads(void) { return omp_get_max_threads(); }
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -186,6 +188,17 @@ static inline float dot(const float* a, const float* b, int64_t d) {
     return hsum(s0 + s1);
 }
 
+/* Ask for the next block's rows ahead of use (the span from head h0 of its first token to
+ * head h1 - 1 of its last): blocks sit anywhere in the cache, so the hardware prefetcher
+ * cannot guess the jump, and a lone sequence would wait on DRAM at each one. */
+static inline void prefetch_block(const void* base, int64_t row0, int64_t rows, int64_t h0, int64_t h1,
+                                  int64_t d, int64_t esz) {
+    const char* p = (const char*)base;
+    const char* start = p + (row0 + h0) * d * esz;
+    const char* end = p + (row0 + rows - 1 + h1 - h0) * d * esz;
+    for (const char* c = start; c < end; c += 64) __builtin_prefetch(c, 0, 3);
+}
+
 /* Attention of one sequence's query heads of KV heads [h0, h1) (g query heads each). q and out
  * point at query head h0 * g; scores holds (h1 - h0) * g rows of sstride floats, acc as many
  * rows of d. Each cached token's K (then V) rows of those heads are adjacent in memory, so a
@@ -196,9 +209,11 @@ static inline __attribute__((always_inline)) void attend_heads(
     float scale, float* scores, int64_t sstride, float* acc, float* tmp, const int dtype) {
     const int64_t nblocks = (len + bs - 1) / bs;
     const int64_t nq = (h1 - h0) * g;
+    const int64_t esz = dtype == DT_F32 ? 4 : 2;
     /* pass 1: scores of every query head against every cached key */
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
+        if (b + 1 < nblocks) prefetch_block(kc, (int64_t)table[b + 1] * bs * hkv, bs * hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = len - t0 < bs ? len - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
@@ -229,6 +244,7 @@ static inline __attribute__((always_inline)) void attend_heads(
     memset(acc, 0, sizeof(float) * nq * d);
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
+        if (b + 1 < nblocks) prefetch_block(vc, (int64_t)table[b + 1] * bs * hkv, bs * hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = len - t0 < bs ? len - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
@@ -250,7 +266,8 @@ static inline __attribute__((always_inline)) void attend_heads(
  * kc/vc: [num_blocks, bs, hkv, d] of `dtype`; block_tables: int32 [ns, bt_stride];
  * seq_lens: int32 [ns]. Requires d % 16 == 0, hq % hkv == 0, hq <= 256.
  * Work is split by sequence when there are enough sequences for every thread, else by
- * (sequence, KV head). Returns 0, or -1 when scratch memory could not be allocated. */
+ * (sequence, KV head); below 8192 token-heads of context in all, the calling thread does it
+ * alone (waking the pool costs more than the work). Returns 0, or -1 when scratch memory could not be allocated. */
 int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, const void* kc,
                                 const void* vc, int dtype, const int32_t* block_tables,
                                 int64_t bt_stride, const int32_t* seq_lens, int64_t ns, int64_t hq,
@@ -262,7 +279,9 @@ int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, co
     const int64_t split = ns >= 4 * (int64_t)omp_get_max_threads() ? 1 : hkv;  /* items per sequence */
     const int64_t hper = hkv / split;
     int failed = 0;
-#pragma omp parallel
+    int64_t work = 0;  /* token-heads to read; a lone short sequence is not worth waking threads */
+    for (int64_t s = 0; s < ns; s++) work += seq_lens[s] * hkv;
+#pragma omp parallel if (work > 8192)
     {
         const int64_t nq = hper * g;
         float* scores = (float*)malloc(sizeof(float) * (size_t)(nq * sstride + nq * d + d + 16));
@@ -290,4 +309,40 @@ int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, co
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- RMSNorm -------------------------------------------------------------------------- */
+
+/* For each of t rows of h floats: r = x (+ residual); out = r / sqrt(mean(r^2) + eps) * weight.
+ * With residual != NULL, r is also written to res_out. x rows have stride ldx; residual,
+ * out and res_out are contiguous [t, h]. Zhang & Sennrich (2019); the sum of squares is in
+ * float32 like transformers' LlamaRMSNorm for float32 inputs. */
+void pkgd_rms_norm(float* out, float* res_out, const float* x, int64_t ldx, const float* residual,
+                   const float* weight, int64_t t, int64_t h, float eps) {
+#pragma omp parallel for schedule(static) if (t * h > (1 << 16))
+    for (int64_t i = 0; i < t; i++) {
+        const float* xr = x + i * ldx;
+        float* o = out + i * h;
+        const float* r = xr;
+        if (residual) {
+            float* ro = res_out + i * h;
+            const float* rr = residual + i * h;
+            int64_t j = 0;
+            for (; j + 16 <= h; j += 16) STOREV(ro + j, LOADV(xr + j) + LOADV(rr + j));
+            for (; j < h; j++) ro[j] = xr[j] + rr[j];
+            r = ro;
+        }
+        v16 acc = (v16){0};
+        int64_t j = 0;
+        for (; j + 16 <= h; j += 16) {
+            v16 v = LOADV(r + j);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (; j < h; j++) ss += r[j] * r[j];
+        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        j = 0;
+        for (; j + 16 <= h; j += 16) STOREV(o + j, LOADV(r + j) * inv * LOADV(weight + j));
+        for (; j < h; j++) o[j] = r[j] * inv * weight[j];
+    }
 }
