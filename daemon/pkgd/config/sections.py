@@ -193,7 +193,7 @@ class CacheConfig(Section):
     num_blocks: int | None = field(None, "Exact number of KV blocks; overrides kv_cache_memory_bytes.", aliases=("--num-gpu-blocks-override",), ge=2)
     kv_cache_memory_bytes: int | None = field(
         None,
-        "Bytes of KV cache per engine core; null = 512 MiB on CPU, 90% of free memory on CUDA.",
+        "Bytes of KV cache per engine core; null = 448 MiB on CPU, 90% of free memory on CUDA.",
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
     )

@@ -6,7 +6,7 @@ vLLM v1's ``EngineCore`` without the process around it: the engine-core process
 → ``Scheduler.update_from_output()``.
 
 Start-up: the model is loaded through the runner (``pkgd.runner``), the KV cache is sized
-from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 512 MiB on CPU, 90 %
+from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU, 90 %
 of free device memory on CUDA) ÷ the runner's bytes per block, and must hold at least one
 ``max_model_len`` sequence.
 """
@@ -26,7 +26,9 @@ from pkgd.engine.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pkgd.runner.output import ModelRunnerOutput
 
-DEFAULT_CPU_KV_CACHE_BYTES = 512 * 1024 * 1024
+# 448 MiB: SmolLM2's float32 engine stays under 1.5 GB resident (issue 3's target) while a
+# 256 x (128 -> 128) batch keeps ~40 sequences' context (637 blocks of 16 tokens).
+DEFAULT_CPU_KV_CACHE_BYTES = 448 * 1024 * 1024
 CUDA_FREE_MEMORY_FRACTION = 0.9
 
 
@@ -91,7 +93,7 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
     ``bytes_per_block``.
 
     The budget is ``cache.kv_cache_memory_bytes`` when set, else 90 % of
-    ``free_device_bytes`` (CUDA, measured after the weights are loaded) or 512 MiB (CPU).
+    ``free_device_bytes`` (CUDA, measured after the weights are loaded) or 448 MiB (CPU).
     Raises `ValueError` when the budget holds no block.
     """
     cache = config.cache

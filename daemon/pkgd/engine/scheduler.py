@@ -43,7 +43,7 @@ from pkgd.ipc.messages import EngineCoreOutput, SchedulerStats
 from pkgd.runner.output import ModelRunnerOutput
 
 # Admission lookahead, in tokens (see the module docstring). Chosen by simulating 256 requests
-# of 128 prompt tokens on SmolLM2's default CPU cache (728 blocks of 16) with a null runner and
+# of 128 prompt tokens on SmolLM2's then-default CPU cache (728 blocks of 16, 512 MiB) with a null runner and
 # the step cost measured for pkgd's runner on this 2-core machine (45 ms + 1.5 ms per token +
 # 2.7 ms per token for the first 64 of a step: small decode batches are inefficient, so fewer,
 # larger steps matter as much as fewer tokens). Without a lookahead 24-29 % of all computed
