@@ -111,10 +111,39 @@ def test_build_is_cached_per_source_and_leaves_no_partial_files(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no .build-* left
 
 
-def test_no_compiler_is_a_clear_reason(tmp_path, monkeypatch):
+def test_no_compiler_is_a_clear_reason_unless_the_library_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(cpu.CpuKernelsUnavailable, match="no C compiler"):
-        cpu._build(tmp_path)
+        cpu._build(tmp_path / "empty")
+    monkeypatch.delenv("CC")
+    try:
+        built = cpu._build(tmp_path / "filled")
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu._build(tmp_path / "filled") == built  # filled in advance: no compiler needed
+
+
+def test_cc_with_arguments_damaged_cache_and_old_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "gcc -Wall")  # a command with arguments, like "ccache gcc"
+    (tmp_path / "cpu-kernels-0123456789abcdef.so").write_bytes(b"an earlier source's build")
+    try:
+        path = cpu._build(tmp_path)
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(str(e))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the earlier build is gone
+    path.write_bytes(b"truncated")  # damaged: rebuilt once on load
+    kernels = cpu._load.__wrapped__(tmp_path)
+    assert kernels.num_threads() >= 1 and path.stat().st_size > 1000
+
+
+def test_kernel_cache_variable_overrides_the_callers_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("PKGD_KERNEL_CACHE", str(tmp_path / "k"))
+    try:
+        kernels = cpu.load(tmp_path / "ignored")
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(str(e))
+    assert kernels.path.parent == tmp_path / "k" and not (tmp_path / "ignored").exists()
 
 
 def test_a_failed_build_says_why_and_writes_nothing(tmp_path, monkeypatch):

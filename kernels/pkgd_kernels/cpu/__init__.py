@@ -10,9 +10,11 @@ Two loops of CPU decode have no fast PyTorch op (DESIGN.md §5 "CPU specifics"):
 * `CpuKernels.rms_norm`: RMSNorm with the residual add fused, one pass over each row (at
   batch 1 PyTorch's composite op cost ~25 us a call, 61 calls a token).
 
-Build: ``$CC`` (default ``gcc``) with ``-O3 -march=native -fopenmp`` into
-``<cache_dir>/cpu-kernels-<hash>.so``; the hash covers the source, the compiler's version and
-this CPU's feature flags, so a cache moved to another host is rebuilt rather than crashing.
+Build: ``$CC`` (default ``gcc``; may carry arguments, e.g. ``ccache gcc``) with
+``-O3 -march=native -fopenmp`` into ``<cache_dir>/cpu-kernels-<hash>.so``; the hash covers the
+source, the flags and this CPU's feature flags, so a cache moved to another host is rebuilt
+rather than crashing, and a cache filled in advance needs no compiler. A cached library that
+does not load is built again once; builds of earlier sources are removed.
 The file is written under a temporary name and renamed, so concurrent first starts (several
 engine cores) never load a half-written library. `load` raises `CpuKernelsUnavailable` when
 there is no compiler, the build fails, or ``PKGD_CPU_KERNELS=0``; callers then keep the
@@ -29,6 +31,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -170,22 +173,34 @@ def default_cache_dir() -> Path:
 
 def load(cache_dir: Path | None = None) -> CpuKernels:
     """Build (once per host and source) and load the kernels; later calls with the same
-    ``cache_dir`` return the same object.
+    directory return the same object. ``$PKGD_KERNEL_CACHE`` overrides ``cache_dir``, which
+    defaults to `default_cache_dir`.
 
     Raises:
-        CpuKernelsUnavailable: disabled (``PKGD_CPU_KERNELS=0``), no compiler, or the build
-            failed (the message says which).
+        CpuKernelsUnavailable: disabled (``PKGD_CPU_KERNELS=0``), no compiler and nothing
+            cached, or the build failed (the message says which).
     """
     if os.environ.get("PKGD_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
         raise CpuKernelsUnavailable("disabled by PKGD_CPU_KERNELS=0")
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         raise CpuKernelsUnavailable(f"no C kernels for {platform.machine()}")
-    return _load(Path(cache_dir) if cache_dir else default_cache_dir())
+    if os.environ.get("PKGD_KERNEL_CACHE") or not cache_dir:
+        cache_dir = default_cache_dir()
+    return _load(Path(cache_dir))
 
 
 @functools.cache
 def _load(cache_dir: Path) -> CpuKernels:
     path = _build(cache_dir)
+    try:
+        lib = _open(path)
+    except CpuKernelsUnavailable:
+        path.unlink(missing_ok=True)  # a damaged cached library: build it again, once
+        lib = _open(_build(cache_dir))
+    return CpuKernels(lib, path)
+
+
+def _open(path: Path) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
         version = lib.pkgd_abi_version()
@@ -193,23 +208,26 @@ def _load(cache_dir: Path) -> CpuKernels:
         raise CpuKernelsUnavailable(f"cannot load {path}: {e}") from e
     if version != ABI_VERSION:
         raise CpuKernelsUnavailable(f"{path} has ABI {version}, expected {ABI_VERSION}")
-    return CpuKernels(lib, path)
+    return lib
+
+
+def library_path(cache_dir: Path) -> Path:
+    """Where the library for this source, these flags and this CPU lives in ``cache_dir``
+    (the compiler is not part of the key, so a cache filled in advance serves a host without
+    one)."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+        key.update(part)
+    return cache_dir / f"cpu-kernels-{key.hexdigest()[:16]}.so"
 
 
 def _build(cache_dir: Path) -> Path:
-    cc = os.environ.get("CC", "gcc")
-    if shutil.which(cc) is None:
-        raise CpuKernelsUnavailable(f"no C compiler ({cc!r} not on PATH)")
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise CpuKernelsUnavailable(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
-        key.update(part)
-    path = cache_dir / f"cpu-kernels-{key.hexdigest()[:16]}.so"
+    path = library_path(cache_dir)
     if path.exists():
         return path
+    cc = shlex.split(os.environ.get("CC") or "gcc")  # e.g. CC="ccache gcc"
+    if not cc or shutil.which(cc[0]) is None:
+        raise CpuKernelsUnavailable(f"no C compiler ({os.environ.get('CC') or 'gcc'!r} not on PATH)")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".build-", suffix=".so")
@@ -217,15 +235,18 @@ def _build(cache_dir: Path) -> Path:
     except OSError as e:
         raise CpuKernelsUnavailable(f"cannot write to {cache_dir}: {e}") from e
     try:
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        r = subprocess.run([*cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if r.returncode:
-            raise CpuKernelsUnavailable(f"{cc} failed on {SOURCE.name}: {r.stderr.strip()[-500:]}")
+            raise CpuKernelsUnavailable(f"{' '.join(cc)} failed on {SOURCE.name}: {r.stderr.strip()[-500:]}")
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as e:
         raise CpuKernelsUnavailable(f"building {SOURCE.name} failed: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for old in cache_dir.glob("cpu-kernels-*.so"):  # builds of earlier sources (a loaded one stays mapped)
+        if old != path:
+            old.unlink(missing_ok=True)
     return path
 
 
