@@ -10,10 +10,11 @@ CPU path (DESIGN.md §5):
 
 * decode, when the C kernels are loaded (`pkgd.runner.ops.cpu_kernels`): one call per layer
   reads each sequence's K/V in place through its block table (``pkgd_kernels.cpu``), no
-  gathered copies. Otherwise (plain PyTorch): sequences are processed in chunks whose gathered K/V (``index_select`` of whole
-  blocks) stays a few MB, so it is re-read from cache rather than DRAM and every temporary
-  stays under glibc's mmap threshold (a fresh 100 MB buffer per layer costs more in page
-  faults than the attention itself). Each chunk is one ``scaled_dot_product_attention`` call
+  gathered copies. Otherwise (plain PyTorch): sequences are processed in chunks whose
+  gathered K/V (``index_select`` of whole blocks) stays about 1 MB, so it is re-read from
+  cache rather than DRAM and every temporary stays under the engine's 1 MiB mmap threshold
+  (`pkgd.runner.allocator`; a fresh mmapped buffer per layer costs more in page faults than
+  the attention itself). Each chunk is one ``scaled_dot_product_attention`` call
   with an additive length mask (none when the chunk's lengths are equal), the query heads of
   each KV head grouped as that head's queries.
 * prefill: per sequence. A prompt with no cached context attends to its own fresh K/V
@@ -34,8 +35,9 @@ from pkgd_kernels.cpu import supports_decode
 from pkgd.runner import ops
 from pkgd.runner.ops import kernels
 
-# Bytes of gathered K+V per decode chunk on CPU (fits in L2/L3 beside the weights' stream).
-DECODE_CHUNK_BYTES = 4 << 20
+# Bytes of gathered K+V per decode chunk on CPU (fits in L2 beside the weights' stream; K and
+# V each stay under the 1 MiB mmap threshold of `pkgd.runner.allocator`).
+DECODE_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
