@@ -220,9 +220,9 @@ def paged_attention_decode(
     attending to its first ``seq_lens[s]`` cached tokens. Returns ``[S, Hq, D]``."""
     if query.is_cuda:
         return kernels().paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    cpu = ops.cpu_kernels()
-    if cpu is not None and supports_decode(query, key_cache):
-        return cpu.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    out = _decode_c(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    if out is not None:
+        return out
     _, bs, hkv, d = key_cache.shape
     chunks = _decode_chunks(block_tables.cpu(), seq_lens.tolist(), bs, 2 * hkv * d * max(key_cache.element_size(), query.element_size()))
     return _decode_cpu(query, key_cache, value_cache, chunks, scale)
@@ -294,11 +294,18 @@ def paged_attention(
 
 def _decode_step(q, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The decode sequences of a step (``q [num_decodes, Hq, D]``) on CPU."""
+    nd = meta.num_decodes
+    out = _decode_c(q, key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    return out if out is not None else _decode_cpu(q, key_cache, value_cache, meta.decode_chunks, scale)
+
+
+def _decode_c(q, key_cache, value_cache, block_tables, seq_lens, scale: float) -> torch.Tensor | None:
+    """Decode attention through the C kernel, or None when it is not loaded or does not take
+    these tensors (the caller then uses the PyTorch path)."""
     cpu = ops.cpu_kernels()
-    if cpu is not None and supports_decode(q, key_cache):
-        nd = meta.num_decodes
-        return cpu.paged_attention_decode(q, key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-    return _decode_cpu(q, key_cache, value_cache, meta.decode_chunks, scale)
+    if cpu is None or not supports_decode(q, key_cache):
+        return None
+    return cpu.paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 def _decode_cpu(q, key_cache, value_cache, chunks: list[DecodeChunk], scale: float) -> torch.Tensor:
