@@ -198,3 +198,18 @@ def test_rotary_cache_write_and_sampling_mask_agree_with_pkgd_kernels_references
     top_k = torch.tensor([0, 2, 10, 1, 0], dtype=torch.int32)
     top_p = torch.tensor([1.0, 1.0, 0.5, 0.9, 0.3], dtype=torch.float32)
     torch.testing.assert_close(top_k_top_p_mask(logits, top_k, top_p), _kernel_ref("top_k_top_p_mask")(logits, top_k, top_p))
+
+
+def test_decode_goes_through_the_c_kernel_when_loaded(cpu_path, monkeypatch):
+    calls = []
+    kernels = ops.cpu_kernels()
+    if kernels is not None:
+        real = kernels.paged_attention_decode
+        monkeypatch.setattr(kernels, "paged_attention_decode", lambda *a: calls.append(1) or real(*a))
+    lens = [3, 9]
+    kc, vc, table, ks, vs = _setup(lens)
+    q = torch.randn(len(lens), HQ, D)
+    out = A.paged_attention_decode(q, kc, vc, table, torch.tensor(lens, dtype=torch.int32), 0.25)
+    assert len(calls) == (1 if cpu_path == "c-kernels" else 0)
+    for s, n in enumerate(lens):
+        torch.testing.assert_close(out[s : s + 1], _dense_attention(q[s : s + 1], ks[s], vs[s], [n - 1], 0.25), atol=1e-5, rtol=1e-5)
