@@ -1,6 +1,7 @@
 """CPU kernels written in C (``kernels.c``), compiled by the host's C compiler on first use.
 
-Two loops of CPU decode have no fast PyTorch op (DESIGN.md §5 "CPU specifics"):
+The hot loops of CPU decode that have no fast PyTorch op (DESIGN.md §5 "CPU specifics"), and a
+whole decode step built from them:
 
 * `CpuKernels.gemv_packed64`: ``x [M, K] @ W^T`` for small M straight from oneDNN's packed
   fp32 weight (layout ``[N/64][K][64]``), at DRAM read speed where MKL/oneDNN GEMV reach
@@ -8,7 +9,11 @@ Two loops of CPU decode have no fast PyTorch op (DESIGN.md §5 "CPU specifics"):
 * `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
   read in place through the block table instead of gathering K/V copies;
 * `CpuKernels.rms_norm`: RMSNorm with the residual add fused, one pass over each row (at
-  batch 1 PyTorch's composite op cost ~25 us a call, 61 calls a token).
+  batch 1 PyTorch's composite op cost ~25 us a call, 61 calls a token);
+* `CpuKernels.decode_forward`: a whole decode step of a Llama-family model (every layer, up
+  to 8 sequences) in one call and one OpenMP region, built from the loops above. At batch 1 a
+  token's ~60 MB/ms of weights leave no room for the ~300 Python-level op calls of a
+  per-layer forward (~7 ms a token here, against ~10 ms for reading the weights).
 
 Build: ``$CC`` (default ``gcc``; may carry arguments, e.g. ``ccache gcc``) with
 ``-O3 -march=native -fopenmp`` into ``<cache_dir>/cpu-kernels-<hash>.so``; the hash covers the
@@ -41,7 +46,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI_VERSION = 2
+ABI_VERSION = 3
 BUILD_TIMEOUT_S = 120
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -51,6 +56,34 @@ _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 class CpuKernelsUnavailable(RuntimeError):
     """The C kernels cannot be used here; the message says why (no compiler, build error,
     disabled by ``PKGD_CPU_KERNELS=0``, not an x86-64/aarch64 CPU)."""
+
+
+class DecoderLayerPointers(ctypes.Structure):
+    """Addresses of one decoder layer's tensors for `CpuKernels.decode_forward` (C struct
+    ``pkgd_decoder_layer``): linear weights in the ``[out/64][in][64]`` packing, Q/K rows and
+    QK-norm weights in the adjacent-pair RoPE layout, float32 caches ``[num_blocks,
+    block_size, Hkv, D]``; 0 (NULL) for a tensor the model does not have."""
+
+    _fields_ = [(name, _p) for name in (
+        "ln1", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "ln2",
+        "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
+    )]  # fmt: skip
+
+
+class DecoderDims(ctypes.Structure):
+    """Sizes of a Llama-family model for `CpuKernels.decode_forward` (C struct
+    ``pkgd_decoder_dims``): counts in heads/features/tokens, ``scale`` the attention's
+    ``1/sqrt(head_dim)``, ``cos_sin_cache`` float32 ``[max_position, rot_dim]`` (cos | sin)."""
+
+    _fields_ = [
+        *[(name, _i64) for name in (
+            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "rot_dim", "block_size",
+        )],
+        ("eps", _f32),
+        ("scale", _f32),
+        ("final_norm", _p),
+        ("cos_sin_cache", _p),
+    ]  # fmt: skip
 
 
 class CpuKernels:
@@ -69,6 +102,9 @@ class CpuKernels:
         self._rms = lib.pkgd_rms_norm
         self._rms.argtypes = [_p, _p, _p, _i64, _p, _p, _i64, _i64, _f32]
         self._rms.restype = None
+        self._decode = lib.pkgd_decode_forward
+        self._decode.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _p, _i64, _p]
+        self._decode.restype = ctypes.c_int
 
     def num_threads(self) -> int:
         """OpenMP threads a kernel call uses (follows ``torch.set_num_threads``)."""
@@ -108,6 +144,47 @@ class CpuKernels:
         self._rms(out.data_ptr(), None if res_out is None else res_out.data_ptr(), x.data_ptr(), x.stride(0),
                   None if res_in is None else res_in.data_ptr(), w.data_ptr(), t, h, eps)
         return out, res_out
+
+    def decode_forward(
+        self,
+        dims: DecoderDims,
+        layers: ctypes.Array,
+        embeddings: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode step of ``S`` sequences through every layer: ``embeddings [S, H]`` float32
+        of the new tokens -> ``[S, H]`` float32 hidden states after the final RMSNorm. Writes each
+        new token's K/V at ``slot_mapping`` (int64 ``[S]``, -1 = not written) in every layer's
+        cache; attends over ``seq_lens`` (int32 ``[S]``, including the new token) through
+        ``block_tables`` (int32 ``[S, max_blocks]``); RoPE at ``positions`` (int64 ``[S]``).
+
+        ``dims`` and ``layers`` (``DecoderLayerPointers * num_layers``) must point at live
+        tensors of the layouts they document; the caller keeps those alive.
+
+        Raises:
+            ValueError: a step tensor of the wrong dtype or shape.
+            MemoryError: the kernel could not allocate its scratch.
+        """
+        s = embeddings.shape[0]
+        if (embeddings.dtype != torch.float32 or embeddings.shape != (s, dims.hidden) or len(layers) != dims.num_layers
+                or any(t.shape[0] != s for t in (positions, slot_mapping, block_tables, seq_lens))):
+            raise ValueError("decode_forward: float32 embeddings [S, hidden] and one position/slot/table row/length per sequence")
+        emb = embeddings.contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        out = torch.empty(s, dims.hidden, dtype=torch.float32)
+        rc = self._decode(
+            ctypes.byref(dims), layers, emb.data_ptr(), out.data_ptr(), s, pos.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        )  # fmt: skip
+        if rc:
+            raise MemoryError("decode_forward: out of memory for scratch buffers")
+        return out
 
     def paged_attention_decode(
         self,

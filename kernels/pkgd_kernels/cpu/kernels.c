@@ -28,7 +28,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define LOADV(p) (*(const v16u*)(p))
 #define STOREV(p, v) (*(v16u*)(p) = (v))
 
-int pkgd_abi_version(void) { return 2; }
+int pkgd_abi_version(void) { return 3; }
 int pkgd_num_threads(void) { return omp_get_max_threads(); }
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -44,13 +44,13 @@ static inline float hsum(v16 v) {
 /* ---- GEMV on the [N/64][K][64] packing ------------------------------------------------ */
 
 static inline __attribute__((always_inline)) void gemv_block(
-    const float* x, int64_t ldx, const float* wb, int64_t k, float* y, int64_t ldy,
+    const float* x, int64_t ldx, const float* wb, int64_t k0, int64_t k1, float* y, int64_t ldy,
     const float* bias, const int rows) {
     v16 acc[4][4];
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = (v16){0};
-    for (int64_t kk = 0; kk < k; kk++) {
+    for (int64_t kk = k0; kk < k1; kk++) {
         const float* wr = wb + kk * 64;
         v16 w0 = LOADV(wr), w1 = LOADV(wr + 16), w2 = LOADV(wr + 32), w3 = LOADV(wr + 48);
 #pragma GCC unroll 4
@@ -71,25 +71,29 @@ static inline __attribute__((always_inline)) void gemv_block(
         }
 }
 
+/* The 64 outputs of one packed block wb ([k][64]) for m rows of x over inputs [k0, k1); rows
+ * are taken four at a time (the block stays in L1/L2 between groups, so only the first group
+ * reads it from memory). y rows have stride ldy. */
+static inline void gemv_rows(const float* x, int64_t ldx, const float* wb, int64_t k0, int64_t k1,
+                             float* y, int64_t ldy, const float* bias, int64_t m) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 4);
+    switch (m - r) {
+        case 3: gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 1); break;
+        default: break;
+    }
+}
+
 /* x: [m, k] with row stride ldx; w: [n/64][k][64]; bias: [n] or NULL; y: [m, n] contiguous.
- * n must be a multiple of 64. Rows are taken four at a time (a block stays in L1/L2 between
- * groups, so only the first group reads it from memory). */
+ * n must be a multiple of 64. */
 void pkgd_gemv_packed64(const float* x, int64_t ldx, const float* w, const float* bias,
                         float* y, int64_t m, int64_t n, int64_t k) {
     const int64_t nblk = n / 64;
 #pragma omp parallel for schedule(static) if (nblk > 1)
-    for (int64_t b = 0; b < nblk; b++) {
-        const float* wb = w + b * k * 64;
-        const float* bb = bias ? bias + b * 64 : NULL;
-        int64_t r = 0;
-        for (; r + 4 <= m; r += 4) gemv_block(x + r * ldx, ldx, wb, k, y + r * n + b * 64, n, bb, 4);
-        switch (m - r) {
-            case 3: gemv_block(x + r * ldx, ldx, wb, k, y + r * n + b * 64, n, bb, 3); break;
-            case 2: gemv_block(x + r * ldx, ldx, wb, k, y + r * n + b * 64, n, bb, 2); break;
-            case 1: gemv_block(x + r * ldx, ldx, wb, k, y + r * n + b * 64, n, bb, 1); break;
-            default: break;
-        }
-    }
+    for (int64_t b = 0; b < nblk; b++)
+        gemv_rows(x, ldx, w + b * k * 64, 0, k, y + b * 64, n, bias ? bias + b * 64 : NULL, m);
 }
 
 /* ---- paged decode attention ----------------------------------------------------------- */
@@ -313,36 +317,236 @@ int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, co
 
 /* ---- RMSNorm -------------------------------------------------------------------------- */
 
-/* For each of t rows of h floats: r = x (+ residual); out = r / sqrt(mean(r^2) + eps) * weight.
- * With residual != NULL, r is also written to res_out. x rows have stride ldx; residual,
- * out and res_out are contiguous [t, h]. Zhang & Sennrich (2019); the sum of squares is in
- * float32 like transformers' LlamaRMSNorm for float32 inputs. */
+/* One row of h floats: o = r / sqrt(mean(r^2) + eps) * weight (Zhang & Sennrich, 2019; the sum
+ * of squares in float32 like transformers' LlamaRMSNorm for float32 inputs). o may be r. */
+static inline void rms_row(float* o, const float* r, const float* weight, int64_t h, float eps) {
+    v16 acc = (v16){0};
+    int64_t j = 0;
+    for (; j + 16 <= h; j += 16) {
+        v16 v = LOADV(r + j);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; j < h; j++) ss += r[j] * r[j];
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    j = 0;
+    for (; j + 16 <= h; j += 16) STOREV(o + j, LOADV(r + j) * inv * LOADV(weight + j));
+    for (; j < h; j++) o[j] = r[j] * inv * weight[j];
+}
+
+/* ro[0..h) = a + b (+ c when c != NULL, added to a first). ro may alias a or b. */
+static inline void add_row(float* ro, const float* a, const float* c, const float* b, int64_t h) {
+    int64_t j = 0;
+    if (c) {
+        for (; j + 16 <= h; j += 16) STOREV(ro + j, (LOADV(a + j) + LOADV(c + j)) + LOADV(b + j));
+        for (; j < h; j++) ro[j] = (a[j] + c[j]) + b[j];
+    } else {
+        for (; j + 16 <= h; j += 16) STOREV(ro + j, LOADV(a + j) + LOADV(b + j));
+        for (; j < h; j++) ro[j] = a[j] + b[j];
+    }
+}
+
+/* For each of t rows of h floats: r = x (+ residual); out = rms_row(r). With residual != NULL,
+ * r is also written to res_out. x rows have stride ldx; residual, out and res_out are
+ * contiguous [t, h]. */
 void pkgd_rms_norm(float* out, float* res_out, const float* x, int64_t ldx, const float* residual,
                    const float* weight, int64_t t, int64_t h, float eps) {
 #pragma omp parallel for schedule(static) if (t * h > (1 << 16))
     for (int64_t i = 0; i < t; i++) {
-        const float* xr = x + i * ldx;
-        float* o = out + i * h;
-        const float* r = xr;
+        const float* r = x + i * ldx;
         if (residual) {
-            float* ro = res_out + i * h;
-            const float* rr = residual + i * h;
-            int64_t j = 0;
-            for (; j + 16 <= h; j += 16) STOREV(ro + j, LOADV(xr + j) + LOADV(rr + j));
-            for (; j < h; j++) ro[j] = xr[j] + rr[j];
-            r = ro;
+            add_row(res_out + i * h, r, NULL, residual + i * h, h);
+            r = res_out + i * h;
         }
-        v16 acc = (v16){0};
-        int64_t j = 0;
-        for (; j + 16 <= h; j += 16) {
-            v16 v = LOADV(r + j);
-            acc += v * v;
-        }
-        float ss = hsum(acc);
-        for (; j < h; j++) ss += r[j] * r[j];
-        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-        j = 0;
-        for (; j + 16 <= h; j += 16) STOREV(o + j, LOADV(r + j) * inv * LOADV(weight + j));
-        for (; j < h; j++) o[j] = r[j] * inv * weight[j];
+        rms_row(out + i * h, r, weight, h, eps);
     }
+}
+
+/* ---- one decode step of a Llama-family model ------------------------------------------- */
+
+/* Pointers of one decoder layer. Linear weights are in the packing of pkgd_gemv_packed64
+ * ([out/64][in][64]); Q/K rows (and q_norm/k_norm) in the adjacent-pair RoPE layout. Optional
+ * tensors are NULL when the model has none. Caches: [num_blocks, block_size, hkv, d] float32. */
+typedef struct {
+    const float *ln1, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *ln2, *gate_up, *gate_up_bias,
+        *down, *down_bias;
+    float *k_cache, *v_cache;
+} pkgd_decoder_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rot_dim, block_size;
+    float eps, scale;
+    const float* final_norm;     /* [hidden] */
+    const float* cos_sin_cache;  /* [max_position, rot_dim]: cos of each pair, then sin */
+} pkgd_decoder_dims;
+
+/* Inside a parallel region, every thread calling: y[m, n] = x[m, k] W^T (+ bias) on the packed
+ * W ([n/64][k][64]). The buffer is cut into one contiguous range of 64-float rows per thread,
+ * equal to within a row, so each thread streams its own part of memory front to back and none
+ * waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a ninth
+ * of the time). A block a thread enters mid-way is summed into part[t] (m x 64) and added to y
+ * by one thread after a barrier. Returns after a barrier. */
+static void gemv_team(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
+                      int64_t m, int64_t n, int64_t k, float* part, int64_t* part_blk) {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t units = (n / 64) * k;
+    const int64_t u1 = units * (t + 1) / nt;
+    int64_t u = units * t / nt;
+    part_blk[t] = -1;
+    while (u < u1) {
+        const int64_t b = u / k, k0 = u % k;
+        const int64_t k1 = (b + 1) * k <= u1 ? k : u1 - b * k;
+        const float* wb = w + b * k * 64;
+        if (k0 == 0) {
+            gemv_rows(x, ldx, wb, 0, k1, y + b * 64, n, bias ? bias + b * 64 : NULL, m);
+        } else { /* only a thread's first piece can start mid-block */
+            gemv_rows(x, ldx, wb, k0, k1, part + t * m * 64, 64, NULL, m);
+            part_blk[t] = b;
+        }
+        u = b * k + k1;
+    }
+#pragma omp barrier
+#pragma omp single
+    for (int i = 0; i < nt; i++) {
+        if (part_blk[i] < 0) continue;
+        for (int64_t r = 0; r < m; r++) {
+            float* yr = y + r * n + part_blk[i] * 64;
+            const float* pr = part + (i * m + r) * 64;
+            for (int j = 0; j < 64; j += 16) STOREV(yr + j, LOADV(yr + j) + LOADV(pr + j));
+        }
+    }
+}
+
+/* Rotate one head (adjacent pairs (x[2i], x[2i+1]) by the angle whose cos/sin are cs[i] and
+ * cs[rot/2 + i]; Su et al., 2021), in place. */
+static inline void rope_head(float* x, const float* cs, int64_t rot) {
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float c = cs[i], s = cs[half + i], a = x[2 * i], b = x[2 * i + 1];
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+/* silu(g) * u for n floats (SwiGLU, Shazeer 2020): g * sigmoid(g), the exponent taken of -|g|
+ * so vexp stays in its range. */
+static inline void silu_mul_row(float* o, const float* g, const float* u, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v16 gv = LOADV(g + j);
+        const v16i neg = gv < 0;
+        const v16 ax = (v16)((v16i)gv & 0x7fffffff); /* |g|: the sign bit cleared */
+        const v16 e = vexp((v16){0} - ax);
+        const v16 num = (v16)(((v16i)e & neg) | ((v16i)((v16){0} + 1.0f) & ~neg));
+        STOREV(o + j, gv * (num / (1.0f + e)) * LOADV(u + j));
+    }
+    for (; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+/* One decode step of m sequences (one new token each) through every layer, in one OpenMP
+ * region: per layer RMSNorm -> QKV -> (QK-norm) -> RoPE -> K/V written at slots[r] -> paged
+ * attention over seq_lens[r] tokens -> o_proj -> residual + RMSNorm -> gate/up -> SiLU*mul ->
+ * down_proj, then the final RMSNorm. Each phase is split across the threads and ends at a
+ * barrier; nothing returns to Python between layers. Same arithmetic as the per-op path
+ * (pkgd_gemv_packed64, pkgd_rms_norm, pkgd_paged_attention_decode), except that a GEMV block
+ * split between threads sums its two halves separately.
+ *
+ * emb: [m, hidden] embeddings of the new tokens; out: [m, hidden] final hidden states;
+ * positions, slots: int64 [m] (slot -1: do not write); block_tables int32 [m, bt_stride];
+ * seq_lens int32 [m] (including the new token). Requires head_dim % 16 == 0,
+ * num_heads % num_kv_heads == 0, num_heads <= 256. Returns 0, or -1 when scratch memory could
+ * not be allocated (out is then undefined; the caches may hold the new tokens' K/V). */
+int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* layers, const float* emb,
+                        float* out, int64_t m, const int64_t* positions, const int64_t* slots,
+                        const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens) {
+    const int64_t H = md->hidden, hq = md->num_heads, hkv = md->num_kv_heads, d = md->head_dim;
+    const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
+    const int64_t rot = md->rot_dim, bs = md->block_size;
+    const int nt = omp_get_max_threads();
+    int64_t maxl = 1;
+    for (int64_t r = 0; r < m; r++) maxl = seq_lens[r] > maxl ? seq_lens[r] : maxl;
+    const int64_t sstride = (maxl + 15) & ~(int64_t)15;
+    /* attention work items: (sequence, KV head) sharing K/V reads across the group, or, when
+     * that leaves threads idle (one sequence, few KV heads), (sequence, query head) */
+    const int by_kv = m * hkv >= 2 * nt;
+    const int64_t items = by_kv ? m * hkv : m * hq, nq = by_kv ? G : 1;
+    const size_t nbuf = (size_t)(m * (3 * H + nqkv + qd + 3 * I) + nt * m * 64);
+    float* buf = (float*)malloc(sizeof(float) * nbuf);
+    int64_t* part_blk = (int64_t*)malloc(sizeof(int64_t) * nt);
+    if (!buf || !part_blk) {
+        free(buf);
+        free(part_blk);
+        return -1;
+    }
+    float *res = buf, *x = res + m * H, *y = x + m * H, *qkv = y + m * H, *attn = qkv + m * nqkv;
+    float *gu = attn + m * qd, *act = gu + m * 2 * I, *part = act + m * I;
+    memcpy(res, emb, sizeof(float) * m * H);
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(nq * sstride + nq * d + d + 16));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        const int ok = !failed;
+        for (int64_t l = 0; ok && l < md->num_layers; l++) {
+            const pkgd_decoder_layer* L = layers + l;
+            /* residual += previous layer's output (+ its down bias); x = RMSNorm(residual) */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                if (l > 0) add_row(res + r * H, y + r * H, layers[l - 1].down_bias, res + r * H, H);
+                rms_row(x + r * H, res + r * H, L->ln1, H, md->eps);
+            }
+            gemv_team(x, H, L->qkv, L->qkv_bias, qkv, m, nqkv, H, part, part_blk);
+            /* QK-norm, RoPE, and the new token's K/V into the cache */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < m * (hq + hkv); it++) {
+                const int64_t r = it / (hq + hkv), hd = it % (hq + hkv);
+                float* v = qkv + r * nqkv + hd * d;
+                const float* nw = hd < hq ? L->q_norm : L->k_norm;
+                if (nw) rms_row(v, v, nw, d, md->eps);
+                rope_head(v, md->cos_sin_cache + positions[r] * rot, rot);
+                if (hd >= hq && slots[r] >= 0) {
+                    const int64_t kh = hd - hq, off = (slots[r] * hkv + kh) * d;
+                    memcpy(L->k_cache + off, v, sizeof(float) * d);
+                    memcpy(L->v_cache + off, qkv + r * nqkv + (hq + hkv + kh) * d, sizeof(float) * d);
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                const int64_t r = it / (items / m), w = it % (items / m);
+                const int64_t h0 = by_kv ? w : w / G, qh = by_kv ? w * G : w;
+                attend_heads(attn + r * qd + qh * d, qkv + r * nqkv + qh * d, L->k_cache, L->v_cache,
+                             block_tables + r * bt_stride, seq_lens[r], nq, hkv, h0, h0 + 1, d, bs, md->scale,
+                             scores, sstride, scores + nq * sstride, scores + nq * sstride + nq * d, DT_F32);
+            }
+            gemv_team(attn, qd, L->o, NULL, y, m, H, qd, part, part_blk);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                add_row(res + r * H, y + r * H, L->o_bias, res + r * H, H);
+                rms_row(x + r * H, res + r * H, L->ln2, H, md->eps);
+            }
+            gemv_team(x, H, L->gate_up, L->gate_up_bias, gu, m, 2 * I, H, part, part_blk);
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < m * nt; c++) { /* rows cut in nt pieces of 16-float multiples */
+                const int64_t r = c / nt, p = c % nt;
+                const int64_t j0 = (I * p / nt) & ~(int64_t)15, j1 = p + 1 == nt ? I : (I * (p + 1) / nt) & ~(int64_t)15;
+                silu_mul_row(act + r * I + j0, gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0);
+            }
+            gemv_team(act, I, L->down, NULL, y, m, H, I, part, part_blk);
+        }
+        if (ok) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; r++) {
+                add_row(res + r * H, y + r * H, layers[md->num_layers - 1].down_bias, res + r * H, H);
+                rms_row(out + r * H, res + r * H, md->final_norm, H, md->eps);
+            }
+        }
+        free(scores);
+    }
+    free(buf);
+    free(part_blk);
+    return failed ? -1 : 0;
 }

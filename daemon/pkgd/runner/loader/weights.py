@@ -95,7 +95,9 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
         model = cls(cfg, tp=tp, dtype=dtype)
     with torch.no_grad():
         model.load_weights(iter_safetensors(model_dir))
-        for module in model.modules():  # e.g. linear weights repacked for oneDNN on CPU
+        # Submodules before the modules holding them (e.g. linear weights repacked for oneDNN
+        # on CPU, then the model's one-call decode step over those packed weights).
+        for module in reversed(list(model.modules())):
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
     return model.eval()

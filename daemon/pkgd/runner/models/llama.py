@@ -26,6 +26,7 @@ from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLin
 from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, apply_rotary_complex, to_interleaved
 from pkgd.runner.models.config import ArchConfig
+from pkgd.runner.models.cpu_decode import CpuDecodeStep
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -169,9 +170,19 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Q/K rows are loaded in the adjacent-pair layout (`to_interleaved`): GPT-J-style RoPE.
         self.rotary_emb = RotaryEmbedding(cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False)
+        self.cpu_decode: CpuDecodeStep | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Called after every submodule's own: on CPU, set up the one-call decode step
+        (`pkgd.runner.models.cpu_decode`) when the model qualifies."""
+        self.cpu_decode = CpuDecodeStep.build(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.cpu_decode is not None and not h.is_cuda:
+            out = self.cpu_decode(h, positions, kv_caches, meta)
+            if out is not None:
+                return out
         rope = RopeContext(self.rotary_emb, positions, self.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -1,0 +1,137 @@
+"""The one-call CPU decode step (`pkgd.runner.models.cpu_decode`) against the per-layer forward.
+
+Both run on the same model, the same random KV cache contents and the same step; the final
+hidden states and every layer's cache after the step must agree. Thread counts 2 and 3 make
+the kernel split GEMV blocks between threads (each thread's share of a weight starts
+mid-block), which one thread never does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkgd.engine.sampling_params import SamplingParams
+from pkgd.runner import ops
+from pkgd.runner.attention import AttentionMetadata
+from pkgd.runner.models.cpu_decode import CpuDecodeStep
+from tests.runner.conftest import make_runner
+from tests.runner.driver import Driver
+
+ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]
+BLOCK = 4
+
+
+@pytest.fixture
+def c_kernels():
+    from pkgd_kernels import cpu
+
+    why_not = ops.enable_cpu_kernels(cpu.default_cache_dir())
+    if why_not:
+        pytest.skip(f"C kernels unavailable: {why_not}")
+
+
+def _random_step(runner, seq_lens: list[int], seed: int):
+    """Caches of random contents and a decode step of ``len(seq_lens)`` sequences whose blocks
+    are scattered through them; returns ``(input_ids, positions, meta)``."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 3
+    runner.initialize_kv_cache(num_blocks, BLOCK)
+    for k, v in runner.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for n in seq_lens:
+        tables.append([order.pop() for _ in range(-(-n // BLOCK))])
+        slots.append(tables[-1][(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK)
+    meta = AttentionMetadata.build(
+        query_lens=[1] * len(seq_lens),
+        seq_lens=seq_lens,
+        block_table_rows=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_size=BLOCK,
+        kv_bytes_per_token=0,
+        device=torch.device("cpu"),
+    )
+    ids = torch.randint(0, runner.arch.vocab_size, (len(seq_lens),), generator=g)
+    positions = torch.tensor(seq_lens, dtype=torch.int64) - 1
+    return ids, positions, meta
+
+
+def _forward(model, ids, positions, caches, meta, fused: bool):
+    step, calls = model.cpu_decode, []
+    if fused:
+        def counted(*a):
+            out = step(*a)
+            calls.append(out is not None)
+            return out
+        model.cpu_decode = counted
+    else:
+        model.cpu_decode = None
+    try:
+        with torch.inference_mode():
+            return model(ids, positions, caches, meta), calls
+    finally:
+        model.cpu_decode = step
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("seq_lens", [[1], [9], [5, 13, 2], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x1", "1x9", "3", "8"])
+def test_one_call_step_matches_the_per_layer_forward(tiny_dirs, c_kernels, arch, threads, seq_lens):
+    model_dir, _ = tiny_dirs(arch)
+    runner = make_runner(model_dir)
+    model = runner.model
+    assert isinstance(model.cpu_decode, CpuDecodeStep)
+    torch.set_num_threads(threads)
+    ids, positions, meta = _random_step(runner, seq_lens, seed=len(seq_lens) * 10 + threads)
+    base = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    ref, _ = _forward(model, ids, positions, base, meta, fused=False)
+    got, calls = _forward(model, ids, positions, runner.kv_caches, meta, fused=True)
+    assert calls == [True]  # served by the C step, not the fallback
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    for (k, v), (rk, rv) in zip(runner.kv_caches, base):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_steps_it_does_not_serve_fall_back_to_the_per_layer_forward(tiny_dirs, c_kernels):
+    model_dir, _ = tiny_dirs("llama")
+    runner = make_runner(model_dir)
+    step = runner.model.cpu_decode
+    ids, positions, meta = _random_step(runner, [3] * 9, seed=1)
+    assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None  # 9 > 8 rows
+    # a prefill in the batch
+    ids, positions, meta = _random_step(runner, [3, 5], seed=2)
+    meta.num_decodes = 1
+    assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
+    # a float16 KV cache
+    runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
+    ids, positions, meta = _random_step(runner, [3, 5], seed=3)
+    runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
+    assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
+    # C kernels switched off after loading
+    runner.initialize_kv_cache(8, BLOCK)
+    ops.disable_cpu_kernels()
+    ids, positions, meta = _random_step(runner, [3, 5], seed=4)
+    assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
+
+
+def test_not_built_without_the_c_kernels(tiny_dirs, monkeypatch):
+    monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+    model_dir, _ = tiny_dirs("qwen3")
+    assert make_runner(model_dir).model.cpu_decode is None
+
+
+def test_new_caches_are_picked_up(tiny_dirs, c_kernels):
+    """The runner may allocate its caches again (a new engine config): the step must write and
+    read the new ones, never the freed ones."""
+    model_dir, _ = tiny_dirs("qwen2")
+    runner = make_runner(model_dir)
+    outs = []
+    for _ in range(2):
+        drv = Driver(runner, num_blocks=16, block_size=BLOCK)  # initialises a fresh cache
+        drv.add("a", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6))
+        outs.append(drv.run()["a"])
+    assert outs[0] == outs[1]
