@@ -101,9 +101,15 @@ def run_throughput(args: argparse.Namespace) -> int:
         return throughput.run_pkgd(llm, workload, ignore_eos=args.ignore_eos, temperature=args.temperature, use_tqdm=args.progress)
 
     runs = [pkgd_run()]
-    single = None if args.skip_single_stream else throughput.run_single_stream(
-        llm, input_len=args.single_stream_len, output_len=args.single_stream_len, vocab_size=engine.vocab_size)
     peak_rss = hardware.peak_rss_bytes()  # before the micro-benchmarks and HF allocate anything
+    single, bandwidth = None, 0.0
+    if not args.skip_single_stream:
+        # the bound's bandwidth is read just before and just after the run, the larger kept:
+        # another tenant's burst during one reading must not flatter the ratio
+        bandwidth = hardware.read_bandwidth()
+        single = throughput.run_single_stream(
+            llm, input_len=args.single_stream_len, output_len=args.single_stream_len, vocab_size=engine.vocab_size)
+        bandwidth = max(bandwidth, hardware.read_bandwidth())
     hf_run = _hf_runner(llm, workload, args) if args.baseline == "hf" else None
     hf_runs = [hf_run()] if hf_run else []
     for _ in range(args.repeats - 1):  # alternate, so both see the same load on a shared machine
@@ -123,7 +129,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if single is not None:
         fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
     if not args.skip_roofline:
-        fig.update(_roofline(engine, res, single))
+        fig.update(_roofline(engine, res, single, bandwidth))
     if hf_runs:
         hf = min(hf_runs, key=lambda r: r.elapsed)
         fig.update(hf_batch_size=args.hf_batch_size, hf_elapsed_s=hf.elapsed, hf_all_elapsed_s=[r.elapsed for r in hf_runs],
@@ -137,8 +143,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _roofline(engine: Any, res: Any, single: Any) -> dict[str, Any]:
-    """GEMM FLOP/s and achieved FLOP/s; read bandwidth and the single-stream bound."""
+def _roofline(engine: Any, res: Any, single: Any, bandwidth: float) -> dict[str, Any]:
+    """GEMM FLOP/s and achieved FLOP/s; with a single-stream run, its bound from ``bandwidth``
+    (bytes/s read around that run)."""
     from pkgd.benchmarks import hardware
     from pkgd.benchmarks.roofline import count_parameters, dtype_bytes
 
@@ -148,7 +155,7 @@ def _roofline(engine: Any, res: Any, single: Any) -> dict[str, Any]:
     fig["achieved_flops"] = 2 * params * (res.prompt_tokens + res.output_tokens) / res.elapsed
     fig["roofline_fraction"] = fig["achieved_flops"] / fig["gemm_flops"]
     if single is not None:
-        fig["read_bandwidth_bytes_per_s"] = hardware.read_bandwidth()
+        fig["read_bandwidth_bytes_per_s"] = bandwidth
         fig["weight_bytes_per_token"] = params * dtype_bytes(info.dtype)
         fig["bandwidth_bound_tokens_per_s"] = fig["read_bandwidth_bytes_per_s"] / fig["weight_bytes_per_token"]
         fig["single_stream_fraction"] = single.decode_tokens_per_s / fig["bandwidth_bound_tokens_per_s"]

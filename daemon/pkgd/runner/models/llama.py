@@ -9,6 +9,10 @@ o_proj and down_proj row-parallel, embedding and LM head vocab-parallel.
 ``forward(input_ids [T] int64, positions [T] int64, kv_caches, meta) -> hidden [T, H]``
 after the final norm; ``compute_logits(hidden [N, H]) -> [N, V]`` float32 for the rows that
 need them only (the LM head is 28M of SmolLM2's 135M parameters).
+
+On CPU, a step of at most 8 decoding sequences runs as one C call over every layer instead
+(`pkgd.runner.models.cpu_decode`, set up in `process_weights_after_loading` when the model
+qualifies); the per-layer forward here is its reference and its fallback.
 """
 
 from __future__ import annotations
