@@ -11,9 +11,9 @@ whole decode step built from them:
 * `CpuKernels.rms_norm`: RMSNorm with the residual add fused, one pass over each row (at
   batch 1 PyTorch's composite op cost ~25 us a call, 61 calls a token);
 * `CpuKernels.decode_forward`: a whole decode step of a Llama-family model (every layer, up
-  to 8 sequences) in one call and one OpenMP region, built from the loops above. At batch 1 a
-  token's ~60 MB/ms of weights leave no room for the ~300 Python-level op calls of a
-  per-layer forward (~7 ms a token here, against ~10 ms for reading the weights).
+  to 8 sequences) in one call and one OpenMP region, built from the loops above. At batch 1
+  reading SmolLM2's weights takes ~10 ms a token here; the ~300 Python-level op calls of the
+  per-layer forward added ~7 ms more.
 
 Build: ``$CC`` (default ``gcc``; may carry arguments, e.g. ``ccache gcc``) with
 ``-O3 -march=native -fopenmp`` into ``<cache_dir>/cpu-kernels-<hash>.so``; the hash covers the
