@@ -3,6 +3,9 @@ and how the build behaves (cached, atomic, a clear reason when it cannot happen)
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -108,7 +111,7 @@ def test_build_is_cached_per_source_and_leaves_no_partial_files(tmp_path):
         pytest.skip(str(e))
     stamp = first.stat().st_mtime_ns
     assert cpu._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no .build-* left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]  # no .build-* left
 
 
 def test_no_compiler_is_a_clear_reason_unless_the_library_is_cached(tmp_path, monkeypatch):
@@ -131,10 +134,30 @@ def test_cc_with_arguments_damaged_cache_and_old_builds(tmp_path, monkeypatch):
         path = cpu._build(tmp_path)
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the earlier build is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".sha256"]  # the earlier build is gone
     path.write_bytes(b"truncated")  # damaged: rebuilt once on load
     kernels = cpu._load.__wrapped__(tmp_path)
     assert kernels.num_threads() >= 1 and path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("damage", ["cut-short", "no-digest"])
+def test_a_cut_short_library_is_rebuilt_not_loaded(tmp_path, damage):
+    """A library cut off mid-file (an interrupted copy of a prefilled cache) killed the loading
+    process with SIGBUS inside dlopen; it must be caught by its digest and rebuilt. Loaded in a
+    child process, so a regression fails this test instead of crashing the run."""
+    try:
+        path = cpu._build(tmp_path)
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(str(e))
+    whole = path.read_bytes()
+    if damage == "cut-short":
+        path.write_bytes(whole[: len(whole) // 3])
+    else:
+        (tmp_path / (path.name + ".sha256")).unlink()
+    code = "import sys; from pathlib import Path; from pkgd_kernels import cpu; print(cpu._load(Path(sys.argv[1])).num_threads())"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert path.read_bytes() == whole or len(path.read_bytes()) > len(whole) // 2
 
 
 def test_kernel_cache_variable_overrides_the_callers_directory(tmp_path, monkeypatch):

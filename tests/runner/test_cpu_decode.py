@@ -135,3 +135,14 @@ def test_new_caches_are_picked_up(tiny_dirs, c_kernels):
         drv.add("a", list(range(5, 25)), SamplingParams(temperature=0.0, max_tokens=6))
         outs.append(drv.run()["a"])
     assert outs[0] == outs[1]
+
+
+def test_the_log_says_the_kernels_and_the_one_call_step_are_in_use(tiny_dirs, c_kernels):
+    from structlog.testing import capture_logs
+
+    model_dir, _ = tiny_dirs("llama")
+    with capture_logs() as logs:
+        runner = make_runner(model_dir)
+    (loaded,) = [e for e in logs if e["event"] == "cpu_kernels_loaded"]
+    assert loaded["one_call_decode"] is True and loaded["library"] == str(ops.cpu_kernels().path)
+    assert runner.model.cpu_decode is not None

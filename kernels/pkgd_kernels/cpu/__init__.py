@@ -18,8 +18,10 @@ whole decode step built from them:
 Build: ``$CC`` (default ``gcc``; may carry arguments, e.g. ``ccache gcc``) with
 ``-O3 -march=native -fopenmp`` into ``<cache_dir>/cpu-kernels-<hash>.so``; the hash covers the
 source, the flags and this CPU's feature flags, so a cache moved to another host is rebuilt
-rather than crashing, and a cache filled in advance needs no compiler. A cached library that
-does not load is built again once; builds of earlier sources are removed.
+rather than crashing, and a cache filled in advance needs no compiler. Beside the library,
+``<name>.so.sha256`` holds its digest, checked before loading (a truncated library can crash
+the loader with SIGBUS); a cached library that fails the check or does not load is built
+again once; builds of earlier sources are removed.
 The file is written under a temporary name and renamed, so concurrent first starts (several
 engine cores) never load a half-written library. `load` raises `CpuKernelsUnavailable` when
 there is no compiler, the build fails, or ``PKGD_CPU_KERNELS=0``; callers then keep the
@@ -273,11 +275,29 @@ def _load(cache_dir: Path) -> CpuKernels:
         lib = _open(path)
     except CpuKernelsUnavailable:
         path.unlink(missing_ok=True)  # a damaged cached library: build it again, once
+        _digest_path(path).unlink(missing_ok=True)
         lib = _open(_build(cache_dir))
     return CpuKernels(lib, path)
 
 
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _open(path: Path) -> ctypes.CDLL:
+    # dlopen of a cut-short library (an interrupted copy of a prefilled cache, a full disk)
+    # can kill the process with SIGBUS instead of failing: check it against the digest
+    # written beside it at build time first.
+    try:
+        intact = _digest_path(path).read_text().strip() == _digest(path)
+    except OSError:
+        intact = False
+    if not intact:
+        raise CpuKernelsUnavailable(f"{path} does not match {_digest_path(path).name} (damaged or incomplete)")
     try:
         lib = ctypes.CDLL(str(path))
         version = lib.pkgd_abi_version()
@@ -315,14 +335,19 @@ def _build(cache_dir: Path) -> Path:
         r = subprocess.run([*cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if r.returncode:
             raise CpuKernelsUnavailable(f"{' '.join(cc)} failed on {SOURCE.name}: {r.stderr.strip()[-500:]}")
+        digest_tmp = Path(tmp + ".sha256")
+        digest_tmp.write_text(_digest(Path(tmp)) + "\n")
+        os.replace(digest_tmp, _digest_path(path))  # the digest first: a library is never without it
         os.replace(tmp, path)
     except (OSError, subprocess.SubprocessError) as e:
         raise CpuKernelsUnavailable(f"building {SOURCE.name} failed: {e}") from e
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for old in cache_dir.glob("cpu-kernels-*.so"):  # builds of earlier sources (a loaded one stays mapped)
-        if old != path:
+        for leftover in (tmp, tmp + ".sha256"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    keep = {path.name, _digest_path(path).name}
+    for old in cache_dir.glob("cpu-kernels-*"):  # builds of earlier sources (a loaded one stays mapped)
+        if old.name not in keep:
             old.unlink(missing_ok=True)
     return path
 
