@@ -192,15 +192,30 @@ static inline float dot(const float* a, const float* b, int64_t d) {
     return hsum(s0 + s1);
 }
 
-/* Ask for the next block's rows ahead of use (the span from head h0 of its first token to
- * head h1 - 1 of its last): blocks sit anywhere in the cache, so the hardware prefetcher
- * cannot guess the jump, and a lone sequence would wait on DRAM at each one. */
+/* Bytes of K/V asked for ahead of use, per sequence being attended: about a quarter of a core's
+ * L2, so what arrives early is still there when it is read. */
+#define KV_PREFETCH_BYTES (128 * 1024)
+
+/* Ask for one block's rows (the span from head h0 of its first token to head h1 - 1 of its last)
+ * into L2 ahead of use. Blocks sit anywhere in the cache and the hardware prefetcher stops at
+ * each 4 KiB page, so without this a lone sequence waits on DRAM several times per block; into
+ * L2 rather than L1 (prefetcht2), whose few fill buffers would cap the requests in flight
+ * (measured: a cold 192-token decode ~35% faster than with prefetcht0 of the next block only). */
 static inline void prefetch_block(const void* base, int64_t row0, int64_t rows, int64_t h0, int64_t h1,
                                   int64_t d, int64_t esz) {
     const char* p = (const char*)base;
     const char* start = p + (row0 + h0) * d * esz;
     const char* end = p + (row0 + rows - 1 + h1 - h0) * d * esz;
-    for (const char* c = start; c < end; c += 64) __builtin_prefetch(c, 0, 3);
+    for (const char* c = start; c < end; c += 64) __builtin_prefetch(c, 0, 1);
+}
+
+/* Block i of the read order of attend_heads: K blocks 0..n-1, then V blocks 0..n-1. */
+static inline void prefetch_nth(const void* kc, const void* vc, const int32_t* table, int64_t i,
+                                int64_t n, int64_t bs, int64_t hkv, int64_t h0, int64_t h1, int64_t d,
+                                int64_t esz) {
+    if (i >= 2 * n) return;
+    const int64_t b = i < n ? i : i - n;
+    prefetch_block(i < n ? kc : vc, (int64_t)table[b] * bs * hkv, bs * hkv, h0, h1, d, esz);
 }
 
 /* Attention of one sequence's query heads of KV heads [h0, h1) (g query heads each). q and out
@@ -214,10 +229,13 @@ static inline __attribute__((always_inline)) void attend_heads(
     const int64_t nblocks = (len + bs - 1) / bs;
     const int64_t nq = (h1 - h0) * g;
     const int64_t esz = dtype == DT_F32 ? 4 : 2;
+    int64_t ahead = KV_PREFETCH_BYTES / (bs * hkv * d * esz); /* blocks in flight */
+    ahead = ahead < 1 ? 1 : ahead;
+    for (int64_t i = 0; i < ahead; i++) prefetch_nth(kc, vc, table, i, nblocks, bs, hkv, h0, h1, d, esz);
     /* pass 1: scores of every query head against every cached key */
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
-        if (b + 1 < nblocks) prefetch_block(kc, (int64_t)table[b + 1] * bs * hkv, bs * hkv, h0, h1, d, esz);
+        prefetch_nth(kc, vc, table, b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = len - t0 < bs ? len - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
@@ -248,7 +266,7 @@ static inline __attribute__((always_inline)) void attend_heads(
     memset(acc, 0, sizeof(float) * nq * d);
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
-        if (b + 1 < nblocks) prefetch_block(vc, (int64_t)table[b + 1] * bs * hkv, bs * hkv, h0, h1, d, esz);
+        prefetch_nth(kc, vc, table, nblocks + b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = len - t0 < bs ? len - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
