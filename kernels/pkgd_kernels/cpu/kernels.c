@@ -218,16 +218,27 @@ static inline void prefetch_nth(const void* kc, const void* vc, const int32_t* t
     prefetch_block(i < n ? kc : vc, (int64_t)table[b] * bs * hkv, bs * hkv, h0, h1, d, esz);
 }
 
-/* Attention of one sequence's query heads of KV heads [h0, h1) (g query heads each). q and out
- * point at query head h0 * g; scores holds (h1 - h0) * g rows of sstride floats, acc as many
- * rows of d. Each cached token's K (then V) rows of those heads are adjacent in memory, so a
- * block is read front to back. */
-static inline __attribute__((always_inline)) void attend_heads(
-    float* out, const float* q, const void* kc, const void* vc, const int32_t* table,
-    int64_t len, int64_t g, int64_t hkv, int64_t h0, int64_t h1, int64_t d, int64_t bs,
-    float scale, float* scores, int64_t sstride, float* acc, float* tmp, const int dtype) {
-    const int64_t nblocks = (len + bs - 1) / bs;
+/* Attention of one sequence's query heads of KV heads [h0, h1) (g query heads each) over the
+ * cached tokens of its blocks [b0, b1) (tokens b0*bs .. min(b1*bs, len) - 1), unnormalised:
+ * for each query head qi, mx[qi] = max score, sum[qi] = sum of exp(score - mx[qi]) and
+ * acc[qi] (d floats) = the exp-weighted sum of the values. An empty span gives mx = -inf,
+ * sum = 0, acc = 0. q points at query head h0 * g; scores holds (h1 - h0) * g rows of sstride
+ * floats (sstride >= the span's tokens), acc as many rows of d. Each cached token's K (then V)
+ * rows of those heads are adjacent in memory, so a block is read front to back. */
+static inline __attribute__((always_inline)) void attend_span(
+    float* acc, float* mx_out, float* sum_out, const float* q, const void* kc, const void* vc,
+    const int32_t* table, int64_t b0, int64_t b1, int64_t len, int64_t g, int64_t hkv, int64_t h0,
+    int64_t h1, int64_t d, int64_t bs, float scale, float* scores, int64_t sstride, float* tmp,
+    const int dtype) {
     const int64_t nq = (h1 - h0) * g;
+    const int64_t first = b0 * bs, ntok = (len < b1 * bs ? len : b1 * bs) - first;
+    memset(acc, 0, sizeof(float) * nq * d);
+    if (ntok <= 0) {
+        for (int64_t qi = 0; qi < nq; qi++) mx_out[qi] = -INFINITY, sum_out[qi] = 0.0f;
+        return;
+    }
+    const int64_t nblocks = (ntok + bs - 1) / bs; /* blocks b0 .. b0 + nblocks - 1 */
+    table += b0;
     const int64_t esz = dtype == DT_F32 ? 4 : 2;
     int64_t ahead = KV_PREFETCH_BYTES / (bs * hkv * d * esz); /* blocks in flight */
     ahead = ahead < 1 ? 1 : ahead;
@@ -236,7 +247,7 @@ static inline __attribute__((always_inline)) void attend_heads(
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
         prefetch_nth(kc, vc, table, b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
-        const int64_t t0 = b * bs, n = len - t0 < bs ? len - t0 : bs;
+        const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
                 const float* kr = cache_row(kc, row0 + j * hkv + h, d, dtype, tmp);
@@ -247,27 +258,26 @@ static inline __attribute__((always_inline)) void attend_heads(
             }
         }
     }
-    float inv[256];
     for (int64_t qi = 0; qi < nq; qi++) {
         float* s = scores + qi * sstride;
         v16 mv = (v16){0} - INFINITY;
         int64_t t = 0;
-        for (; t + 16 <= len; t += 16) {
+        for (; t + 16 <= ntok; t += 16) {
             v16 x = LOADV(s + t);
             const v16i gt = x > mv;
             mv = (v16)(((v16i)x & gt) | ((v16i)mv & ~gt));
         }
         float mx = -INFINITY;
         for (int i = 0; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
-        for (; t < len; t++) mx = s[t] > mx ? s[t] : mx;
-        inv[qi] = 1.0f / softmax_numerators(s, len, mx);
+        for (; t < ntok; t++) mx = s[t] > mx ? s[t] : mx;
+        mx_out[qi] = mx;
+        sum_out[qi] = softmax_numerators(s, ntok, mx);
     }
     /* pass 2: probability-weighted sum of the values */
-    memset(acc, 0, sizeof(float) * nq * d);
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
         prefetch_nth(kc, vc, table, nblocks + b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
-        const int64_t t0 = b * bs, n = len - t0 < bs ? len - t0 : bs;
+        const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
                 const float* vr = cache_row(vc, row0 + j * hkv + h, d, dtype, tmp);
@@ -278,8 +288,20 @@ static inline __attribute__((always_inline)) void attend_heads(
             }
         }
     }
+}
+
+/* attend_span over a whole sequence of len tokens, normalised into out ((h1 - h0) * g rows of d);
+ * mx/sum scratch of 256 floats each on the stack (hq <= 256). */
+static inline __attribute__((always_inline)) void attend_heads(
+    float* out, const float* q, const void* kc, const void* vc, const int32_t* table,
+    int64_t len, int64_t g, int64_t hkv, int64_t h0, int64_t h1, int64_t d, int64_t bs,
+    float scale, float* scores, int64_t sstride, float* acc, float* tmp, const int dtype) {
+    float mx[256], sum[256];
+    const int64_t nq = (h1 - h0) * g;
+    attend_span(acc, mx, sum, q, kc, vc, table, 0, (len + bs - 1) / bs, len, g, hkv, h0, h1, d, bs, scale,
+                scores, sstride, tmp, dtype);
     for (int64_t qi = 0; qi < nq; qi++) {
-        const v16 iv = (v16){0} + inv[qi];
+        const v16 iv = (v16){0} + 1.0f / sum[qi];
         for (int64_t i = 0; i < d; i += 16) STOREV(out + qi * d + i, LOADV(acc + qi * d + i) * iv);
     }
 }
@@ -484,11 +506,15 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     int64_t maxl = 1;
     for (int64_t r = 0; r < m; r++) maxl = seq_lens[r] > maxl ? seq_lens[r] : maxl;
     const int64_t sstride = (maxl + 15) & ~(int64_t)15;
-    /* attention work items: (sequence, KV head) sharing K/V reads across the group, or, when
-     * that leaves threads idle (one sequence, few KV heads), (sequence, query head) */
-    const int by_kv = m * hkv >= 2 * nt;
-    const int64_t items = by_kv ? m * hkv : m * hq, nq = by_kv ? G : 1;
-    const size_t nbuf = (size_t)(m * (3 * H + nqkv + qd + 3 * I) + nt * m * 64);
+    /* attention work items: (sequence, KV head, span of its blocks), the G query heads of the
+     * KV head sharing each K/V read; sequences are cut into spans (flash-decoding, Dao et al.,
+     * 2023) when there are too few (sequence, KV head) pairs to keep every thread busy, and
+     * the spans' partial softmaxes merged after */
+    const int64_t maxb = (maxl + bs - 1) / bs;
+    int64_t nsplit = (2 * nt + m * hkv - 1) / (m * hkv);
+    nsplit = nsplit > maxb / 2 ? (maxb / 2 > 1 ? maxb / 2 : 1) : nsplit;
+    const int64_t items = m * hkv * nsplit;
+    const size_t nbuf = (size_t)(m * (3 * H + nqkv + qd + 3 * I) + nt * m * 64 + m * hq * nsplit * (d + 2));
     float* buf = (float*)malloc(sizeof(float) * nbuf);
     int64_t* part_blk = (int64_t*)malloc(sizeof(int64_t) * nt);
     if (!buf || !part_blk) {
@@ -498,11 +524,12 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     }
     float *res = buf, *x = res + m * H, *y = x + m * H, *qkv = y + m * H, *attn = qkv + m * nqkv;
     float *gu = attn + m * qd, *act = gu + m * 2 * I, *part = act + m * I;
+    float *pacc = part + nt * m * 64, *pmx = pacc + m * hq * nsplit * d, *psum = pmx + m * hq * nsplit;
     memcpy(res, emb, sizeof(float) * m * H);
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(nq * sstride + nq * d + d + 16));
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * sstride + d + 16));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -534,11 +561,31 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
-                const int64_t r = it / (items / m), w = it % (items / m);
-                const int64_t h0 = by_kv ? w : w / G, qh = by_kv ? w * G : w;
-                attend_heads(attn + r * qd + qh * d, qkv + r * nqkv + qh * d, L->k_cache, L->v_cache,
-                             block_tables + r * bt_stride, seq_lens[r], nq, hkv, h0, h0 + 1, d, bs, md->scale,
-                             scores, sstride, scores + nq * sstride, scores + nq * sstride + nq * d, DT_F32);
+                const int64_t r = it / (hkv * nsplit), kh = it / nsplit % hkv, sp = it % nsplit;
+                const int64_t nb = (seq_lens[r] + bs - 1) / bs, base = ((r * hkv + kh) * nsplit + sp) * G;
+                attend_span(pacc + base * d, pmx + base, psum + base, qkv + r * nqkv + kh * G * d, L->k_cache,
+                            L->v_cache, block_tables + r * bt_stride, nb * sp / nsplit, nb * (sp + 1) / nsplit,
+                            seq_lens[r], G, hkv, kh, kh + 1, d, bs, md->scale, scores, sstride, scores + G * sstride,
+                            DT_F32);
+            }
+            /* merge the spans: weights exp(span max - overall max) (one span: weight 1, as attend_heads) */
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < m * hq; it++) {
+                const int64_t r = it / hq, qh = it % hq, kh = qh / G, gi = qh % G;
+                const int64_t base = (r * hkv + kh) * nsplit * G + gi; /* span sp at base + sp * G */
+                float mx = -INFINITY, den = 0.0f;
+                for (int64_t sp = 0; sp < nsplit; sp++) mx = pmx[base + sp * G] > mx ? pmx[base + sp * G] : mx;
+                float* o = attn + r * qd + qh * d;
+                for (int64_t i = 0; i < d; i += 16) STOREV(o + i, (v16){0});
+                for (int64_t sp = 0; sp < nsplit; sp++) {
+                    if (psum[base + sp * G] == 0.0f) continue; /* an empty span */
+                    const float w = expf(pmx[base + sp * G] - mx);
+                    den += w * psum[base + sp * G];
+                    const float* a = pacc + (base + sp * G) * d;
+                    for (int64_t i = 0; i < d; i += 16) STOREV(o + i, LOADV(o + i) + w * LOADV(a + i));
+                }
+                const v16 iv = (v16){0} + 1.0f / den;
+                for (int64_t i = 0; i < d; i += 16) STOREV(o + i, LOADV(o + i) * iv);
             }
             gemv_team(attn, qd, L->o, NULL, y, m, H, qd, part, part_blk);
 #pragma omp for schedule(static)
