@@ -283,6 +283,31 @@ static inline __attribute__((always_inline)) void attend_span(
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
         prefetch_nth(kc, vc, table, nblocks + b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
+        if (dtype == DT_F32 && d % 64 == 0) {
+            /* 64 output floats of one query head held in registers over the block's tokens
+             * (accumulating through memory chained each token's add on the last one's store) */
+            for (int64_t h = h0; h < h1; h++)
+                for (int64_t gi = 0; gi < g; gi++) {
+                    const int64_t qi = (h - h0) * g + gi;
+                    const float* p = scores + qi * sstride + t0;
+                    for (int64_t i = 0; i < d; i += 64) {
+                        float* a = acc + qi * d + i;
+                        v16 a0 = LOADV(a), a1 = LOADV(a + 16), a2 = LOADV(a + 32), a3 = LOADV(a + 48);
+                        for (int64_t j = 0; j < n; j++) {
+                            const float* vr = (const float*)vc + (row0 + j * hkv + h) * d + i;
+                            a0 += p[j] * LOADV(vr);
+                            a1 += p[j] * LOADV(vr + 16);
+                            a2 += p[j] * LOADV(vr + 32);
+                            a3 += p[j] * LOADV(vr + 48);
+                        }
+                        STOREV(a, a0);
+                        STOREV(a + 16, a1);
+                        STOREV(a + 32, a2);
+                        STOREV(a + 48, a3);
+                    }
+                }
+            continue;
+        }
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
                 const float* vr = cache_row(vc, row0 + j * hkv + h, d, dtype, tmp);
