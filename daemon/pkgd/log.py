@@ -55,7 +55,7 @@ def configure(
     level_name = cfg.level if cfg is not None else "info"
     fmt = cfg.format if cfg is not None else "auto"
     level = _LEVELS[level_name]
-    stream = stream or sys.stderr
+    stream = stream or _CurrentStderr()
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(pid=os.getpid(), role=role)
     if dp_rank is not None:
@@ -95,6 +95,20 @@ def configure(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
+
+
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of each write (not the object it was
+    at `configure` time, which a test harness or a redirect may have closed since)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
 
 
 def set_level(level_name: str) -> None:
