@@ -111,7 +111,6 @@ def test_steps_it_does_not_serve_fall_back_to_the_per_layer_forward(tiny_dirs, c
     meta.num_decodes = 1
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
     # a float16 KV cache
-    runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
     ids, positions, meta = _random_step(runner, [3, 5], seed=3)
     runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None

@@ -122,8 +122,9 @@ class ModelRunner:
             if why_not:
                 logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
         self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
-        if ops.cpu_kernels() is not None:
-            logger.info("cpu_kernels_loaded", library=str(ops.cpu_kernels().path),
+        cpu_kernels = ops.cpu_kernels()
+        if cpu_kernels is not None:
+            logger.info("cpu_kernels_loaded", library=str(cpu_kernels.path),
                         one_call_decode=getattr(self.model, "cpu_decode", None) is not None)
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)

@@ -10,7 +10,7 @@ DESIGN.md §7). Signatures and semantics are those of the shared kernel contract
 * `silu_and_mul`: ``x [T, 2I] -> silu(x[:, :I]) * x[:, I:]`` (SwiGLU, Shazeer 2020).
 * `rotary_embedding`: RoPE (Su et al., 2021) from a ``[max_position, rot_dim]`` cos|sin cache.
 
-On CPU two loops go to C kernels when this host can build them (`enable_cpu_kernels`, called
+On CPU three loops go to C kernels when this host can build them (`enable_cpu_kernels`, called
 by the runner before loading weights; `cpu_kernels` returns them or None): small-batch
 linears on the packed weights, paged decode attention and float32 RMSNorm
 (``pkgd_kernels.cpu``).

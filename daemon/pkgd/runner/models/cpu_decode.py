@@ -64,7 +64,6 @@ class CpuDecodeStep:
             final_norm=model.norm.weight.data_ptr(),
             cos_sin_cache=model.rotary_emb.cos_sin_cache.data_ptr(),
         )
-        self._cos_sin_cache = model.rotary_emb.cos_sin_cache  # keeps the address valid
         self.layers = (DecoderLayerPointers * len(model.layers))()
         for ptrs, layer in zip(self.layers, model.layers):
             attn, mlp = layer.self_attn, layer.mlp

@@ -183,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        if self.cpu_decode is not None and not h.is_cuda:
+        if self.cpu_decode is not None:  # built on CPU only
             out = self.cpu_decode(h, positions, kv_caches, meta)
             if out is not None:
                 return out
