@@ -206,11 +206,11 @@ static inline float dot(const float* a, const float* b, int64_t d) {
  * each 4 KiB page, so without this a lone sequence waits on DRAM several times per block; into
  * L2 rather than L1 (prefetcht2), whose few fill buffers would cap the requests in flight
  * (measured: a cold 192-token decode ~35% faster than with prefetcht0 of the next block only). */
-static inline void prefetch_block(const void* base, int64_t row0, int64_t rows, int64_t h0, int64_t h1,
+static inline void prefetch_block(const void* base, int64_t row0, int64_t bs, int64_t hkv, int64_t h0, int64_t h1,
                                   int64_t d, int64_t esz) {
     const char* p = (const char*)base;
     const char* start = p + (row0 + h0) * d * esz;
-    const char* end = p + (row0 + rows - 1 + h1 - h0) * d * esz;
+    const char* end = p + (row0 + (bs - 1) * hkv + h1) * d * esz;
     for (const char* c = start; c < end; c += 64) __builtin_prefetch(c, 0, 1);
 }
 
@@ -220,7 +220,7 @@ static inline void prefetch_nth(const void* kc, const void* vc, const int32_t* t
                                 int64_t esz) {
     if (i >= 2 * n) return;
     const int64_t b = i < n ? i : i - n;
-    prefetch_block(i < n ? kc : vc, (int64_t)table[b] * bs * hkv, bs * hkv, h0, h1, d, esz);
+    prefetch_block(i < n ? kc : vc, (int64_t)table[b] * bs * hkv, bs, hkv, h0, h1, d, esz);
 }
 
 /* Attention of one sequence's query heads of KV heads [h0, h1) (g query heads each) over the
@@ -536,14 +536,14 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     int64_t maxl = 1;
     for (int64_t r = 0; r < m; r++) maxl = seq_lens[r] > maxl ? seq_lens[r] : maxl;
     const int64_t sstride = (maxl + 15) & ~(int64_t)15;
-    /* attention work items: (sequence, KV head, span of its blocks), the G query heads of the
-     * KV head sharing each K/V read; sequences are cut into spans (flash-decoding, Dao et al.,
-     * 2023) when there are too few (sequence, KV head) pairs to keep every thread busy, and
-     * the spans' partial softmaxes merged after */
+    /* attention work items: (sequence, span of its blocks), all heads of a span together, so
+     * each block (every head of every token: adjacent in memory) is read once, front to back;
+     * sequences are cut into spans (flash-decoding, Dao et al., 2023) when there are too few
+     * to keep every thread busy, and the spans' partial softmaxes merged after */
     const int64_t maxb = (maxl + bs - 1) / bs;
-    int64_t nsplit = (2 * nt + m * hkv - 1) / (m * hkv);
+    int64_t nsplit = (2 * nt + m - 1) / m;
     nsplit = nsplit > maxb / 2 ? (maxb / 2 > 1 ? maxb / 2 : 1) : nsplit;
-    const int64_t items = m * hkv * nsplit;
+    const int64_t items = m * nsplit;
     const size_t nbuf = (size_t)(m * (3 * H + nqkv + qd + 3 * I) + nt * m * 64 + m * hq * nsplit * (d + 2));
     float* buf = (float*)malloc(sizeof(float) * nbuf);
     int64_t* part_blk = (int64_t*)malloc(sizeof(int64_t) * nt);
@@ -559,7 +559,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(G * sstride + d + 16));
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(hq * sstride + d + 16));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -591,27 +591,26 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
-                const int64_t r = it / (hkv * nsplit), kh = it / nsplit % hkv, sp = it % nsplit;
-                const int64_t nb = (seq_lens[r] + bs - 1) / bs, base = ((r * hkv + kh) * nsplit + sp) * G;
-                attend_span(pacc + base * d, pmx + base, psum + base, qkv + r * nqkv + kh * G * d, L->k_cache,
-                            L->v_cache, block_tables + r * bt_stride, nb * sp / nsplit, nb * (sp + 1) / nsplit,
-                            seq_lens[r], G, hkv, kh, kh + 1, d, bs, md->scale, scores, sstride, scores + G * sstride,
-                            DT_F32);
+                const int64_t r = it / nsplit, sp = it % nsplit;
+                const int64_t nb = (seq_lens[r] + bs - 1) / bs, base = it * hq;
+                attend_span(pacc + base * d, pmx + base, psum + base, qkv + r * nqkv, L->k_cache, L->v_cache,
+                            block_tables + r * bt_stride, nb * sp / nsplit, nb * (sp + 1) / nsplit, seq_lens[r], G,
+                            hkv, 0, hkv, d, bs, md->scale, scores, sstride, scores + hq * sstride, DT_F32);
             }
             /* merge the spans: weights exp(span max - overall max) (one span: weight 1, as attend_heads) */
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < m * hq; it++) {
-                const int64_t r = it / hq, qh = it % hq, kh = qh / G, gi = qh % G;
-                const int64_t base = (r * hkv + kh) * nsplit * G + gi; /* span sp at base + sp * G */
+                const int64_t r = it / hq, qh = it % hq;
+                const int64_t base = r * nsplit * hq + qh; /* span sp at base + sp * hq */
                 float mx = -INFINITY, den = 0.0f;
-                for (int64_t sp = 0; sp < nsplit; sp++) mx = pmx[base + sp * G] > mx ? pmx[base + sp * G] : mx;
+                for (int64_t sp = 0; sp < nsplit; sp++) mx = pmx[base + sp * hq] > mx ? pmx[base + sp * hq] : mx;
                 float* o = attn + r * qd + qh * d;
                 for (int64_t i = 0; i < d; i += 16) STOREV(o + i, (v16){0});
                 for (int64_t sp = 0; sp < nsplit; sp++) {
-                    if (psum[base + sp * G] == 0.0f) continue; /* an empty span */
-                    const float w = expf(pmx[base + sp * G] - mx);
-                    den += w * psum[base + sp * G];
-                    const float* a = pacc + (base + sp * G) * d;
+                    if (psum[base + sp * hq] == 0.0f) continue; /* an empty span */
+                    const float w = expf(pmx[base + sp * hq] - mx);
+                    den += w * psum[base + sp * hq];
+                    const float* a = pacc + (base + sp * hq) * d;
                     for (int64_t i = 0; i < d; i += 16) STOREV(o + i, LOADV(o + i) + w * LOADV(a + i));
                 }
                 const v16 iv = (v16){0} + 1.0f / den;
