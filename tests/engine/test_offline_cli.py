@@ -25,11 +25,14 @@ def test_bench_throughput_prints_every_figure(tmp_path):
             "--ignore-eos", "--single-stream-len", "16", "--baseline", "hf", "--hf-batch-size", "2", "--output-json", str(out_json), *SMALL)
     assert p.returncode == 0, p.stderr[-3000:]
     for words in ("Throughput:", "requests/s", "output tokens/s", "Peak RSS", "GEMM", "Roofline:",
-                  "Single stream", "bandwidth bound", "HF generate()", "pkgd / HF output tokens/s"):
+                  "Single stream", "bandwidth bound", "read between its steps", "best read just before/after",
+                  "HF generate()", "pkgd / HF output tokens/s"):
         assert words in p.stdout, p.stdout
     fig = json.loads(out_json.read_text())
     assert fig["output_tokens"] == 16 and fig["prompt_tokens"] == 64
     assert 0 < fig["roofline_fraction"] and fig["gemm_flops"] > 1e9 and fig["hf_output_tokens_per_s"] > 0
+    assert fig["read_bandwidth_bytes_per_s"] > 1e9 and fig["best_read_bandwidth_bytes_per_s"] > 1e9
+    assert 0 < fig["single_stream_fraction"] and 0 < fig["single_stream_fraction_of_best_read"]
 
 
 def test_run_batch_writes_one_result_per_line(tmp_path):

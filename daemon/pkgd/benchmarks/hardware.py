@@ -47,6 +47,27 @@ def read_bandwidth(nbytes: int = 256 * 1024 * 1024, *, repeats: int = 5, device:
     return nbytes / best
 
 
+class BandwidthProbe:
+    """One short read-bandwidth sample, taken between the steps of a run so that each step is
+    compared with the bandwidth of its own moment: on a shared host another tenant's traffic
+    comes and goes within seconds, and a bound read once before a run (or the best of a few
+    reads) catches a quiet burst that the run itself may not see.
+
+    ``read()`` sums an fp32 buffer of ``nbytes`` (default 128 MiB, 4x this machine's 32 MiB L3,
+    ~3 ms at 40 GB/s) once and returns bytes/s; the buffer is allocated and touched at
+    construction, so the first sample pays no page faults."""
+
+    def __init__(self, nbytes: int = 128 * 1024 * 1024) -> None:
+        self.nbytes = nbytes
+        self._buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        self._buf.sum()
+
+    def read(self) -> float:
+        t0 = time.perf_counter()
+        self._buf.sum()
+        return self.nbytes / (time.perf_counter() - t0)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()

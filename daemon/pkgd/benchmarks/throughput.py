@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from pkgd.engine.sampling_params import SamplingParams
@@ -122,25 +123,70 @@ def run_pkgd(llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: flo
 
 @dataclasses.dataclass
 class SingleStreamResult:
-    """One request alone: end-to-end seconds, time to first token, decode tokens/s."""
+    """One request alone: end-to-end seconds, time to first token, decode tokens/s; with a probe,
+    the harmonic mean of its readings before the decode steps (``paced_bandwidth``, bytes/s;
+    the probe's own time is left out of ``elapsed`` and of the decode rate)."""
 
     elapsed: float
     ttft: float
     decode_tokens_per_s: float
     output_tokens: int
+    paced_bandwidth: float | None = None
 
 
-def run_single_stream(llm: LLM, *, input_len: int = 128, output_len: int = 128, vocab_size: int, seed: int = 1) -> SingleStreamResult:
+class _PacedEngine:
+    """An `EngineCore` seen through a probe called before each ``step()``; records each reading
+    with the wall-clock interval (``time.time()``, the clock of the output metrics) it took."""
+
+    def __init__(self, engine: Any, probe: Callable[[], float]) -> None:
+        self._engine, self._probe = engine, probe
+        self.readings: list[tuple[float, float, float]] = []  # (start, end, value)
+
+    def step(self) -> Any:
+        t0 = time.time()
+        value = self._probe()
+        self.readings.append((t0, time.time(), value))
+        return self._engine.step()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def run_single_stream(llm: LLM, *, input_len: int = 128, output_len: int = 128, vocab_size: int, seed: int = 1,
+                      probe: Callable[[], float] | None = None) -> SingleStreamResult:
     """1 request, ``input_len`` in / ``output_len`` out, greedy, ignore_eos. Decode rate =
-    (output tokens − 1) ÷ (last token time − first token time)."""
+    (output tokens − 1) ÷ (last token time − first token time).
+
+    With ``probe`` (e.g. `pkgd.benchmarks.hardware.BandwidthProbe.read`), it is called before
+    every engine step; the readings taken between the first and the last token are averaged
+    (harmonic mean: each weighs as the time its step would take at that bandwidth) into
+    ``paced_bandwidth``, and their time is subtracted from the decode time."""
     (prompt,) = make_workload(num_prompts=1, input_len=input_len, output_len=output_len, vocab_size=vocab_size,
                               tokenizer=llm.get_tokenizer(), seed=seed).prompts
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    engine = llm.engine
+    paced = _PacedEngine(engine, probe) if probe is not None else None
     t0 = time.time()
-    (out,) = llm.generate([prompt], sp, use_tqdm=False)
+    try:
+        if paced is not None:
+            llm.engine = paced
+        (out,) = llm.generate([prompt], sp, use_tqdm=False)
+    finally:
+        llm.engine = engine
     elapsed = time.time() - t0
     m = out.metrics or {}
     n = len(out.outputs[0].token_ids)
     first, last = m.get("first_token_time", t0), m.get("last_token_time", t0 + elapsed)
-    rate = (n - 1) / (last - first) if n > 1 and last > first else float("nan")
-    return SingleStreamResult(elapsed, first - t0, rate, n)
+    ttft, decode_s, bandwidth = first - t0, last - first, None
+    if paced is not None:
+        def spent(keep: Callable[[float, float], bool]) -> float:
+            return sum(end - start for start, end, _ in paced.readings if keep(start, end))
+
+        elapsed -= spent(lambda start, end: True)
+        ttft -= spent(lambda start, end: end <= first)
+        decode_s -= spent(lambda start, end: first <= start and end <= last)
+        during = [v for start, end, v in paced.readings if first <= start and end <= last]
+        if during:
+            bandwidth = len(during) / sum(1.0 / v for v in during)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    return SingleStreamResult(elapsed, ttft, rate, n, bandwidth)
