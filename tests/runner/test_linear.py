@@ -78,6 +78,10 @@ def test_tied_lm_head_is_packed_once_and_the_embedding_reads_its_rows(cpu_path):
     assert head.packed == (cpu_path == "c-kernels")
     ids = torch.tensor([0, 5, 63, 64, 191, 5])
     assert torch.equal(emb(ids), w[ids])
+    many = torch.randint(0, 192, (40,), generator=g)  # a prefill's worth: rows split across threads
+    assert torch.equal(emb(many), w[many])
+    with pytest.raises(IndexError if head.packed else RuntimeError):
+        emb(torch.tensor([3, 192]))
     for m in (1, 3, 20):
         h = torch.randn(m, 48, generator=g)
         torch.testing.assert_close(head(h), h @ w.t(), atol=1e-4, rtol=1e-4)

@@ -48,7 +48,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("kernels.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI_VERSION = 3
+ABI_VERSION = 4
 BUILD_TIMEOUT_S = 120
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -104,6 +104,9 @@ class CpuKernels:
         self._rms = lib.pkgd_rms_norm
         self._rms.argtypes = [_p, _p, _p, _i64, _p, _p, _i64, _i64, _f32]
         self._rms.restype = None
+        self._gather = lib.pkgd_gather_packed64
+        self._gather.argtypes = [_p, _p, _p, _i64, _i64, _i64]
+        self._gather.restype = ctypes.c_int
         self._decode = lib.pkgd_decode_forward
         self._decode.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _p, _i64, _p]
         self._decode.restype = ctypes.c_int
@@ -124,6 +127,22 @@ class CpuKernels:
             b = bias.contiguous().data_ptr()
         self._gemv(x.data_ptr(), x.stride(0), weight_ptr, b, y.data_ptr(), x.shape[0], n, k)
         return y
+
+    def gather_packed64(self, weight_ptr: int, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) of ``W [N, K]`` float32 held packed at ``weight_ptr``
+        (``[N/64][K][64]``, as `gemv_packed64` reads it): a new ``[T, K]`` float32.
+
+        Raises:
+            ValueError: ``ids`` is not a 1-D int64 tensor.
+            IndexError: an id outside ``[0, N)``.
+        """
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError("gather_packed64: ids must be a 1-D int64 tensor")
+        ids = ids.contiguous()
+        out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+        if self._gather(out.data_ptr(), weight_ptr, ids.data_ptr(), ids.shape[0], n, k):
+            raise IndexError(f"token id out of range [0, {n})")
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """RMSNorm of ``x [T, H]`` float32 (unit column stride) scaled by ``weight [H]``;

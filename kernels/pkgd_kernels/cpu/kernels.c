@@ -1,9 +1,11 @@
-/* pkgd CPU kernels: the two hot loops of CPU decode that PyTorch has no fast op for.
+/* pkgd CPU kernels: the hot loops of CPU decode that PyTorch has no fast op for.
  *
  *  - pkgd_gemv_packed64: y[M, N] = x[M, K] W^T (+ bias) for small M, reading W in oneDNN's
  *    blocked layout [N/64][K][64] (what torch.ops.mkldnn._reorder_linear_weight produces for
  *    the fp32 linears here), so the weight held for batched GEMMs serves decode too. Each
  *    64-row block is streamed once per call; memory-bound, so the goal is DRAM read speed.
+ *  - pkgd_gather_packed64: rows of a weight in that packing (the embedding lookup of a model
+ *    whose embedding is tied to its packed LM head).
  *  - pkgd_rms_norm: RMSNorm of float32 rows, optionally after adding a residual (which it
  *    also returns): one pass where PyTorch's composite op runs several (pow, mean, rsqrt, mul).
  *  - pkgd_paged_attention_decode: one query token per sequence over the paged KV cache
@@ -28,7 +30,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 #define LOADV(p) (*(const v16u*)(p))
 #define STOREV(p, v) (*(v16u*)(p) = (v))
 
-int pkgd_abi_version(void) { return 3; }
+int pkgd_abi_version(void) { return 4; }
 int pkgd_num_threads(void) { return omp_get_max_threads(); }
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -99,6 +101,24 @@ void pkgd_gemv_packed64(const float* x, int64_t ldx, const float* w, const float
 #pragma omp parallel for schedule(static) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
         gemv_rows(x, ldx, w + b * k * 64, 0, k, y + b * 64, n, bias ? bias + b * 64 : NULL, m);
+}
+
+/* out[t, k] <- rows ids[t] of W [n, k] held in the packing above ([n/64][k][64]): element
+ * (v, c) sits at w[(v / 64) * k * 64 + c * 64 + v % 64], one float per 64-byte line, so all of a
+ * row's k lines are requested (into L2) before the first is read: read one after another they
+ * cost a DRAM round trip each (~180 us for a 576-float row of a cold LM head, ~10 us this way).
+ * The embedding lookup of a model whose embedding is tied to a packed LM head. Returns 0, or -1
+ * (nothing written) when an id is outside [0, n). */
+int pkgd_gather_packed64(float* out, const float* w, const int64_t* ids, int64_t t, int64_t n, int64_t k) {
+    for (int64_t i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+#pragma omp parallel for schedule(static) if (t > 8)
+    for (int64_t i = 0; i < t; i++) {
+        const float* col = w + (ids[i] / 64) * k * 64 + ids[i] % 64;
+        for (int64_t c = 0; c < k; c++) __builtin_prefetch(col + c * 64, 0, 1);
+        for (int64_t c = 0; c < k; c++) out[i * k + c] = col[c * 64];
+    }
+    return 0;
 }
 
 /* ---- paged decode attention ----------------------------------------------------------- */

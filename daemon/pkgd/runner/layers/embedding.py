@@ -9,7 +9,8 @@ On CPU the float32 LM head is repacked for oneDNN after loading like the other l
 (`pkgd.runner.layers.linear`), with the C GEMV for a few rows: its batched logits were the
 slowest GEMM of a decode step (MKL ~95 GFLOP/s at 64 rows against oneDNN's ~190). A tied head
 is packed only when the packing's layout is the known ``[V/64][H][64]``, which the embedding
-then reads as rows ``[ids // 64, :, ids % 64]``.
+then reads as rows ``[ids // 64, :, ids % 64]`` (through the C kernels' gather when loaded:
+one float per 64-byte line, so the lines are prefetched together rather than missed one by one).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pkgd.runner import ops
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.linear import gemv_or_none, onednn_linear, pack_for_onednn, packed_rows_view, verified_gemv_pointer
 
@@ -91,6 +93,9 @@ class ParallelLMHead(nn.Module):
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (local int64 ``[T]``) of the ``[V/tp, H]`` matrix, as ``[T, H]``."""
         if self._rows_view is not None:
+            kernels = ops.cpu_kernels() if self.gemv_ptr is not None else None
+            if kernels is not None:  # prefetches a row's lines (one float per 64-byte line)
+                return kernels.gather_packed64(self.gemv_ptr, ids, self.local, self.in_features)
             return self._rows_view[ids // 64, :, ids % 64]
         return self.weight.index_select(1, ids).t().contiguous()
 
