@@ -474,8 +474,9 @@ typedef struct {
  * W ([n/64][k][64]). The buffer is cut into one contiguous range of 64-float rows per thread,
  * equal to within a row, so each thread streams its own part of memory front to back and none
  * waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a ninth
- * of the time). A block a thread enters mid-way is summed into part[t] (m x 64) and added to y
- * by one thread after a barrier. Returns after a barrier. */
+ * of the time). A block a thread enters mid-way is summed into part[t] (m x 64, part_blk[t] =
+ * the block, else -1) rather than into y: after the caller's barrier, a reader takes y through
+ * fixed_range, which adds those parts. No barrier inside. */
 static void gemv_team(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
                       int64_t m, int64_t n, int64_t k, float* part, int64_t* part_blk) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -495,15 +496,18 @@ static void gemv_team(const float* x, int64_t ldx, const float* w, const float* 
         }
         u = b * k + k1;
     }
-#pragma omp barrier
-#pragma omp single
+}
+
+/* dst[0, j1 - j0) = columns [j0, j1) of row r of a gemv_team output (row yrow, m rows in all),
+ * with the parts of split blocks added in thread order. */
+static inline void fixed_range(float* dst, const float* yrow, int64_t j0, int64_t j1, const float* part,
+                               const int64_t* part_blk, int nt, int64_t m, int64_t r) {
+    memcpy(dst, yrow + j0, sizeof(float) * (size_t)(j1 - j0));
     for (int i = 0; i < nt; i++) {
         if (part_blk[i] < 0) continue;
-        for (int64_t r = 0; r < m; r++) {
-            float* yr = y + r * n + part_blk[i] * 64;
-            const float* pr = part + (i * m + r) * 64;
-            for (int j = 0; j < 64; j += 16) STOREV(yr + j, LOADV(yr + j) + LOADV(pr + j));
-        }
+        const int64_t b0 = part_blk[i] * 64, lo = b0 > j0 ? b0 : j0, hi = b0 + 64 < j1 ? b0 + 64 : j1;
+        const float* pr = part + (i * m + r) * 64 - b0;
+        for (int64_t j = lo; j < hi; j++) dst[j - j0] += pr[j];
     }
 }
 
@@ -536,10 +540,13 @@ static inline void silu_mul_row(float* o, const float* g, const float* u, int64_
 /* One decode step of m sequences (one new token each) through every layer, in one OpenMP
  * region: per layer RMSNorm -> QKV -> (QK-norm) -> RoPE -> K/V written at slots[r] -> paged
  * attention over seq_lens[r] tokens -> o_proj -> residual + RMSNorm -> gate/up -> SiLU*mul ->
- * down_proj, then the final RMSNorm. Each phase is split across the threads and ends at a
- * barrier; nothing returns to Python between layers. Same arithmetic as the per-op path
- * (pkgd_gemv_packed64, pkgd_rms_norm, pkgd_paged_attention_decode), except that a GEMV block
- * split between threads sums its two halves separately.
+ * down_proj, then the final RMSNorm. The GEMVs and the attention are split across the threads,
+ * each ending at a barrier; the small steps between them (norms, residual adds, RoPE, the span
+ * merge, and SiLU for m <= 2) are done by every thread on its own copy, which costs less than
+ * a barrier: 5 barriers a layer (6 for m > 2). Nothing returns to Python between layers. Same
+ * arithmetic as the per-op path (pkgd_gemv_packed64, pkgd_rms_norm,
+ * pkgd_paged_attention_decode), except that a GEMV block split between threads sums its two
+ * halves separately, and a long sequence's attention is cut into spans whose softmaxes are merged.
  *
  * emb: [m, hidden] embeddings of the new tokens; out: [m, hidden] final hidden states;
  * positions, slots: int64 [m] (slot -1: do not write); block_tables int32 [m, bt_stride];
@@ -553,6 +560,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
     const int64_t rot = md->rot_dim, bs = md->block_size;
     const int nt = omp_get_max_threads();
+    const int split_silu = m > 2; /* else every thread computes all of SiLU*mul itself */
     int64_t maxl = 1;
     for (int64_t r = 0; r < m; r++) maxl = seq_lens[r] > maxl ? seq_lens[r] : maxl;
     const int64_t sstride = (maxl + 15) & ~(int64_t)15;
@@ -564,67 +572,81 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     int64_t nsplit = (2 * nt + m - 1) / m;
     nsplit = nsplit > maxb / 2 ? (maxb / 2 > 1 ? maxb / 2 : 1) : nsplit;
     const int64_t items = m * nsplit;
-    const size_t nbuf = (size_t)(m * (3 * H + nqkv + qd + 3 * I) + nt * m * 64 + m * hq * nsplit * (d + 2));
+    /* shared: GEMV outputs, their split-block parts (one set per GEMV of a layer, so a reader
+     * of one never races the writer of the next), the spans' partial attention */
+    const size_t nbuf = (size_t)(m * (nqkv + H + 2 * I + I) + 4 * nt * m * 64 + m * hq * nsplit * (d + 2));
     float* buf = (float*)malloc(sizeof(float) * nbuf);
-    int64_t* part_blk = (int64_t*)malloc(sizeof(int64_t) * nt);
-    if (!buf || !part_blk) {
+    int64_t* blk = (int64_t*)malloc(sizeof(int64_t) * 4 * nt);
+    if (!buf || !blk) {
         free(buf);
-        free(part_blk);
+        free(blk);
         return -1;
     }
-    float *res = buf, *x = res + m * H, *y = x + m * H, *qkv = y + m * H, *attn = qkv + m * nqkv;
-    float *gu = attn + m * qd, *act = gu + m * 2 * I, *part = act + m * I;
-    float *pacc = part + nt * m * 64, *pmx = pacc + m * hq * nsplit * d, *psum = pmx + m * hq * nsplit;
-    memcpy(res, emb, sizeof(float) * m * H);
+    float *qkv = buf, *y = qkv + m * nqkv, *gu = y + m * H, *act = gu + m * 2 * I, *parts = act + m * I;
+    float *pacc = parts + 4 * nt * m * 64, *pmx = pacc + m * hq * nsplit * d, *psum = pmx + m * hq * nsplit;
+    float *p_qkv = parts, *p_o = p_qkv + nt * m * 64, *p_gu = p_o + nt * m * 64, *p_down = p_gu + nt * m * 64;
+    int64_t *b_qkv = blk, *b_o = blk + nt, *b_gu = blk + 2 * nt, *b_down = blk + 3 * nt;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(hq * sstride + d + 16));
-        if (!scores) {
+        /* this thread's own: residual and normed rows, one fixed GEMV row, the merged attention,
+         * SiLU*mul (m <= 2), RoPE'd Q/K of a sequence, attention scores and scratch */
+        const int64_t wrow = nqkv > 2 * I ? nqkv : 2 * I;
+        const size_t nown = (size_t)(2 * m * H + wrow + m * qd + (split_silu ? 0 : m * I) + (hq + hkv) * d +
+                                     hq * sstride + d + 16);
+        float* own = (float*)malloc(sizeof(float) * nown);
+        if (!own) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         const int ok = !failed;
+        float *xr = own, *xn = xr + m * H, *row = xn + m * H, *at = row + wrow, *actp = at + m * qd;
+        float *qk = actp + (split_silu ? 0 : m * I), *scores = qk + (hq + hkv) * d, *tmp = scores + hq * sstride;
+        if (ok) memcpy(xr, emb, sizeof(float) * m * H);
         for (int64_t l = 0; ok && l < md->num_layers; l++) {
             const pkgd_decoder_layer* L = layers + l;
             /* residual += previous layer's output (+ its down bias); x = RMSNorm(residual) */
-#pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) {
-                if (l > 0) add_row(res + r * H, y + r * H, layers[l - 1].down_bias, res + r * H, H);
-                rms_row(x + r * H, res + r * H, L->ln1, H, md->eps);
-            }
-            gemv_team(x, H, L->qkv, L->qkv_bias, qkv, m, nqkv, H, part, part_blk);
-            /* QK-norm, RoPE, and the new token's K/V into the cache */
-#pragma omp for schedule(static)
-            for (int64_t it = 0; it < m * (hq + hkv); it++) {
-                const int64_t r = it / (hq + hkv), hd = it % (hq + hkv);
-                float* v = qkv + r * nqkv + hd * d;
-                const float* nw = hd < hq ? L->q_norm : L->k_norm;
-                if (nw) rms_row(v, v, nw, d, md->eps);
-                rope_head(v, md->cos_sin_cache + positions[r] * rot, rot);
-                if (hd >= hq && slots[r] >= 0) {
-                    const int64_t kh = hd - hq, off = (slots[r] * hkv + kh) * d;
-                    memcpy(L->k_cache + off, v, sizeof(float) * d);
-                    memcpy(L->v_cache + off, qkv + r * nqkv + (hq + hkv + kh) * d, sizeof(float) * d);
+                if (l > 0) {
+                    fixed_range(row, y + r * H, 0, H, p_down, b_down, nt, m, r);
+                    add_row(xr + r * H, row, layers[l - 1].down_bias, xr + r * H, H);
                 }
+                rms_row(xn + r * H, xr + r * H, L->ln1, H, md->eps);
             }
+            gemv_team(xn, H, L->qkv, L->qkv_bias, qkv, m, nqkv, H, p_qkv, b_qkv);
+#pragma omp barrier
+            /* per item: the sequence's Q/K (QK-norm, RoPE) on this thread's copy; the item
+             * holding the last block first writes the new token's K/V into the cache */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 const int64_t r = it / nsplit, sp = it % nsplit;
+                fixed_range(row, qkv + r * nqkv, 0, nqkv, p_qkv, b_qkv, nt, m, r);
+                for (int64_t hd = 0; hd < hq + hkv; hd++) {
+                    float* v = qk + hd * d;
+                    const float* nw = hd < hq ? L->q_norm : L->k_norm;
+                    if (nw) rms_row(v, row + hd * d, nw, d, md->eps);
+                    else memcpy(v, row + hd * d, sizeof(float) * d);
+                    rope_head(v, md->cos_sin_cache + positions[r] * rot, rot);
+                }
+                if (sp == nsplit - 1 && slots[r] >= 0)
+                    for (int64_t kh = 0; kh < hkv; kh++) {
+                        const int64_t off = (slots[r] * hkv + kh) * d;
+                        memcpy(L->k_cache + off, qk + (hq + kh) * d, sizeof(float) * d);
+                        memcpy(L->v_cache + off, row + (hq + hkv + kh) * d, sizeof(float) * d);
+                    }
                 const int64_t nb = (seq_lens[r] + bs - 1) / bs, base = it * hq;
-                attend_span(pacc + base * d, pmx + base, psum + base, qkv + r * nqkv, L->k_cache, L->v_cache,
+                attend_span(pacc + base * d, pmx + base, psum + base, qk, L->k_cache, L->v_cache,
                             block_tables + r * bt_stride, nb * sp / nsplit, nb * (sp + 1) / nsplit, seq_lens[r], G,
-                            hkv, 0, hkv, d, bs, md->scale, scores, sstride, scores + hq * sstride, DT_F32);
+                            hkv, 0, hkv, d, bs, md->scale, scores, sstride, tmp, DT_F32);
             }
             /* merge the spans: weights exp(span max - overall max) (one span: weight 1, as attend_heads) */
-#pragma omp for schedule(static)
             for (int64_t it = 0; it < m * hq; it++) {
                 const int64_t r = it / hq, qh = it % hq;
                 const int64_t base = r * nsplit * hq + qh; /* span sp at base + sp * hq */
                 float mx = -INFINITY, den = 0.0f;
                 for (int64_t sp = 0; sp < nsplit; sp++) mx = pmx[base + sp * hq] > mx ? pmx[base + sp * hq] : mx;
-                float* o = attn + r * qd + qh * d;
+                float* o = at + r * qd + qh * d;
                 for (int64_t i = 0; i < d; i += 16) STOREV(o + i, (v16){0});
                 for (int64_t sp = 0; sp < nsplit; sp++) {
                     if (psum[base + sp * hq] == 0.0f) continue; /* an empty span */
@@ -636,31 +658,46 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                 const v16 iv = (v16){0} + 1.0f / den;
                 for (int64_t i = 0; i < d; i += 16) STOREV(o + i, LOADV(o + i) * iv);
             }
-            gemv_team(attn, qd, L->o, NULL, y, m, H, qd, part, part_blk);
-#pragma omp for schedule(static)
+            gemv_team(at, qd, L->o, NULL, y, m, H, qd, p_o, b_o);
+#pragma omp barrier
             for (int64_t r = 0; r < m; r++) {
-                add_row(res + r * H, y + r * H, L->o_bias, res + r * H, H);
-                rms_row(x + r * H, res + r * H, L->ln2, H, md->eps);
+                fixed_range(row, y + r * H, 0, H, p_o, b_o, nt, m, r);
+                add_row(xr + r * H, row, L->o_bias, xr + r * H, H);
+                rms_row(xn + r * H, xr + r * H, L->ln2, H, md->eps);
             }
-            gemv_team(x, H, L->gate_up, L->gate_up_bias, gu, m, 2 * I, H, part, part_blk);
+            gemv_team(xn, H, L->gate_up, L->gate_up_bias, gu, m, 2 * I, H, p_gu, b_gu);
+#pragma omp barrier
+            const float* a_in = actp;
+            if (split_silu) {
 #pragma omp for schedule(static)
-            for (int64_t c = 0; c < m * nt; c++) { /* rows cut in nt pieces of 16-float multiples */
-                const int64_t r = c / nt, p = c % nt;
-                const int64_t j0 = (I * p / nt) & ~(int64_t)15, j1 = p + 1 == nt ? I : (I * (p + 1) / nt) & ~(int64_t)15;
-                silu_mul_row(act + r * I + j0, gu + r * 2 * I + j0, gu + r * 2 * I + I + j0, j1 - j0);
+                for (int64_t c = 0; c < m * nt; c++) { /* rows cut in nt pieces of 16-float multiples */
+                    const int64_t r = c / nt, p = c % nt;
+                    const int64_t j0 = (I * p / nt) & ~(int64_t)15, j1 = p + 1 == nt ? I : (I * (p + 1) / nt) & ~(int64_t)15;
+                    fixed_range(row, gu + r * 2 * I, j0, j1, p_gu, b_gu, nt, m, r);
+                    fixed_range(row + (j1 - j0), gu + r * 2 * I, I + j0, I + j1, p_gu, b_gu, nt, m, r);
+                    silu_mul_row(act + r * I + j0, row, row + (j1 - j0), j1 - j0);
+                }
+                a_in = act;
+            } else {
+                for (int64_t r = 0; r < m; r++) {
+                    fixed_range(row, gu + r * 2 * I, 0, 2 * I, p_gu, b_gu, nt, m, r);
+                    silu_mul_row(actp + r * I, row, row + I, I);
+                }
             }
-            gemv_team(act, I, L->down, NULL, y, m, H, I, part, part_blk);
+            gemv_team(a_in, I, L->down, NULL, y, m, H, I, p_down, b_down);
+#pragma omp barrier
         }
         if (ok) {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < m; r++) {
-                add_row(res + r * H, y + r * H, layers[md->num_layers - 1].down_bias, res + r * H, H);
-                rms_row(out + r * H, res + r * H, md->final_norm, H, md->eps);
+            const int t = omp_get_thread_num();
+            for (int64_t r = t; r < m; r += nt) {
+                fixed_range(row, y + r * H, 0, H, p_down, b_down, nt, m, r);
+                add_row(xr + r * H, row, layers[md->num_layers - 1].down_bias, xr + r * H, H);
+                rms_row(out + r * H, xr + r * H, md->final_norm, H, md->eps);
             }
         }
-        free(scores);
+        free(own);
     }
     free(buf);
-    free(part_blk);
+    free(blk);
     return failed ? -1 : 0;
 }
