@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from pkgd.runner.allocator import tune_cpu_allocator
+from pkgd.runner.allocator import tensor_span, tune_cpu_allocator
 
 # A child process: mallopt changes the whole process, and the test must not change pytest's.
 PROBE = """
 import ctypes, sys
-from pkgd.runner.allocator import tune_cpu_allocator
+from pkgd.runner.allocator import tensor_span, tune_cpu_allocator
 applied = tune_cpu_allocator() if sys.argv[1] == "tune" else None
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -40,3 +40,71 @@ def test_operator_setting_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
     assert tune_cpu_allocator() is False
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == str(4 << 20)
+
+
+def _huge_kib(addr: int, nbytes: int) -> int:
+    """KiB of transparent huge pages in the mappings overlapping [addr, addr + nbytes)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps", encoding="ascii", errors="replace"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < addr + nbytes and addr < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise only")
+def test_collapse_moves_a_tensor_onto_huge_pages_and_keeps_its_contents(monkeypatch):
+    from pkgd.runner.allocator import HUGE_PAGE_BYTES, collapse_to_huge_pages, tensor_span
+
+    import torch
+
+    t = torch.arange(3 * HUGE_PAGE_BYTES // 4 + 1000, dtype=torch.float32)  # spans >= 2 whole huge pages
+    want = t.clone()
+    monkeypatch.setenv("PKGD_HUGEPAGES", "0")
+    assert collapse_to_huge_pages([tensor_span(t)]) == 0
+    monkeypatch.delenv("PKGD_HUGEPAGES")
+    done = collapse_to_huge_pages([tensor_span(t)])
+    if done == 0:
+        pytest.skip("this kernel does not collapse (MADV_COLLAPSE needs Linux 6.1 and THP not 'never')")
+    assert done >= 2 * HUGE_PAGE_BYTES and done % HUGE_PAGE_BYTES == 0
+    assert done <= tensor_span(t)[1]  # only whole pages inside the tensor
+    assert _huge_kib(*tensor_span(t)) * 1024 >= done
+    assert torch.equal(t, want)
+
+
+def test_tensor_span_of_a_packed_onednn_weight():
+    import torch
+
+    from pkgd.runner.allocator import tensor_span
+    from pkgd.runner.layers.linear import pack_for_onednn
+
+    w = torch.randn(128, 64)
+    packed = pack_for_onednn(w)
+    if packed is None:
+        pytest.skip("no oneDNN packed linear in this torch build")
+    addr, n = tensor_span(packed)
+    assert addr == torch.ops.mkldnn.data_ptr(packed) and n == 128 * 64 * 4
+    assert tensor_span(w) == (w.data_ptr(), 128 * 64 * 4)
+
+
+def test_the_runner_puts_weights_and_kv_cache_on_huge_pages_and_logs_it(tiny_dirs):
+    from structlog.testing import capture_logs
+
+    from tests.runner.conftest import make_runner
+
+    model_dir, _ = tiny_dirs("llama")
+    with capture_logs() as logs:
+        runner = make_runner(model_dir)
+        runner.initialize_kv_cache(4096, 16)  # several MiB per layer: whole huge pages inside
+    events = {e["memory"]: e for e in logs if e["event"] == "huge_pages"}
+    assert set(events) == {"weights", "kv_cache"}
+    weights, kv = events["weights"], events["kv_cache"]
+    assert weights["of_bytes"] == sum(tensor_span(p)[1] for p in runner.model.parameters())
+    assert kv["of_bytes"] == sum(c.numel() * 4 for pair in runner.kv_caches for c in pair)
+    assert 0 <= weights["bytes"] <= weights["of_bytes"] + 2 * (2 << 20) and 0 <= kv["bytes"] <= kv["of_bytes"]
+    if sys.platform.startswith("linux") and kv["bytes"] == 0:
+        pytest.skip("this kernel does not collapse")
+    assert kv["bytes"] >= kv["of_bytes"] // 2  # the cache is a few large allocations

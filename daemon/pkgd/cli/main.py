@@ -15,9 +15,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pkgd.cli.base import CLISubcommand, add_config_source_args
-from pkgd.cli.flags import split_argv
-from pkgd.config.errors import ConfigError, closest
+# Before anything imports torch: its CPU allocator then puts every allocation of 2 MiB or more
+# on transparent huge pages (it reads this once, at its first allocation), and the engine
+# processes the supervisor starts inherit it. Decode streams all weights from DRAM every token
+# and reads them faster on 2 MiB pages (`pkgd.runner.allocator`). An operator's own setting
+# wins (THP_MEM_ALLOC_ENABLE=0: 4 KiB pages).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+from pkgd.cli.base import CLISubcommand, add_config_source_args  # noqa: E402
+from pkgd.cli.flags import split_argv  # noqa: E402
+from pkgd.config.errors import ConfigError, closest  # noqa: E402
 
 # name -> (module whose cmd_init() returns it, one line for --help). Modules are imported only
 # when their command runs; a module that does not exist (yet) is not listed at all.

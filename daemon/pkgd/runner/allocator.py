@@ -12,12 +12,18 @@ page faults on the larger temporaries were within run-to-run noise.
 
 An operator's own ``MALLOC_MMAP_THRESHOLD_`` (glibc's tunable) wins; on other C libraries
 this does nothing.
+
+After loading, the weights and the KV cache are moved onto 2 MiB huge pages
+(`collapse_to_huge_pages`): decode reads them from DRAM every step.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
+
+import torch
 
 MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
@@ -35,3 +41,53 @@ def tune_cpu_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+
+
+# ---- huge pages -----------------------------------------------------------------------------
+
+HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # <linux/mman.h>; MADV_COLLAPSE since Linux 6.1
+_MERGE_GAP_BYTES = 64 << 10
+
+
+def tensor_span(t: torch.Tensor) -> tuple[int, int]:
+    """``(address, bytes)`` of a CPU tensor's data, an opaque oneDNN (mkldnn) tensor included."""
+    if t.is_mkldnn:
+        return torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t)
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def collapse_to_huge_pages(spans: list[tuple[int, int]]) -> int:
+    """Back the given memory (``(address, bytes)`` pairs, e.g. `tensor_span` of every weight)
+    with 2 MiB transparent huge pages now (``madvise(MADV_HUGEPAGE)`` then ``MADV_COLLAPSE``);
+    returns the bytes collapsed (0 where the kernel or C library cannot).
+
+    Decode streams every weight from DRAM once per token. On 4 KiB pages that stream reads
+    slower here: ``torch.sum`` over 128 MiB 26 vs 32 GB/s on 2 MiB pages, and single-stream
+    SmolLM2 decode 69 vs 80 tokens/s (same process, alternating runs). Spans closer than
+    64 KiB are merged (consecutive allocations), then cut inward to whole huge pages, so no
+    memory outside them becomes resident; each page is collapsed on its own, so one that
+    straddles two mappings (refused) leaves the rest. Contents are unchanged. Linux only;
+    ``PKGD_HUGEPAGES=0`` turns it off. (Under ``pkgd``, torch's allocator already puts
+    allocations of 2 MiB or more on huge pages: ``THP_MEM_ALLOC_ENABLE``, `pkgd.cli.main`.)
+    """
+    if os.environ.get("PKGD_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    merged: list[list[int]] = []
+    for addr, n in sorted(spans):
+        if merged and addr <= merged[-1][1] + _MERGE_GAP_BYTES:
+            merged[-1][1] = max(merged[-1][1], addr + n)
+        else:
+            merged.append([addr, addr + n])
+    done = 0
+    for start, end in merged:
+        for page in range(-(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, end - HUGE_PAGE_BYTES + 1, HUGE_PAGE_BYTES):
+            if madvise(page, HUGE_PAGE_BYTES, _MADV_HUGEPAGE) == 0 and madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0:
+                done += HUGE_PAGE_BYTES
+    return done

@@ -19,6 +19,7 @@ generators), so any rank's output may be used.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -28,7 +29,7 @@ from pkgd.engine.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner import ops
-from pkgd.runner.allocator import tune_cpu_allocator
+from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
@@ -122,6 +123,8 @@ class ModelRunner:
             if why_not:
                 logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
         self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
+        if self.device.type == "cpu":
+            self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         cpu_kernels = ops.cpu_kernels()
         if cpu_kernels is not None:
             logger.info("cpu_kernels_loaded", library=str(cpu_kernels.path),
@@ -176,6 +179,16 @@ class ModelRunner:
             for _ in range(self.arch.num_hidden_layers)
         ]
         self.block_size = block_size
+        if self.device.type == "cpu":
+            self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])
+
+    @staticmethod
+    def _to_huge_pages(what: str, spans: list[tuple[int, int]]) -> None:
+        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and log it."""
+        t0 = time.perf_counter()
+        done = collapse_to_huge_pages(spans)
+        logger.info("huge_pages", memory=what, bytes=done, of_bytes=sum(n for _, n in spans),
+                    seconds=round(time.perf_counter() - t0, 3))
 
     # ---- one step ------------------------------------------------------------------------
 
