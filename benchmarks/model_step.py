@@ -21,17 +21,21 @@ so a burst of load from other processes shows as spread rather than as a flatter
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
-import torch
+# as under `pkgd` (pkgd.cli.main): torch's allocations of 2 MiB or more on huge pages
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pkgd.runner.loader.resolve import resolve_model
-from pkgd.runner.model_runner import ModelRunner
+import torch  # noqa: E402
+
+from pkgd.config.vllm_config import VllmConfig  # noqa: E402
+from pkgd.engine.sampling_params import SamplingParams  # noqa: E402
+from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from pkgd.runner.loader.resolve import resolve_model  # noqa: E402
+from pkgd.runner.model_runner import ModelRunner  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 
