@@ -32,6 +32,17 @@ def test_cache_smaller_than_one_sequence_is_refused():
         engine({"num_blocks": 4, "block_size": 16})
 
 
+def test_kv_cache_larger_than_available_memory_is_refused_before_allocating(monkeypatch):
+    import pkgd.engine.core as core
+
+    monkeypatch.setattr(core, "mem_available_bytes", lambda: 3 << 20)
+    with pytest.raises(ValueError, match=r"needs 0\.01 GiB of memory but only 0\.00 GiB is available"):
+        engine({"kv_cache_memory_bytes": 8 << 20, "block_size": 16})
+    assert engine({"kv_cache_memory_bytes": 2 << 20, "block_size": 16}).num_kv_blocks == (2 << 20) // (16 * 64)
+    monkeypatch.setattr(core, "mem_available_bytes", lambda: None)  # no /proc/meminfo: no check
+    assert engine({"kv_cache_memory_bytes": 8 << 20, "block_size": 16}).num_kv_blocks > 0
+
+
 def test_prompt_plus_max_tokens_beyond_max_model_len_names_both_numbers():
     e = engine(max_model_len=64)
     with pytest.raises(ValueError, match=r"60 tokens and max_tokens is 10: 70 exceeds max_model_len 64"):

@@ -116,6 +116,37 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
     return num_blocks
 
 
+def mem_available_bytes() -> int | None:
+    """Linux's estimate of memory available to new allocations without swapping
+    (``MemAvailable`` in /proc/meminfo), or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_host_memory(runner: Any, kv_bytes: int) -> None:
+    """Refuse a host-memory (CPU) KV cache larger than the memory available now, rather than
+    let its zeroing drive the machine out of memory (and systemd restart it into the same).
+
+    Raises:
+        ValueError: ``kv_bytes`` exceeds ``MemAvailable``.
+    """
+    device = getattr(runner, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        return
+    available = mem_available_bytes()
+    if available is not None and kv_bytes > available:
+        raise ValueError(
+            f"the KV cache needs {kv_bytes / 2**30:.2f} GiB of memory but only {available / 2**30:.2f} GiB is "
+            "available (MemAvailable); lower cache.kv_cache_memory_bytes or cache.num_blocks"
+        )
+
+
 class EngineCore:
     """One engine: loaded model, paged KV cache, scheduler.
 
@@ -125,7 +156,8 @@ class EngineCore:
         runner_factory: loads the model; default `load_model_runner`. Tests pass a fake.
 
     Raises:
-        ValueError: the KV cache cannot hold one ``max_model_len`` sequence.
+        ValueError: the KV cache cannot hold one ``max_model_len`` sequence, or (on CPU) needs
+            more memory than is available.
         Whatever the runner raises for a missing or unsupported model.
     """
 
@@ -150,6 +182,7 @@ class EngineCore:
                 f"max_model_len {self.max_model_len}; lower model.max_model_len or raise "
                 "cache.num_blocks / cache.kv_cache_memory_bytes"
             )
+        _check_host_memory(self.model_runner, bytes_per_block * self.num_kv_blocks)
         self.model_runner.initialize_kv_cache(self.num_kv_blocks, self.block_size)
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, self.block_size, enable_caching=config.cache.enable_prefix_caching
