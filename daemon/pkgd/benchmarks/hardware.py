@@ -35,45 +35,39 @@ def gemm_flops(n: int = 2048, *, dtype: torch.dtype = torch.float32, repeats: in
 
 def read_bandwidth(nbytes: int = 256 * 1024 * 1024, *, repeats: int = 5, device: str = "cpu") -> float:
     """Best bytes/s reading an fp32 buffer of ``nbytes`` once (``torch.sum``), the access pattern
-    of decode: every weight streamed from memory once per step. On CPU the buffer is on 2 MiB
-    pages, like the engine's weights (`BandwidthProbe`)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    if device == "cpu":  # read on the pages the engine's weights use
-        collapse_to_huge_pages([tensor_span(x)])
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    del x
-    return nbytes / best
+    of decode: every weight streamed from memory once per step (`BandwidthProbe.best`)."""
+    return BandwidthProbe(nbytes, device=device).best(repeats)
 
 
 class BandwidthProbe:
-    """One short read-bandwidth sample, taken between the steps of a run so that each step is
-    compared with the bandwidth of its own moment: on a shared host another tenant's traffic
-    comes and goes within seconds, and a bound read once before a run (or the best of a few
-    reads) catches a quiet burst that the run itself may not see.
+    """Read-bandwidth samples of one buffer, e.g. taken between the steps of a run so that each
+    step is compared with the bandwidth of its own moment: on a shared host another tenant's
+    traffic comes and goes within seconds, and a bound read once before a run (or the best of
+    a few reads) catches a quiet burst that the run itself may not see.
 
     ``read()`` sums an fp32 buffer of ``nbytes`` (default 128 MiB, 4x this machine's 32 MiB L3,
     ~3 ms at 40 GB/s) once and returns bytes/s; the buffer is allocated and touched at
-    construction, so the first sample pays no page faults, and is on 2 MiB pages where the
-    engine's weights are (`pkgd.runner.allocator.collapse_to_huge_pages`): on 4 KiB pages
+    construction, so the first sample pays no page faults, and on CPU it is on 2 MiB pages
+    like the engine's weights (`pkgd.runner.allocator.collapse_to_huge_pages`): on 4 KiB pages
     the same sum reads ~25% slower here, which would flatter the ratio."""
 
-    def __init__(self, nbytes: int = 128 * 1024 * 1024) -> None:
-        self.nbytes = nbytes
-        self._buf = torch.ones(nbytes // 4, dtype=torch.float32)
-        collapse_to_huge_pages([tensor_span(self._buf)])
+    def __init__(self, nbytes: int = 128 * 1024 * 1024, *, device: str = "cpu") -> None:
+        self.nbytes, self.device = nbytes, device
+        self._buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        if device == "cpu":
+            collapse_to_huge_pages([tensor_span(self._buf)])
         self._buf.sum()
 
     def read(self) -> float:
+        _sync(self.device)
         t0 = time.perf_counter()
         self._buf.sum()
+        _sync(self.device)
         return self.nbytes / (time.perf_counter() - t0)
+
+    def best(self, repeats: int = 5) -> float:
+        """The fastest of ``repeats`` reads, bytes/s."""
+        return max(self.read() for _ in range(repeats))
 
 
 def _sync(device: str) -> None:

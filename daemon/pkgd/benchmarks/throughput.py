@@ -179,14 +179,11 @@ def run_single_stream(llm: LLM, *, input_len: int = 128, output_len: int = 128, 
     first, last = m.get("first_token_time", t0), m.get("last_token_time", t0 + elapsed)
     ttft, decode_s, bandwidth = first - t0, last - first, None
     if paced is not None:
-        def spent(keep: Callable[[float, float], bool]) -> float:
-            return sum(end - start for start, end, _ in paced.readings if keep(start, end))
-
-        elapsed -= spent(lambda start, end: True)
-        ttft -= spent(lambda start, end: end <= first)
-        decode_s -= spent(lambda start, end: first <= start and end <= last)
-        during = [v for start, end, v in paced.readings if first <= start and end <= last]
+        elapsed -= sum(end - start for start, end, _ in paced.readings)
+        ttft -= sum(end - start for start, end, _ in paced.readings if end <= first)
+        during = [(end - start, v) for start, end, v in paced.readings if first <= start and end <= last]
+        decode_s -= sum(s for s, _ in during)
         if during:
-            bandwidth = len(during) / sum(1.0 / v for v in during)
+            bandwidth = len(during) / sum(1.0 / v for _, v in during)
     rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
     return SingleStreamResult(elapsed, ttft, rate, n, bandwidth)

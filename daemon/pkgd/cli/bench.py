@@ -110,11 +110,13 @@ def run_throughput(args: argparse.Namespace) -> int:
         # the bound's bandwidth, two ways: read between the decode steps (each step against
         # its own moment), and the best read just before and just after the run
         probe = None if args.skip_roofline else hardware.BandwidthProbe()
-        bandwidth = 0.0 if args.skip_roofline else hardware.read_bandwidth()
+        if probe:
+            bandwidth = hardware.read_bandwidth()
         single = throughput.run_single_stream(
             llm, input_len=args.single_stream_len, output_len=args.single_stream_len, vocab_size=engine.vocab_size,
             probe=probe.read if probe else None)
-        bandwidth = max(bandwidth, 0.0 if args.skip_roofline else hardware.read_bandwidth())
+        if probe:
+            bandwidth = max(bandwidth, hardware.read_bandwidth())
         del probe
     hf_run = _hf_runner(llm, workload, args) if args.baseline == "hf" else None
     hf_runs = [hf_run()] if hf_run else []

@@ -36,6 +36,7 @@ from pkgd import log
 from pkgd.config.fields import ReloadClass
 from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
+from pkgd.engine.core import mem_available_bytes
 from pkgd.supervisor.children import ChildStartError
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
 from pkgd.supervisor.topology import api_specs
@@ -180,7 +181,7 @@ def can_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[bool
         return False, "engine cores hold most of the GPU memory"
     rss = sum(_tree_rss(c.pid) for c in sup.fleet.engines.values())
     need = rss * OVERLAP_MEMORY_FACTOR * plan.dp_local / max(1, len(sup.fleet.engines))
-    available = _mem_available()
+    available = mem_available_bytes() or 0
     return available > need, f"{available / 2**30:.1f} GiB available, a second set needs ~{need / 2**30:.1f} GiB"
 
 
@@ -198,14 +199,6 @@ def _tree_rss(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _listeners_for(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[list[Listener], list[Listener]]:
