@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from pkgd.cli.base import CLISubcommand
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 # OpenAI body field -> SamplingParams field (same meaning), plus vLLM's extra fields.
 _COMMON = {

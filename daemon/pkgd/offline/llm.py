@@ -22,15 +22,15 @@ from typing import Any
 import msgspec
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.beam_search import BeamSearchOutput, beam_search
+from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.engine.core import EngineCore, RunnerFactory
-from pkgd.engine.input_processor import ChatMessage, InputProcessor, ProcessedRequest
-from pkgd.engine.llm_config import build_llm_config
-from pkgd.engine.output_processor import OutputProcessor
-from pkgd.engine.outputs import Logprob, RequestOutput
-from pkgd.engine.progress import ProgressBar
-from pkgd.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from pkgd.engine.tokenizer import load_tokenizer
+from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
+from pkgd.offline.llm_config import build_llm_config
+from pkgd.frontend.output_processor import OutputProcessor
+from pkgd.outputs import Logprob, RequestOutput
+from pkgd.offline.progress import ProgressBar
+from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
 
 PromptType = str | Sequence[int] | dict[str, Any]
@@ -130,7 +130,7 @@ class LLM:
         return self.run_processed(processed, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search per prompt (see `pkgd.engine.beam_search`); sequences best first,
+        """Beam search per prompt (see `pkgd.offline.beam_search`); sequences best first,
         with ``text`` decoded from prompt and generated tokens, as vLLM returns them."""
         token_prompts = []
         for p in _as_prompt_list(prompts):

@@ -1,7 +1,7 @@
 """Reasoning parser for models that think inside ``<think>`` … ``</think>`` (DeepSeek-R1,
 Qwen3): the thinking goes to ``reasoning_content``, the rest to ``content``.
 
-Registered as ``deepseek_r1`` and ``qwen3`` in `pkgd.api.parsers` (vLLM's names). Text with
+Registered as ``deepseek_r1`` and ``qwen3`` in `pkgd.parsers` (vLLM's names). Text with
 no tags is all content; an unclosed ``<think>`` (the answer was cut by ``max_tokens``) is
 reasoning.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pkgd.api.parsers.tags import TagSplitter, split_all
+from pkgd.parsers.tags import TagSplitter, split_all
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -1,7 +1,7 @@
 """Hermes tool-call parser (NousResearch's Hermes 2 Pro format, also Qwen2.5/Qwen3's): the
 model writes each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
 
-Registered as ``hermes`` in `pkgd.api.parsers`. `extract` returns the content outside the
+Registered as ``hermes`` in `pkgd.parsers`. `extract` returns the content outside the
 calls and the calls in OpenAI's shape; a block that is not JSON with a ``name``, or a call
 left unclosed, stays in the content as text. Streaming: `feed` returns the content delta and
 the calls completed by this delta (each call is sent whole once its closing tag arrives).
@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Any
 
-from pkgd.api.parsers.tags import TagSplitter, split_all
+from pkgd.parsers.tags import TagSplitter, split_all
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import difflib
 import functools
-import os
 from typing import Any
 
 import pydantic
 
+from pkgd import host
 from pkgd.config.vllm_config import VllmConfig
 
 
@@ -87,13 +87,6 @@ def format_validation_error(exc: pydantic.ValidationError) -> str:
     return "\n".join(lines)
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
 
 def build_llm_config(model: str | None = None, *, config: VllmConfig | None = None, **overrides: Any) -> VllmConfig:
     """The config of an offline `LLM`.
@@ -115,7 +108,7 @@ def build_llm_config(model: str | None = None, *, config: VllmConfig | None = No
     parallel = tree.get("parallel", {})
     if parallel.get("cpu_threads") is None:
         tp = parallel.get("tp", 1) if isinstance(parallel.get("tp", 1), int) else 1
-        _set(tree, "parallel", "cpu_threads", max(1, available_cores() // max(tp, 1)))
+        _set(tree, "parallel", "cpu_threads", max(1, host.available_cores() // max(tp, 1)))
     try:
         return VllmConfig.model_validate(tree)
     except pydantic.ValidationError as exc:

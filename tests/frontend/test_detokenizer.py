@@ -2,8 +2,8 @@
 
 import pytest
 
-from pkgd.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
+from pkgd.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello there, world!",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pkgd.engine.outputs import RequestOutput
+from pkgd.outputs import RequestOutput
 
 
 class ProgressBar:

@@ -22,12 +22,13 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pkgd.engine.detokenizer import IncrementalDetokenizer
-from pkgd.engine.input_processor import ProcessedRequest
-from pkgd.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
-from pkgd.engine.parallel_sampling import ParentRequest
-from pkgd.engine.sampling_params import RequestOutputKind, SamplingParams
-from pkgd.ipc.messages import EngineCoreOutput, FinishReason, TokenLogprobs
+from pkgd.frontend.detokenizer import IncrementalDetokenizer
+from pkgd.frontend.input_processor import ProcessedRequest
+from pkgd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pkgd.frontend.parallel_sampling import ParentRequest
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
+from pkgd.logprobs import TokenLogprobs
+from pkgd.ipc.messages import EngineCoreOutput, FinishReason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -2,10 +2,11 @@
 
 import pytest
 
-from pkgd.engine.input_processor import InputProcessor
-from pkgd.engine.output_processor import OutputProcessor
-from pkgd.engine.sampling_params import RequestOutputKind, SamplingParams
-from pkgd.ipc.messages import EngineCoreOutput, FinishReason, TokenLogprobs
+from pkgd.frontend.input_processor import InputProcessor
+from pkgd.frontend.output_processor import OutputProcessor
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
+from pkgd.logprobs import TokenLogprobs
+from pkgd.ipc.messages import EngineCoreOutput, FinishReason
 
 
 @pytest.fixture

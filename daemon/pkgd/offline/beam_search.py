@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from pkgd.engine.outputs import Logprob
-from pkgd.engine.sampling_params import BeamSearchParams
+from pkgd.outputs import Logprob
+from pkgd.sampling_params import BeamSearchParams
 
 
 @dataclasses.dataclass

@@ -3,10 +3,10 @@
 import pytest
 
 from pkgd import LLM, SamplingParams
-from pkgd.engine.sampling_params import BeamSearchParams
+from pkgd.sampling_params import BeamSearchParams
 
-from .conftest import smollm2_gguf
-from .fake_runner import fake_factory
+from tests.smollm2 import smollm2_gguf
+from tests.engine.fake_runner import fake_factory
 
 
 @pytest.fixture(scope="module")

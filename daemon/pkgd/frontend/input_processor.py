@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.messages import EngineCoreRequest
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class InputProcessor:
     """Turns client input into engine requests.
 
     Args:
-        tokenizer: the model's fast tokenizer (`pkgd.engine.tokenizer.load_tokenizer`); None
+        tokenizer: the model's fast tokenizer (`pkgd.frontend.tokenizer.load_tokenizer`); None
             accepts token-id prompts only.
         max_model_len: the engine's effective context length, tokens.
         vocab_size: token ids must be below it (None: the tokenizer's size).

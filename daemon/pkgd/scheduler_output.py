@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

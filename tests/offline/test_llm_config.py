@@ -3,7 +3,8 @@
 import pytest
 
 from pkgd.config import VllmConfig
-from pkgd.engine.llm_config import available_cores, build_llm_config
+from pkgd.host import available_cores
+from pkgd.offline.llm_config import build_llm_config
 
 
 def test_kwargs_by_field_name_vllm_alias_dotted_path_and_section():

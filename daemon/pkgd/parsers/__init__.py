@@ -14,12 +14,12 @@ from typing import Literal
 ParserKind = Literal["tool", "reasoning"]
 
 TOOL_PARSERS: dict[str, str] = {
-    "hermes": "pkgd.api.parsers.hermes:HermesToolParser",
+    "hermes": "pkgd.parsers.hermes:HermesToolParser",
 }
 
 REASONING_PARSERS: dict[str, str] = {
-    "deepseek_r1": "pkgd.api.parsers.reasoning:ThinkTagReasoningParser",
-    "qwen3": "pkgd.api.parsers.reasoning:ThinkTagReasoningParser",
+    "deepseek_r1": "pkgd.parsers.reasoning:ThinkTagReasoningParser",
+    "qwen3": "pkgd.parsers.reasoning:ThinkTagReasoningParser",
 }
 
 

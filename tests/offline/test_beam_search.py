@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from pkgd.engine.beam_search import beam_search
-from pkgd.engine.outputs import Logprob
-from pkgd.engine.sampling_params import BeamSearchParams
+from pkgd.offline.beam_search import beam_search
+from pkgd.outputs import Logprob
+from pkgd.sampling_params import BeamSearchParams
 
 EOS = 0
 # A 2-step toy language: greedy takes "1" (p=.6) but then only weak continuations follow;

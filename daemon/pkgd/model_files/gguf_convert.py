@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pkgd.runner.loader.resolve import ModelSourceError
+from pkgd.model_files.errors import ModelSourceError
 
 # GGUF general.architecture -> (HF architectures name, HF model_type, undo Q/K permutation).
 _ARCHES = {

@@ -13,13 +13,20 @@ the shared prompt cheap). The parent merges their completions under the client's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from pkgd.engine.outputs import CompletionOutput, RequestOutput
-from pkgd.engine.sampling_params import RequestOutputKind
+from pkgd.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from pkgd.sampling_params import RequestOutputKind
 
-if TYPE_CHECKING:
-    from pkgd.engine.output_processor import RequestState
+
+class ChildState(Protocol):
+    """What the parent reads of a child's state (`output_processor.RequestState`)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    num_cached_tokens: int
+    metrics: dict[str, Any]
 
 
 class ParentRequest:
@@ -37,7 +44,7 @@ class ParentRequest:
     def finished(self) -> bool:
         return self.num_finished == self.n
 
-    def add_completion(self, child: RequestState, completion: CompletionOutput) -> RequestOutput | None:
+    def add_completion(self, child: ChildState, completion: CompletionOutput) -> RequestOutput | None:
         """Record a child's completion; returns the client-facing output, if any is due."""
         if completion.finished():
             self.num_finished += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pkgd.ipc.messages import TokenLogprobs
+from pkgd.logprobs import TokenLogprobs
 
 
 @dataclasses.dataclass

