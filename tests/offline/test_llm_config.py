@@ -49,3 +49,13 @@ def test_config_plus_overrides():
     base = VllmConfig.model_validate({"cache": {"num_blocks": 99}})
     cfg = build_llm_config(config=base, max_num_seqs=4)
     assert cfg.cache.num_blocks == 99 and cfg.scheduler.max_num_seqs == 4
+
+
+def test_nested_section_alias_works_as_a_keyword():
+    cfg = build_llm_config(allowed_origins=["https://a.example"])
+    assert cfg.frontend.cors.allowed_origins == ["https://a.example"]
+
+
+def test_boolean_switch_keyword_takes_its_value():
+    assert build_llm_config(enable_prefix_caching=False).cache.enable_prefix_caching is False
+    assert build_llm_config(no_enable_prefix_caching=True).cache.enable_prefix_caching is False
