@@ -1,4 +1,4 @@
-"""``pkgd bench throughput``: offline throughput of the engine (the seeds' ``vllm bench throughput``).
+"""``pkgd bench throughput``: offline throughput of the engine (vLLM's ``vllm bench throughput``).
 
 Prints, from one run: requests/s, output and total tokens/s, peak RSS of the engine; the
 fp32 ``torch.mm`` FLOP/s and the roofline fraction ``2 × params × tokens ÷ time ÷ GEMM
@@ -26,6 +26,20 @@ from pkgd.cli.base import CLISubcommand
 
 GB = 1e9
 
+THROUGHPUT_DESCRIPTION = """\
+Offline throughput of the engine (as vllm bench throughput), all in one process:
+requests/s, output and total tokens/s and the engine's peak memory; the achieved FLOP/s
+against a measured matrix multiply; one request alone (decode tokens/s against the bound
+the memory bandwidth sets); with --baseline hf, the same prompts through transformers'
+generate() and the ratio. Configuration flags and overrides (--model, --max-num-seqs 64,
+cache.num_blocks=512) choose the engine as for pkgd serve."""
+
+THROUGHPUT_EXAMPLES = """\
+examples:
+  pkgd bench throughput --num-prompts 64 --input-len 256 --output-len 64
+  pkgd bench throughput --baseline hf --repeats 3 --output-json run.json --plot run.png
+  pkgd bench throughput --compare run.json --plot compare.png   (against an earlier run)"""
+
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -47,7 +61,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                         "of each: on a shared machine the quietest window is the closest to the truth")
     p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
     p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
-                   help="input and output tokens of the single-stream run (default 128 in / 128 out)")
+                   help="input and output tokens of the single-stream run")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
@@ -224,19 +238,19 @@ class BenchSubcommand(CLISubcommand):
     """``pkgd bench {throughput,serve}``."""
 
     name = "bench"
-    help = "Benchmark the offline engine (throughput) or a running server (serve)."
+    help = "benchmark the offline engine (throughput) or a running server (serve)"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
         sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve}")
-        t = sub.add_parser("throughput", help="Offline throughput (vllm bench throughput).", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        t = sub.add_parser("throughput", help="offline throughput of the engine (vllm bench throughput)",
+                           description=THROUGHPUT_DESCRIPTION, epilog=THROUGHPUT_EXAMPLES)
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
         from pkgd.cli import bench_serve  # light: argparse only until it runs
 
-        s = sub.add_parser("serve", help="Load a running OpenAI-compatible server (vllm bench serve).",
-                           description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        s = sub.add_parser("serve", help="load a running OpenAI-compatible server (vllm bench serve)",
+                           description=bench_serve.DESCRIPTION, epilog=bench_serve.EXAMPLES)
         bench_serve.add_serve_args(s)
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
         return parser
@@ -251,11 +265,13 @@ def cmd_init() -> list[BenchSubcommand]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pkgd.cli.bench throughput …`` (the same as ``pkgd bench throughput …``)."""
-    parser = argparse.ArgumentParser(prog="pkgd")
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd")
     subparsers = parser.add_subparsers(dest="command", required=True)
     (cmd,) = cmd_init()
     cmd.subparser_init(subparsers)
-    return cmd.cmd(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+    return cmd.cmd(parser.parse_command_line(["bench", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

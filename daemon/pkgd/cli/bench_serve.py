@@ -1,4 +1,4 @@
-"""``pkgd bench serve``: load an OpenAI-compatible server (the seeds' ``vllm bench serve``).
+"""``pkgd bench serve``: load an OpenAI-compatible server (vLLM's ``vllm bench serve``).
 
 Sends ``--num-prompts`` completion requests of ``--input-len`` prompt tokens (random token
 ids, so lengths are exact) asking for ``--output-len`` tokens (``ignore_eos``), at most
@@ -28,12 +28,26 @@ from typing import Any
 
 import httpx
 
+DESCRIPTION = """\
+Load a running OpenAI-compatible server (pkgd, vLLM, any other) as vllm bench serve does:
+--num-prompts completion requests of --input-len random prompt tokens, each asking for
+--output-len tokens, at most --max-concurrency at a time. Prints requests/s, output and
+total tokens/s, and the median, mean and p99 of the time to first token (TTFT), the time per
+output token after the first (TPOT), the gaps between streamed chunks (ITL) and the whole
+request's latency, measured on the client. --no-stream measures plain request throughput."""
+
+EXAMPLES = """\
+examples:
+  pkgd bench serve --num-prompts 64 --max-concurrency 8
+  pkgd bench serve --base-url http://127.0.0.1:8001 --output-json vllm.json   (another server)
+  pkgd bench serve --compare vllm.json --plot serve.png   (this server against that run)"""
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
     # Not --model / --api-key / --seed: under `pkgd` those are config flags (frontend, model).
     p.add_argument("--model-name", dest="model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--bearer-token", dest="api_key", default=os.environ.get("OPENAI_API_KEY"),
+    p.add_argument("--bearer-token", dest="api_key", default=None, metavar="KEY",
                    help="Bearer key, when the server wants one (default: $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
@@ -111,7 +125,8 @@ def _bodies(args: argparse.Namespace, model: str, n: int, rng: random.Random) ->
 
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     """Run the load and return the figures."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=None) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
@@ -182,10 +197,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pkgd bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd bench serve", description=DESCRIPTION, epilog=EXAMPLES)
     add_serve_args(parser)
-    return run_serve(parser.parse_args(argv))
+    return run_serve(parser.parse_command_line(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
