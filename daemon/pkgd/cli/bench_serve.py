@@ -21,12 +21,14 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from typing import Any
 
 import httpx
+
+from pkgd.benchmarks import plot
+from pkgd.benchmarks.stats import latency_stats
 
 DESCRIPTION = """\
 Load a running OpenAI-compatible server (pkgd, vLLM, any other) as vllm bench serve does:
@@ -58,6 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) first")
     p.add_argument("--random-seed", dest="seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    plot.add_plot_args(p)
 
 
 @dataclasses.dataclass
@@ -146,14 +149,6 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, model, results, elapsed)
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"median": float("nan"), "mean": float("nan"), "p99": float("nan")}
-    values = sorted(values)
-    return {"median": statistics.median(values), "mean": statistics.fmean(values),
-            "p99": values[min(len(values) - 1, int(0.99 * len(values)))]}
-
-
 def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], elapsed: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -166,10 +161,10 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         "stream": args.stream, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
         "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_s": _stats(tpots),
-        "itl_s": _stats([x for r in ok for x in r.itls]),
-        "latency_s": _stats([r.latency for r in ok]),
+        "ttft_s": latency_stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": latency_stats(tpots),
+        "itl_s": latency_stats([x for r in ok for x in r.itls]),
+        "latency_s": latency_stats([r.latency for r in ok]),
     }
 
 
@@ -188,11 +183,22 @@ def print_report(fig: dict[str, Any]) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``pkgd bench serve`` (also ``python -m pkgd.cli.bench_serve``): exit 1 if any request failed."""
+    previous = getattr(args, "previous_runs", None)
+    if previous is None:  # run as python -m pkgd.cli.bench_serve: nothing checked it yet
+        try:
+            previous = plot.check_plot_args(args)
+        except (plot.PlotUnavailable, ValueError) as e:
+            print(f"pkgd bench serve: error: {e}", file=sys.stderr)
+            return 2
     fig = asyncio.run(run_load(args))
     print_report(fig)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(fig, f, indent=2)
+    stream = "streaming" if fig["stream"] else "non-streaming"
+    plot.report([plot.series_from_figures(fig, args.base_url), *previous], args.plot,
+                title=f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> "
+                f"{fig['output_len']} tokens, concurrency {fig['max_concurrency']}, {stream}")
     return 1 if fig["failed"] else 0
 
 
