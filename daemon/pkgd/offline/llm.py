@@ -28,7 +28,7 @@ from pkgd.frontend.input_processor import ChatMessage, InputProcessor, Processed
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
 from pkgd.outputs import Logprob, RequestOutput
-from pkgd.offline.progress import ProgressBar
+from pkgd.offline.progress import ProgressBar, UseTqdm
 from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
@@ -84,14 +84,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; returns one finished `RequestOutput` per prompt, in order.
 
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or
         ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt). ``sampling_params`` is one
-        for all or one per prompt. Raises `ValueError` for bad input before anything runs.
+        for all or one per prompt. ``use_tqdm``: True shows a progress bar for a batch of
+        several prompts still running after 2 s, False none, a callable makes the bar (as
+        ``tqdm``; see `pkgd.offline.progress`). Raises `ValueError` for bad input before
+        anything runs.
         """
         prompt_list = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
@@ -109,7 +112,7 @@ class LLM:
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -157,7 +160,7 @@ class LLM:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run_processed(self, processed: list[ProcessedRequest], use_tqdm: bool = True) -> list[RequestOutput]:
+    def run_processed(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """Run requests built by ``self.input_processor`` (ids unique among live requests) to
         completion; finished `RequestOutput`s in the same order. On any error or interrupt
         every request of this call is aborted before the exception propagates."""
@@ -172,7 +175,7 @@ class LLM:
                 added.append(p.request_id)
                 for req in p.engine_requests:
                     self.engine.add_request(req)
-            with ProgressBar(len(processed), enabled=use_tqdm) as bar:
+            with ProgressBar(len(processed), use_tqdm=use_tqdm) as bar:
                 remaining = len(processed)
                 while remaining:
                     if not self.engine.has_unfinished_requests():

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from pkgd import log
+from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.scheduler_output import SchedulerOutput
 from pkgd.logprobs import TokenLogprobs
@@ -117,12 +117,15 @@ class ModelRunner:
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
+        bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         if self.device.type == "cpu":
             tune_cpu_allocator()
-            why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+            with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
+                why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
             if why_not:
                 logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
-        self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
+        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
+            self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp, progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         cpu_kernels = ops.cpu_kernels()
@@ -174,10 +177,14 @@ class ModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        layers = self.arch.num_hidden_layers
+        with phases.phase("kv_cache", "allocating KV cache", total=layers, unit="layer", bar=self.tp.rank == 0,
+                          num_blocks=num_blocks, bytes=num_blocks * self.kv_cache_bytes_per_block(block_size)) as p:
+            self.kv_caches = []
+            for _ in range(layers):
+                self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                       torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+                p.advance()
         self.block_size = block_size
         if self.device.type == "cpu":
             self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])
