@@ -104,10 +104,10 @@ async def test_cors_follows_the_config(tokenizer):
 def test_api_modules_never_import_torch():
     import importlib.util
 
-    frontend = "import pkgd.api.async_llm as a; a._import_frontend();" if importlib.util.find_spec("pkgd.engine.input_processor") else ""
+    frontend = "import pkgd.frontend.async_llm as a; a._import_frontend();" if importlib.util.find_spec("pkgd.frontend.input_processor") else ""
     code = (
-        "import sys; import pkgd.api.server, pkgd.api.app, pkgd.api.async_llm, pkgd.ipc.client;"
-        "import pkgd.api.parsers.hermes, pkgd.api.parsers.reasoning;" + frontend +
+        "import sys; import pkgd.api.server, pkgd.api.app, pkgd.frontend.async_llm, pkgd.ipc.client;"
+        "import pkgd.parsers.hermes, pkgd.parsers.reasoning;" + frontend +
         "bad = [m for m in ('torch', 'hydra') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

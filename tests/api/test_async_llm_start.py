@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import structlog
 
-from pkgd.api import async_llm
-from pkgd.api.async_llm import AsyncLLM
+from pkgd.frontend import async_llm
+from pkgd.frontend.async_llm import AsyncLLM
 from pkgd.config.vllm_config import VllmConfig
 
 from .fakes import FakeEngineClient

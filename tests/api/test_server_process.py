@@ -22,8 +22,8 @@ FAKE_ENV = {"FAKE_VOCAB": "49152", "FAKE_MAX_MODEL_LEN": "8192"}
 
 @pytest.fixture
 def tokenizer_ready():
-    pytest.importorskip("pkgd.engine.tokenizer", reason="the engine's frontend is not merged yet")
-    pytest.importorskip("pkgd.runner.loader.resolve", reason="the runner's model resolver is not merged yet")
+    pytest.importorskip("pkgd.frontend.tokenizer", reason="the engine's frontend is not merged yet")
+    pytest.importorskip("pkgd.model_files.resolve", reason="the runner's model resolver is not merged yet")
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.runner import ops
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.models.cpu_decode import CpuDecodeStep

@@ -39,8 +39,8 @@ from hypercorn.config import Config as HypercornConfig
 
 from pkgd import log
 from pkgd.api.app import build_app
-from pkgd.api.async_llm import AsyncLLM
-from pkgd.api.metrics import Metrics
+from pkgd.frontend.async_llm import AsyncLLM
+from pkgd.frontend.metrics import Metrics
 from pkgd.api.state import ServerState
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.ipc import child

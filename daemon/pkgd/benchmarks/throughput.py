@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pkgd.engine.llm import LLM
+    from pkgd.offline.llm import LLM
 
 PARAGRAPH = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines "

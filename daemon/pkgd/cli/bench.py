@@ -82,7 +82,7 @@ def offline_llm(args: argparse.Namespace) -> Any:
     run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
     way the engine uses every core unless ``parallel.cpu_threads`` is set.
     """
-    from pkgd.engine.llm import LLM
+    from pkgd.offline.llm import LLM
 
     request = getattr(args, "compose_request", None)
     if request is not None:

@@ -60,7 +60,16 @@ class ConfigSubcommand(CLISubcommand):
                           help="only this section or key (model, frontend.cors, parallel.tp); default: all")
         keys.add_argument("--format", choices=("text", "markdown"), default="text",
                           help="markdown: the reference as docs/configuration.md holds it")
-        actions.add_parser("schema", help="print the JSON schema of the configuration")
+        schema_cmd = actions.add_parser(
+            "schema",
+            help="print the JSON schema of the configuration (or of the YAML files that build it)",
+            description="Print the JSON schema of the validated tree (schemas/vllm_config.schema.json). "
+            "--file: of a whole-tree YAML file (pkgd.yaml, conf.d/*.yaml, profiles; schemas/pkgd-file.schema.json); "
+            "--group SECTION: of an option file of that config group (schemas/groups/SECTION.schema.json).",
+        )
+        kind = schema_cmd.add_mutually_exclusive_group()
+        kind.add_argument("--file", action="store_true", help="the schema of a whole-tree YAML file")
+        kind.add_argument("--group", metavar="SECTION", help="the schema of a group option file, e.g. parallel")
         diff = actions.add_parser(
             "diff",
             help="what differs between two configs and what a reload would restart",
@@ -115,9 +124,22 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
+    from pkgd.config import file_schemas
+    from pkgd.config.errors import closest
     from pkgd.config.schema import schema_text
 
-    sys.stdout.write(schema_text())
+    if args.group is not None:
+        sections = file_schemas.group_sections()
+        if args.group not in sections:
+            match = closest(args.group, sections)
+            hint = f"; did you mean {match}?" if match else ""
+            print(f"pkgd: config schema --group {args.group}: no such section{hint} ({', '.join(sections)})", file=sys.stderr)
+            return 2
+        sys.stdout.write(json.dumps(file_schemas.group_schema(args.group), indent=2) + "\n")
+    elif args.file:
+        sys.stdout.write(json.dumps(file_schemas.file_schema(), indent=2) + "\n")
+    else:
+        sys.stdout.write(schema_text())
     return 0
 
 

@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from pkgd.cli.base import CLISubcommand
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 DESCRIPTION = """\
 Run a file of OpenAI batch requests on an in-process engine (as vllm run-batch). Each input

@@ -56,7 +56,7 @@ class ServeSubcommand(CLISubcommand):
             args.compose_request = dataclasses.replace(request, flags=(*request.flags, "--model", args.model_tag))
         args.composed = compose(args.compose_request)
         from pkgd.config.errors import ConfigError
-        from pkgd.runner.loader.resolve import model_source_problems
+        from pkgd.model_files.resolve import model_source_problems
 
         problems = model_source_problems(args.composed.config.model)
         if problems:  # exit 2 like any config error, so systemd does not restart in a loop

@@ -35,6 +35,10 @@ from pkgd_kernels.cpu import supports_decode
 from pkgd.runner import ops
 from pkgd.runner.ops import kernels
 
+# One layer's paged KV cache: (key cache, value cache), each
+# [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
 # Bytes of gathered K+V per decode chunk on CPU (fits in L2 beside the weights' stream; K and
 # V each stay under the 1 MiB mmap threshold of `pkgd.runner.allocator`).
 DECODE_CHUNK_BYTES = 1 << 20

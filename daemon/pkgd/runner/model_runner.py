@@ -3,7 +3,7 @@
 The engine core drives it: ``model_info`` and ``kv_cache_bytes_per_block`` size the KV
 cache, ``initialize_kv_cache`` allocates it, then each step ``execute_model(SchedulerOutput)
 -> ModelRunnerOutput`` runs one flattened batch (contracts in
-`pkgd.engine.scheduler_output` and `pkgd.runner.output`).
+`pkgd.scheduler_output` and `pkgd.runner_output`).
 
 A step: apply the scheduler's diffs to the per-request states -> flatten (one-token queries
 first) -> model forward over all scheduled tokens -> LM head only on the rows that sample (the
@@ -25,19 +25,19 @@ import torch
 
 from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.scheduler_output import SchedulerOutput
-from pkgd.ipc.messages import TokenLogprobs
+from pkgd.scheduler_output import SchedulerOutput
+from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner import ops
 from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
-from pkgd.runner.loader.resolve import ModelFiles, default_cache_dir
+from pkgd.model_files.resolve import ModelFiles, default_cache_dir
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 
 logger = log.get_logger("pkgd.runner")

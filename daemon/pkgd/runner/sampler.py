@@ -28,8 +28,8 @@ import dataclasses
 
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.ipc.messages import TokenLogprobs
+from pkgd.sampling_params import SamplingParams
+from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.ops import kernels
 
 _MASK64 = (1 << 64) - 1

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pkgd.runner.distributed import SINGLE, TPGroup
-from pkgd.runner.loader.resolve import ModelSourceError
+from pkgd.model_files.errors import ModelSourceError
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
 

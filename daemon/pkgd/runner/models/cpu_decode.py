@@ -21,17 +21,18 @@ It serves a step when all of these hold, else the model's per-layer forward runs
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from pkgd_kernels.cpu import DecoderDims, DecoderLayerPointers
 
 from pkgd.runner import ops
-from pkgd.runner.attention import AttentionMetadata
+from pkgd.runner.attention import AttentionMetadata, KVCache
 from pkgd.runner.layers.linear import GEMV_MAX_BATCH
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pkgd.runner.models.llama import KVCache, LlamaForCausalLM
+# The model is a `pkgd.runner.models.llama.LlamaForCausalLM` (or a subclass); that module builds
+# this step, so it is typed by what it is read for, not imported.
+LlamaModel = Any
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -46,7 +47,7 @@ class CpuDecodeStep:
     caches, re-read when they change) must outlive it, which they do as the model owns it.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kernels) -> None:
+    def __init__(self, model: LlamaModel, kernels) -> None:
         cfg = model.cfg
         first = model.layers[0].self_attn
         self.kernels = kernels
@@ -78,7 +79,7 @@ class CpuDecodeStep:
         self._caches_key: tuple[int, ...] | None = None
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> CpuDecodeStep | None:
+    def build(cls, model: LlamaModel) -> CpuDecodeStep | None:
         """The step for ``model``, or None when it does not qualify (module docstring)."""
         kernels = ops.cpu_kernels()
         if kernels is None or model.dtype != torch.float32 or model.tp.size != 1 or model.norm.weight.is_cuda:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pkgd.runner import ops
-from pkgd.runner.attention import AttentionMetadata, paged_attention
+from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -31,8 +31,6 @@ from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, apply_rotary_complex, to_interleaved
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.cpu_decode import CpuDecodeStep
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RopeContext:
