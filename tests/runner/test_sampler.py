@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pkgd.engine.sampling_params import SamplingParams
-from pkgd.runner.sampler import Sampler, SamplingRow, step_seed, top_k_top_p_mask
+from pkgd.runner.sampler import Sampler, SamplingRow, step_seed
+from pkgd_kernels import top_k_top_p_mask
 
 EOS = 7
 V = 16

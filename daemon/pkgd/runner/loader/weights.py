@@ -82,8 +82,9 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
     return t
 
 
-def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE, kernels=None) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
+    ``kernels``: the `pkgd_kernels.cpu.CpuKernels` the model's ops may use (CPU), or None.
 
     Raises:
         UnsupportedArchitectureError: the architecture is not registered.
@@ -92,7 +93,7 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     """
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
-        model = cls(cfg, tp=tp, dtype=dtype)
+        model = cls(cfg, tp=tp, dtype=dtype, kernels=kernels)
     with torch.no_grad():
         model.load_weights(iter_safetensors(model_dir))
         # Submodules before the modules holding them (e.g. linear weights repacked for oneDNN
