@@ -24,9 +24,9 @@ def _json_logs():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    pytest.importorskip("pkgd.engine.tokenizer", reason="the engine's frontend is not merged yet")
-    pytest.importorskip("pkgd.runner.loader.resolve", reason="the runner's model resolver is not merged yet")
-    from pkgd.api.async_llm import load_frontend_tokenizer
+    pytest.importorskip("pkgd.frontend.tokenizer", reason="the engine's frontend is not merged yet")
+    pytest.importorskip("pkgd.model_files.resolve", reason="the runner's model resolver is not merged yet")
+    from pkgd.frontend.async_llm import load_frontend_tokenizer
 
     return load_frontend_tokenizer(VllmConfig())
 
@@ -45,8 +45,8 @@ def answer_script(tokenizer, text: str = ANSWER) -> Callable:
 async def served(tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None) -> AsyncIterator:
     """(httpx client on the app, ServerState, FakeEngineClient)."""
     from pkgd.api.app import build_app
-    from pkgd.api.async_llm import AsyncLLM
-    from pkgd.api.metrics import Metrics
+    from pkgd.frontend.async_llm import AsyncLLM
+    from pkgd.frontend.metrics import Metrics
     from pkgd.api.state import ServerState
 
     config = config or VllmConfig()

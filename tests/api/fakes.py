@@ -13,15 +13,8 @@ import asyncio
 from collections.abc import Callable
 
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
-from pkgd.ipc.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    EngineOutputs,
-    FinishReason,
-    Handshake,
-    SchedulerStats,
-    TokenLogprobs,
-)
+from pkgd.logprobs import TokenLogprobs
+from pkgd.ipc.messages import EngineCoreOutput, EngineCoreRequest, EngineOutputs, FinishReason, Handshake, SchedulerStats
 
 EOS = 2
 MAX_MODEL_LEN = 2048

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pkgd.api.parsers import load_parser, registered_names
-from pkgd.api.parsers.hermes import HermesToolParser
-from pkgd.api.parsers.reasoning import ThinkTagReasoningParser
+from pkgd.parsers import load_parser, registered_names
+from pkgd.parsers.hermes import HermesToolParser
+from pkgd.parsers.reasoning import ThinkTagReasoningParser
 from pkgd.config.vllm_config import VllmConfig
 
 from .conftest import answer_script, served

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from pkgd.api.parsers import registered_names
+from pkgd.parsers import registered_names
 from pkgd.config import VllmConfig
 
 

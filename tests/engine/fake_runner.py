@@ -4,7 +4,7 @@ Its "KV cache" stores, per slot, the token id written there; its "model" predict
 token from the tokens it reads back through the request's block table. A wrong block table,
 slot, prefix-cache hit or diff therefore changes (or, checked, breaks) the output, which is
 what the scheduler and KV-manager tests rely on. It follows the runner contract of
-``engine/scheduler_output.py``: drop ``finished_req_ids`` first, take new requests in full,
+``pkgd/scheduler_output.py``: drop ``finished_req_ids`` first, take new requests in full,
 apply cached-request diffs, compute ``num_scheduled_tokens`` tokens each, sample one token
 when a request's computed tokens reach its length.
 """
@@ -16,10 +16,10 @@ import random
 import types
 from collections.abc import Callable
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.engine.scheduler_output import SchedulerOutput
-from pkgd.ipc.messages import TokenLogprobs
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import SchedulerOutput
+from pkgd.logprobs import TokenLogprobs
+from pkgd.runner_output import ModelRunnerOutput
 
 
 def hash_next_token(tokens: list[int], vocab_size: int) -> int:

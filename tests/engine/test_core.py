@@ -5,7 +5,7 @@ import pytest
 
 from pkgd.config import VllmConfig
 from pkgd.engine.core import EngineCore
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason, Handshake
 
 from .fake_runner import fake_factory
@@ -35,11 +35,11 @@ def test_cache_smaller_than_one_sequence_is_refused():
 def test_kv_cache_larger_than_available_memory_is_refused_before_allocating(monkeypatch):
     import pkgd.engine.core as core
 
-    monkeypatch.setattr(core, "mem_available_bytes", lambda: 3 << 20)
+    monkeypatch.setattr(core.host, "mem_available_bytes", lambda: 3 << 20)
     with pytest.raises(ValueError, match=r"needs 0\.01 GiB of memory but only 0\.00 GiB is available"):
         engine({"kv_cache_memory_bytes": 8 << 20, "block_size": 16})
     assert engine({"kv_cache_memory_bytes": 2 << 20, "block_size": 16}).num_kv_blocks == (2 << 20) // (16 * 64)
-    monkeypatch.setattr(core, "mem_available_bytes", lambda: None)  # no /proc/meminfo: no check
+    monkeypatch.setattr(core.host, "mem_available_bytes", lambda: None)  # no /proc/meminfo: no check
     assert engine({"kv_cache_memory_bytes": 8 << 20, "block_size": 16}).num_kv_blocks > 0
 
 

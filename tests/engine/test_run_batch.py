@@ -7,7 +7,7 @@ import pytest
 from pkgd import LLM
 from pkgd.cli.run_batch import process_batch
 
-from .conftest import smollm2_gguf
+from tests.smollm2 import smollm2_gguf
 from .fake_runner import fake_factory
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from pkgd.config import VllmConfig
 from pkgd.engine.core import EngineCore
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason
 
 from .fake_runner import fake_factory

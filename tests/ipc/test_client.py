@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc import transport
 from pkgd.ipc.client import EngineClient, EngineRequestError, EngineUnavailableError
 from pkgd.ipc.messages import ChildFailed, EngineCoreRequest, EngineOutputs, Handshake

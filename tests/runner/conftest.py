@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.runner.loader.resolve import resolve_model
+from pkgd.model_files.resolve import resolve_model
 from tests.runner.tiny_models import build_tiny
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.models.llama_cpu_decode import LLAMA_DECODE, CpuDecodeStep, DecoderDims
 from tests.runner.conftest import make_runner

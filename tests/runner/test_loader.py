@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from pkgd.config.sections import ModelConfig
-from pkgd.runner.loader import resolve as R
+from pkgd.model_files import resolve as R
 from pkgd.runner.loader.dtype import cpu_has_native_bf16, resolve_dtype
-from pkgd.runner.loader.resolve import ModelSourceError, resolve_model
+from pkgd.model_files.resolve import ModelSourceError, resolve_model
 from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_gguf_conversion_matches_transformers_gguf_loading(tiny_gguf, tmp_path, 
 def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_path, arch):
     """Un-permutation (llama) and head_dim / QK-norm mapping (qwen3, whose GGUF transformers'
     own loader misreads) must be right for the logits."""
-    from pkgd.engine.sampling_params import SamplingParams
+    from pkgd.sampling_params import SamplingParams
     from tests.runner.conftest import make_runner
     from tests.runner.driver import Driver
 
@@ -85,7 +85,7 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
 def test_second_resolve_reuses_cache_without_parsing(tiny_gguf, tmp_path, monkeypatch):
     path, _ = tiny_gguf["llama"]
     first = _resolve(path, tmp_path)
-    import pkgd.runner.loader.gguf_convert as conv
+    import pkgd.model_files.gguf_convert as conv
 
     monkeypatch.setattr(conv, "convert_gguf", lambda *a: pytest.fail("converted twice"))
     monkeypatch.setattr("gguf.GGUFReader", lambda *a, **k: pytest.fail("GGUF parsed again"))
@@ -99,10 +99,10 @@ def test_interrupted_conversion_leaves_no_usable_dir(tiny_gguf, tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys
-        import pkgd.runner.loader.gguf_convert as conv
+        import pkgd.model_files.gguf_convert as conv
         conv._write_tokenizer = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
         from pkgd.config.sections import ModelConfig
-        from pkgd.runner.loader.resolve import resolve_model
+        from pkgd.model_files.resolve import resolve_model
         resolve_model(ModelConfig(source={str(path)!r}, cache_dir={str(tmp_path)!r}))
         """
     )
@@ -174,7 +174,7 @@ def test_resolve_is_torch_free(tiny_dirs):
     model_dir, _ = tiny_dirs("llama")
     code = (
         "import sys; from pkgd.config.sections import ModelConfig; "
-        "from pkgd.runner.loader.resolve import resolve_model; "
+        "from pkgd.model_files.resolve import resolve_model; "
         f"print(resolve_model(ModelConfig(source={str(model_dir)!r})).name); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

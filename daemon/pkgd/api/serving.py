@@ -18,13 +18,13 @@ from starlette.requests import Request
 
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
-from pkgd.engine.sampling_params import RequestOutputKind, SamplingParams
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.engine.input_processor import ProcessedRequest
-    from pkgd.engine.outputs import RequestOutput
+    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.outputs import RequestOutput
 
 T = TypeVar("T")
 

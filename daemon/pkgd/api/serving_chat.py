@@ -36,8 +36,8 @@ from pkgd.api.protocol import (
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.engine.input_processor import ProcessedRequest
-    from pkgd.engine.outputs import CompletionOutput, Logprob
+    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.outputs import CompletionOutput, Logprob
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Any:

@@ -17,12 +17,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.engine.input_processor import ProcessedRequest
-    from pkgd.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pkgd.api.errors import APIError
-from pkgd.api.parsers import load_parser
+from pkgd.parsers import load_parser
 
 if TYPE_CHECKING:
-    from pkgd.api.async_llm import AsyncLLM
-    from pkgd.api.metrics import Metrics
+    from pkgd.frontend.async_llm import AsyncLLM
+    from pkgd.frontend.metrics import Metrics
     from pkgd.config.vllm_config import VllmConfig
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from pkgd.config import schema
-from pkgd.config.errors import did_you_mean
+from pkgd.config.errors import closest, did_you_mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +165,57 @@ def unknown_delete(key: str) -> str:
     hint = did_you_mean(name, schema.children(parent), prefix=f"{parent}." if parent else "")
     return f"~{key}: unknown key{hint}"
 
+
+
+def keyword_ops(kwargs: Mapping[str, Any]) -> tuple[list[ValueOp], list[str]]:
+    """Translate Python keyword arguments (``LLM(tensor_parallel_size=2, ...)``) to value ops.
+
+    The same table as the flags (`schema.alias_index`): a keyword is a flag without its dashes
+    (``allowed_origins`` for ``--allowed-origins``, ``no_enable_prefix_caching``), a leaf's
+    own name where it names one leaf only (``tp``, ``num_blocks``), a dotted key
+    (``**{"cache.block_size": 32}``), or a section given as a dict (``cache={...}``). Values
+    are Python values, not strings. A boolean switch takes the value given
+    (``enable_prefix_caching=False`` sets false); an enum switch sets its constant when the
+    value is true (``data_parallel_external_lb=True``). Returns ``(ops, problems)``; an unknown
+    keyword's problem reads ``an unknown option 'X'; did you mean 'Y'?``.
+    """
+    index = {flag[2:].replace("-", "_"): entry for flag, entry in schema.alias_index().items() if flag.startswith("--")}
+    by_name: dict[str, list[schema.Leaf]] = {}
+    for leaf in schema.leaves().values():
+        by_name.setdefault(leaf.key.rpartition(".")[2], []).append(leaf)
+    names = {name: found[0] for name, found in by_name.items() if len(found) == 1}
+    sections = set(schema.children(""))
+    ops: list[ValueOp] = []
+    problems: list[str] = []
+    for name, value in kwargs.items():
+        origin = f"keyword {name}"
+        if name in sections and isinstance(value, Mapping):
+            ops.extend(ValueOp(key, v, origin=origin) for key, v in _flatten(value, name))
+        elif "." in name and name.split(".", 1)[0] in sections:
+            ops.append(ValueOp(name, value, origin=origin))
+        elif name in index:
+            leaf, const = index[name]
+            if leaf.is_bool and const is not None:
+                ops.append(ValueOp(leaf.key, bool(value) == (const == "true"), origin=origin))
+            elif const is not None:
+                if value:
+                    ops.append(ValueOp(leaf.key, const, origin=origin))
+            else:
+                ops.append(ValueOp(leaf.key, value, origin=origin))
+        elif name in names:
+            ops.append(ValueOp(names[name].key, value, origin=origin))
+        else:
+            match = closest(name, [*index, *names, *sections])
+            problems.append(f"an unknown option {name!r}" + (f"; did you mean {match!r}?" if match else ""))
+    return ops, problems
+
+
+def _flatten(node: Mapping[str, Any], section: str) -> Iterable[tuple[str, Any]]:
+    """``cors={"allowed_origins": [...]}`` under ``frontend`` -> ``("frontend.cors.allowed_origins",
+    [...])``; a dict under a key that is a leaf (not a section) stays one value."""
+    for key, value in node.items():
+        path = f"{section}.{key}"
+        if isinstance(value, Mapping) and schema.children(path):
+            yield from _flatten(value, path)
+        else:
+            yield path, value

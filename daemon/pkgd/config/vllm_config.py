@@ -175,7 +175,7 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
 def _unregistered(path: str, name: str | None, kind: str) -> list[str]:
     if name is None:
         return []
-    from pkgd.api.parsers import registered_names  # light: names only, no parser code
+    from pkgd.parsers import registered_names  # light: names only, no parser code
 
     names = registered_names(kind)
     if name in names:

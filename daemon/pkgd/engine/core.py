@@ -18,13 +18,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from pkgd import host
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
-from pkgd.engine.scheduler_output import SchedulerOutput
+from pkgd.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner_output import ModelRunnerOutput
 
 # 448 MiB: SmolLM2's float32 engine stays under 1.5 GB resident (issue 3's target) while a
 # 256 x (128 -> 128) batch keeps ~40 sequences' context (637 blocks of 16 tokens).
@@ -58,11 +59,7 @@ def default_cpu_threads(config: VllmConfig) -> int:
     shared among the ``parallel.tp`` ranks, at least 1."""
     if config.parallel.cpu_threads is not None:
         return config.parallel.cpu_threads
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, (cores - 1) // config.parallel.tp)
+    return max(1, (host.available_cores() - 1) // config.parallel.tp)
 
 
 def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
@@ -74,7 +71,7 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     """
     import torch
 
-    from pkgd.runner.loader.resolve import resolve_model
+    from pkgd.model_files.resolve import resolve_model
     from pkgd.runner.model_runner import ModelRunner, resolve_device
 
     threads = default_cpu_threads(config)
@@ -116,18 +113,6 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
     return num_blocks
 
 
-def mem_available_bytes() -> int | None:
-    """Linux's estimate of memory available to new allocations without swapping
-    (``MemAvailable`` in /proc/meminfo), or None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
 
 def _check_host_memory(runner: Any, kv_bytes: int) -> None:
     """Refuse a host-memory (CPU) KV cache larger than the memory available now, rather than
@@ -139,7 +124,7 @@ def _check_host_memory(runner: Any, kv_bytes: int) -> None:
     device = getattr(runner, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         return
-    available = mem_available_bytes()
+    available = host.mem_available_bytes()
     if available is not None and kv_bytes > available:
         raise ValueError(
             f"the KV cache needs {kv_bytes / 2**30:.2f} GiB of memory but only {available / 2**30:.2f} GiB is "
@@ -201,15 +186,16 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
         request.sampling_params.verify(max_logprobs=self.vocab_size)
+        # The frontend validates the prompt and max_tokens against max_model_len with the
+        # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
+        # wire client that skipped it from overrunning a request's block table.
         max_tokens = request.sampling_params.max_tokens
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) + (max_tokens or 1) > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens, which leaves no room to generate within "
                 f"max_model_len {self.max_model_len}"
-            )
-        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                if max_tokens is None
+                else f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                 f"{len(prompt) + max_tokens} exceeds max_model_len {self.max_model_len}"
             )
 

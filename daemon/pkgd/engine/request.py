@@ -12,8 +12,9 @@ from __future__ import annotations
 import enum
 import itertools
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.ipc.messages import EngineCoreRequest, FinishReason, TokenLogprobs
+from pkgd.sampling_params import SamplingParams
+from pkgd.logprobs import TokenLogprobs
+from pkgd.ipc.messages import EngineCoreRequest, FinishReason
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,8 +56,8 @@ class Request:
         eos_token_id: end-of-sequence token, None when the model has none.
         arrival_time: Unix time in seconds (FCFS order, priority tie-break).
         priority: lower runs first under ``scheduler.policy: priority``.
-        max_tokens: effective output limit, ``min(sampling max_tokens, max_model_len -
-            prompt length)``.
+        max_tokens: output limit: the sampling ``max_tokens``, else ``max_model_len - prompt
+            length``.
         num_computed_tokens: tokens whose KV is in the cache or scheduled to be written this
             step (the scheduler advances it when it schedules them).
         status: a `RequestStatus`. stop_reason: the stop token id that ended it.
@@ -89,9 +90,9 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.arrival_seq = next(_arrival_counter)  # creation order, the final tie-break
-        room = max_model_len - len(self.prompt_token_ids)
+        # EngineCore.validate_request has checked prompt + max_tokens against max_model_len.
         wanted = sampling_params.max_tokens
-        self.max_tokens = room if wanted is None else min(wanted, room)
+        self.max_tokens = max_model_len - len(self.prompt_token_ids) if wanted is None else wanted
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING

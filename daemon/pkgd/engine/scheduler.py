@@ -38,9 +38,9 @@ from pkgd.config.sections import SchedulerConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager, cdiv
 from pkgd.engine.request import Request, RequestStatus
 from pkgd.engine.request_queue import create_request_queue
-from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pkgd.ipc.messages import EngineCoreOutput, SchedulerStats
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner_output import ModelRunnerOutput
 
 # Admission lookahead, in tokens (see the module docstring). Chosen by simulating 256 requests
 # of 128 prompt tokens on SmolLM2's then-default CPU cache (728 blocks of 16, 512 MiB) with a null runner and

@@ -18,7 +18,8 @@ import enum
 
 import msgspec
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.logprobs import TokenLogprobs
+from pkgd.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -97,14 +98,6 @@ class Handshake(Message, tag="handshake"):
     eos_token_id: int | None
     num_kv_blocks: int
     block_size: int
-
-
-class TokenLogprobs(msgspec.Struct, array_like=True):
-    """Logprobs at one position: ``token_ids[0]`` is the sampled/prompt token, then top-k."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    rank: int
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):

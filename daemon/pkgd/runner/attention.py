@@ -21,6 +21,10 @@ import pkgd_kernels as pk
 import torch
 from pkgd_kernels.attention_cpu import DecodeChunk, PrefillSeq, plan_decode, plan_prefill
 
+# One layer's paged KV cache: (key cache, value cache), each
+# [num_blocks, block_size, num_kv_heads, head_dim].
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclasses.dataclass
 class AttentionMetadata:

@@ -17,8 +17,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.engine.scheduler_output import NewRequestData, SchedulerOutput
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import NewRequestData, SchedulerOutput
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 The engine core drives it: ``model_info`` and ``kv_cache_bytes_per_block`` size the KV
 cache, ``initialize_kv_cache`` allocates it, then each step ``execute_model(SchedulerOutput)
 -> ModelRunnerOutput`` runs one flattened batch (contracts in
-`pkgd.engine.scheduler_output` and `pkgd.runner.output`).
+`pkgd.scheduler_output` and `pkgd.runner_output`).
 
 A step: apply the scheduler's diffs to the per-request states -> flatten (one-token queries
 first) -> model forward over all scheduled tokens -> LM head only on the rows that sample (the
@@ -23,20 +23,20 @@ import time
 
 import torch
 
-from pkgd import log
+from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.scheduler_output import SchedulerOutput
-from pkgd.ipc.messages import TokenLogprobs
+from pkgd.scheduler_output import SchedulerOutput
+from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
-from pkgd.runner.loader.resolve import ModelFiles, default_cache_dir
+from pkgd.model_files.resolve import ModelFiles, default_cache_dir
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 
 logger = log.get_logger("pkgd.runner")
@@ -116,11 +116,15 @@ class ModelRunner:
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
+        bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
-            self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
-        self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp, kernels=self.cpu_kernels)
+            with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
+                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
+            self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
+                                    progress=p, kernels=self.cpu_kernels)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         if self.cpu_kernels is not None:
@@ -183,10 +187,14 @@ class ModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        layers = self.arch.num_hidden_layers
+        with phases.phase("kv_cache", "allocating KV cache", total=layers, unit="layer", bar=self.tp.rank == 0,
+                          num_blocks=num_blocks, bytes=num_blocks * self.kv_cache_bytes_per_block(block_size)) as p:
+            self.kv_caches = []
+            for _ in range(layers):
+                self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                       torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+                p.advance()
         self.block_size = block_size
         if self.device.type == "cpu":
             self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])

@@ -29,8 +29,8 @@ import dataclasses
 import pkgd_kernels as pk
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.ipc.messages import TokenLogprobs
+from pkgd.logprobs import TokenLogprobs
+from pkgd.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.scheduler_output import SchedulerOutput
-from pkgd.runner.loader.resolve import ModelFiles
+from pkgd.scheduler_output import SchedulerOutput
+from pkgd.model_files.resolve import ModelFiles
 from pkgd.runner.model_runner import ModelRunner
 from pkgd.runner.models.config import load_arch_config
 from pkgd.runner.models.llama import check_tp_size
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner_output import ModelRunnerOutput
 
 TP_TIMEOUT = datetime.timedelta(seconds=300)
 

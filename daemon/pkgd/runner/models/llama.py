@@ -26,7 +26,7 @@ import pkgd_kernels as pk
 import torch
 from torch import nn
 
-from pkgd.runner.attention import AttentionMetadata, paged_attention
+from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -34,8 +34,6 @@ from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, to_interleaved
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama_cpu_decode import CpuDecodeStep
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:

@@ -28,18 +28,19 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from pkgd_kernels.cpu import CpuKernels
 from pkgd_kernels.cpu.build import CpuKernelsUnavailable, LibrarySpec
 
 from pkgd import log
-from pkgd.runner.attention import AttentionMetadata
+from pkgd.runner.attention import AttentionMetadata, KVCache
 from pkgd.runner.layers.linear import GEMV_MAX_BATCH
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pkgd.runner.models.llama import KVCache, LlamaForCausalLM
+# The model is a `pkgd.runner.models.llama.LlamaForCausalLM` (or a subclass); that module builds
+# this step, so it is typed by what it is read for, not imported.
+LlamaModel = Any
 
 logger = log.get_logger("pkgd.runner")
 
@@ -150,7 +151,7 @@ class CpuDecodeStep:
     caches, re-read when they change) must outlive it, which they do as the model owns it.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kernel: LlamaDecodeKernel) -> None:
+    def __init__(self, model: LlamaModel, kernel: LlamaDecodeKernel) -> None:
         cfg = model.cfg
         first = model.layers[0].self_attn
         self.kernel = kernel
@@ -182,7 +183,7 @@ class CpuDecodeStep:
         self._caches_key: tuple[int, ...] | None = None
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> CpuDecodeStep | None:
+    def build(cls, model: LlamaModel) -> CpuDecodeStep | None:
         """The step for ``model``, or None when it does not qualify (module docstring; a
         library that cannot be built or loaded is logged as ``one_call_decode_unavailable``)."""
         kernels = model.kernels

@@ -1,0 +1,267 @@
+"""`AsyncLLM`: the frontend half of the engine, inside each API-server process (torch-free).
+
+vLLM v1's ``AsyncLLM`` over this project's pieces: the engine's `InputProcessor` tokenizes
+and applies the chat template (routes call it, so bad input is a 400 before anything is
+sent), `EngineClient` carries `EngineCoreRequest`s to the least loaded engine core, and as
+each step's `EngineCoreOutput`s arrive the engine's `OutputProcessor` detokenizes them
+incrementally, applies stop strings and aggregates ``n > 1``; the resulting `RequestOutput`s
+go to one `RequestStream` per client request. Requests that hit a stop string are aborted in
+the engine, and so is a request whose consumer stops iterating (the HTTP client went away).
+
+Timing for ``/metrics`` (TTFT, inter-token latency, end-to-end) is measured here with the
+monotonic clock, from the moment a request is handed to `generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pkgd import log
+from pkgd.ipc.client import EngineClient, EngineRequestError
+from pkgd.ipc.messages import EngineOutputs, Handshake
+
+if TYPE_CHECKING:
+    from pkgd.frontend.metrics import Metrics
+    from pkgd.config.vllm_config import VllmConfig
+    from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
+    from pkgd.outputs import RequestOutput
+
+logger = log.get_logger(__name__)
+
+WAIT_NOTICE_S = 1.0  # an engine core not answering by then is loading: log waiting_for_engine
+ALL_CORES_WAIT_S = 10.0  # how long start() waits for every core before it goes on with the first
+
+
+class RequestStream:
+    """Outputs of one client request, in order; an error ends it."""
+
+    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens", "finished")
+
+    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int) -> None:
+        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+        self._event = asyncio.Event()
+        self.request_id = request_id
+        self.engine_ids = engine_ids
+        self.prompt_len = prompt_len
+        self.t_arrival = time.monotonic()
+        self.t_last: float | None = None
+        self.num_tokens = 0
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        self._event.set()
+
+    async def get(self) -> RequestOutput:
+        while not self._items:
+            self._event.clear()
+            await self._event.wait()
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class AsyncLLM:
+    """Generates for API routes through the engine cores at ``engine_addresses``.
+
+    Construct, then ``await start()`` (connects, handshakes, loads the tokenizer). The
+    `InputProcessor` is ``input_processor``; ``tokenizer`` may be given to skip loading;
+    ``client_factory(self)`` replaces the `EngineClient` (tests).
+    """
+
+    def __init__(self, config: VllmConfig, engine_addresses: Sequence[str], *, metrics: Metrics | None = None,
+                 tokenizer: Any = None, client_id: str | None = None,
+                 client_factory: Callable[[AsyncLLM], Any] | None = None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        if client_factory is None:
+            self.client: Any = EngineClient(engine_addresses, self, client_id=client_id)
+        else:  # a test double with EngineClient's interface
+            self.client = client_factory(self)
+        self.input_processor: InputProcessor | None = None
+        self.output_processor: Any = None
+        self.handshake: Handshake | None = None
+        self._streams: dict[str, RequestStream] = {}  # client request id -> stream
+        self._client_of: dict[str, str] = {}  # engine request id -> client request id
+
+    async def start(self, handshake_timeout: float) -> None:
+        """Connect to the cores and wait for a first handshake, then build the processors.
+
+        Raises:
+            TimeoutError: no engine core answered within ``handshake_timeout`` seconds.
+            pkgd.frontend.tokenizer.TokenizerError: the tokenizer cannot be loaded.
+        """
+        # The heavy imports run while the engine cores load; the tokenizer itself is read only
+        # after a handshake, when the engine has resolved (for a GGUF: converted) the model, so
+        # this process never converts weights nor imports torch.
+        preload = asyncio.ensure_future(asyncio.to_thread(_import_frontend))
+        # Loading takes seconds to minutes on a cold cache: say so once, as information
+        # (nothing is wrong until engine_ready_timeout passes), and wait.
+        all_cores = asyncio.ensure_future(self.client.start(timeout=min(handshake_timeout, ALL_CORES_WAIT_S)))
+        if not (await asyncio.wait({all_cores}, timeout=WAIT_NOTICE_S))[0]:
+            logger.info("waiting_for_engine", loading=self.client.unavailable(), timeout_s=handshake_timeout,
+                        timeout_key="supervisor.engine_ready_timeout")
+        await all_cores
+        deadline = time.monotonic() + handshake_timeout
+        while self.client.handshake is None:
+            if time.monotonic() > deadline:
+                preload.cancel()
+                raise TimeoutError(f"no engine core answered within {handshake_timeout:.0f} s")
+            await asyncio.sleep(0.05)
+        InputProcessor, OutputProcessor = await preload  # noqa: N806 - classes
+        self.handshake = hs = self.client.handshake
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_frontend_tokenizer, self.config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
+            eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.max_logprobs,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def is_ready(self) -> bool:
+        return self.input_processor is not None and self.client.is_available()
+
+    def num_inflight(self) -> int:
+        return len(self._streams)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, processed: ProcessedRequest, *, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Send ``processed`` to an engine core and yield its `RequestOutput`s until the last.
+
+        Raises:
+            pkgd.ipc.client.EngineUnavailableError: no engine core is available (nothing sent).
+            pkgd.ipc.client.EngineRequestError: the core refused or failed the request.
+            TimeoutError: ``timeout`` seconds passed (the request is aborted).
+        """
+        rid = processed.request_id
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        engine_ids = [r.request_id for r in processed.engine_requests]
+        stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids))
+        self.output_processor.add_request(processed)
+        self._streams[rid] = stream
+        for eid in engine_ids:
+            self._client_of[eid] = rid
+        try:
+            self.client.add_requests(processed.engine_requests)
+        except BaseException:
+            self._forget(rid, abort=False)
+            raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if deadline is None:
+                    out = await stream.get()
+                else:
+                    out = await asyncio.wait_for(stream.get(), max(0.0, deadline - time.monotonic()))
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not stream.finished:  # consumer left, timed out, or the engine failed it
+                self._finished(stream, "abort")
+            self._forget(rid, abort=not stream.finished)
+
+    def abort_all(self, message: str) -> None:
+        """Fail every request in flight with ``message`` (drain deadline passed)."""
+        for rid, stream in list(self._streams.items()):
+            stream.put(EngineRequestError(message))
+            self._forget(rid, abort=True)
+
+    def _forget(self, rid: str, *, abort: bool) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is None:
+            return
+        for eid in stream.engine_ids:
+            self._client_of.pop(eid, None)
+        engine_ids = self.output_processor.abort_requests([rid])
+        if abort and engine_ids:
+            self.client.abort_requests(engine_ids)
+
+    # ---- OutputSink (called by the EngineClient) ---------------------------------------------
+
+    def on_outputs(self, msg: EngineOutputs) -> None:
+        now = time.monotonic()
+        for out in msg.outputs:
+            self._count_tokens(out.request_id, len(out.new_token_ids), now)
+        result = self.output_processor.process_outputs(msg.outputs)
+        if result.reqs_to_abort:
+            self.client.abort_requests(result.reqs_to_abort)
+        for ro in result.request_outputs:
+            stream = self._streams.get(ro.request_id)
+            if stream is None:
+                continue
+            if ro.finished:
+                stream.finished = True
+                self._finished(stream, _finish_reason(ro))
+            stream.put(ro)
+
+    def on_request_error(self, request_ids: list[str], error: EngineRequestError) -> None:
+        for rid in {self._client_of[eid] for eid in request_ids if eid in self._client_of}:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(error)
+            self._forget(rid, abort=True)  # siblings of an n > 1 request too
+
+    def _count_tokens(self, engine_id: str, num: int, now: float) -> None:
+        stream = self._streams.get(self._client_of.get(engine_id, ""))
+        if stream is None or not num:
+            return
+        if self.metrics is not None:
+            if stream.t_last is None:
+                self.metrics.first_token(now - stream.t_arrival, stream.prompt_len)
+                self.metrics.tokens(num, None)
+            else:
+                self.metrics.tokens(num, now - stream.t_last)
+        stream.t_last = now
+        stream.num_tokens += num
+
+    def _finished(self, stream: RequestStream, reason: str) -> None:
+        """Count a finished request; with ``logging.log_requests`` log one line for it."""
+        latency = time.monotonic() - stream.t_arrival
+        if self.metrics is not None:
+            self.metrics.finished(reason, latency)
+        if self.config.logging.log_requests:
+            logger.info("request_finished", request_id=stream.request_id, finish_reason=reason,
+                        prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
+                        latency_s=round(latency, 4))
+
+
+def _finish_reason(ro: RequestOutput) -> str:
+    reasons = [c.finish_reason for c in ro.outputs if c.finish_reason]
+    return reasons[-1] if reasons else "stop"
+
+
+def _import_frontend() -> tuple[type, type]:
+    """Import the engine's frontend side and the tokenizer stack (about a second)."""
+    import transformers  # noqa: F401 - the tokenizer backend, imported once here
+
+    from pkgd.frontend.input_processor import InputProcessor
+    from pkgd.frontend.output_processor import OutputProcessor
+    from pkgd.frontend.tokenizer import load_tokenizer  # noqa: F401
+    from pkgd.model_files.resolve import resolve_model  # noqa: F401
+
+    return InputProcessor, OutputProcessor
+
+
+def load_frontend_tokenizer(config: VllmConfig) -> Any:
+    """The served model's tokenizer, from the directory ``model.source`` resolves to.
+
+    The engine core resolved (and, for a GGUF, converted) the model before any API server
+    started, so this only reads the cached files.
+    """
+    from pkgd.frontend.tokenizer import load_tokenizer
+    from pkgd.model_files.resolve import resolve_model
+
+    files = resolve_model(config.model)
+    return load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)

@@ -1,0 +1,259 @@
+"""`LLM`: offline batch inference on an in-process `EngineCore` (vLLM's ``vllm.LLM``).
+
+    from pkgd import LLM, SamplingParams
+    llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
+    llm = LLM("/models/Qwen3-0.6B", max_model_len=4096, num_blocks=512)
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+All requests go to the engine at once, so they are batched continuously; outputs come back
+in input order. The frontend half is the same `InputProcessor` / `OutputProcessor` the API
+servers use. Offline there is no API process to leave a core for, so the engine uses every
+core unless ``parallel.cpu_threads`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.offline.beam_search import BeamSearchOutput, beam_search
+from pkgd.engine.core import EngineCore, RunnerFactory
+from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
+from pkgd.offline.llm_config import build_llm_config
+from pkgd.frontend.output_processor import OutputProcessor
+from pkgd.outputs import Logprob, RequestOutput
+from pkgd.offline.progress import ProgressBar, UseTqdm
+from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pkgd.frontend.tokenizer import load_tokenizer
+from pkgd.ipc.messages import EngineCoreRequest
+
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+class LLM:
+    """An offline engine.
+
+    Args:
+        model: ``model.source`` (HF directory, ``.gguf`` file or ``pkg:`` reference); None =
+            the config's (by default the embedded SmolLM2-135M-Instruct).
+        config: a whole `VllmConfig` to start from.
+        runner_factory: how the model is loaded (tests pass a fake); default the real runner.
+        **kwargs: config overrides by field name, vLLM keyword or dotted path
+            (``max_model_len=2048``, ``tensor_parallel_size=1``, ``**{"cache.num_blocks": 64}``).
+
+    Raises:
+        TypeError: an unknown keyword (with a did-you-mean).
+        ValueError: an invalid value (dotted path and reason), or a KV cache too small.
+    """
+
+    def __init__(self, model: str | None = None, *, config: VllmConfig | None = None,
+                 runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
+        self.config = build_llm_config(model, config=config, **kwargs)
+        self.engine = EngineCore(self.config, runner_factory=runner_factory)
+        self.tokenizer = _load_tokenizer(self.config, self.engine.model_files)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            eos_token_id=self.engine.eos_token_id,
+            max_logprobs=self.config.frontend.max_logprobs,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's tokenizer (transformers ``PreTrainedTokenizerFast``), or None."""
+        return self.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams` with ``model.generation`` defaults applied."""
+        gen = self.config.model.generation
+        fields = {k: v for k, v in gen.model_dump().items() if v is not None}
+        return SamplingParams(**fields)
+
+    # ---- generation -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: UseTqdm = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt; returns one finished `RequestOutput` per prompt, in order.
+
+        A prompt is a string, a list of token ids, or a dict with ``prompt`` or
+        ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt). ``sampling_params`` is one
+        for all or one per prompt. ``use_tqdm``: True shows a progress bar for a batch of
+        several prompts still running after 2 s, False none, a callable makes the bar (as
+        ``tqdm``; see `pkgd.offline.progress`). Raises `ValueError` for bad input before
+        anything runs.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        prios = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(prios) != len(prompt_list):
+            raise ValueError(f"{len(prios)} priorities for {len(prompt_list)} prompts")
+        processed = [
+            self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr)
+            for p, sp, pr in zip(prompt_list, params, prios, strict=True)
+        ]
+        return self.run_processed(processed, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: UseTqdm = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of
+        them, through the model's chat template; one `RequestOutput` per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        kw = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                  continue_final_message=continue_final_message, tools=tools,
+                  chat_template_kwargs=chat_template_kwargs)
+        processed = [
+            self.input_processor.process_chat(self.next_request_id(), conv, sp, **kw)
+            for conv, sp in zip(conversations, params, strict=True)
+        ]
+        return self.run_processed(processed, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (see `pkgd.offline.beam_search`); sequences best first,
+        with ``text`` decoded from prompt and generated tokens, as vLLM returns them."""
+        token_prompts = []
+        for p in _as_prompt_list(prompts):
+            prompt = _prompt_of(p)
+            probe = SamplingParams(max_tokens=params.max_tokens)  # checks prompt + max_tokens fit
+            token_prompts.append(self.input_processor.process("beam", prompt, probe).prompt_token_ids)
+
+        def next_token_logprobs(seqs: list[list[int]], k: int) -> list[dict[int, Logprob]]:
+            sp = SamplingParams(max_tokens=1, logprobs=k, temperature=params.temperature,
+                                ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+            proc = InputProcessor(self.tokenizer, max_model_len=self.engine.max_model_len,
+                                  vocab_size=self.engine.vocab_size, eos_token_id=self.engine.eos_token_id,
+                                  max_logprobs=max(k, 1))
+            outs = self.run_processed([proc.process(self.next_request_id(), s, sp) for s in seqs], use_tqdm=False)
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        results = beam_search(token_prompts, params, next_token_logprobs,
+                              eos_token_id=self.engine.eos_token_id, max_model_len=self.engine.max_model_len)
+        if self.tokenizer is not None:
+            for out in results:
+                for seq in out.sequences:
+                    seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return results
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run_processed(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm = True) -> list[RequestOutput]:
+        """Run requests built by ``self.input_processor`` (ids unique among live requests) to
+        completion; finished `RequestOutput`s in the same order. On any error or interrupt
+        every request of this call is aborted before the exception propagates."""
+        order = {p.request_id: i for i, p in enumerate(processed)}
+        results: list[RequestOutput | None] = [None] * len(processed)
+        added: list[str] = []
+        try:
+            for p in processed:
+                p.sampling_params = msgspec.structs.replace(p.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+                p.engine_requests = [_final_only(r) for r in p.engine_requests]
+                self.output_processor.add_request(p)
+                added.append(p.request_id)
+                for req in p.engine_requests:
+                    self.engine.add_request(req)
+            with ProgressBar(len(processed), use_tqdm=use_tqdm) as bar:
+                remaining = len(processed)
+                while remaining:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError("the engine finished while requests were still open")
+                    result = self.output_processor.process_outputs(self.engine.step())
+                    if result.reqs_to_abort:
+                        self.engine.abort_requests(result.reqs_to_abort)
+                    for ro in result.request_outputs:
+                        if ro.finished and ro.request_id in order:
+                            results[order[ro.request_id]] = ro
+                            remaining -= 1
+                            bar.update(ro)
+        except BaseException:
+            self.engine.abort_requests(self.output_processor.abort_requests(added))
+            raise
+        return results  # type: ignore[return-value]
+
+    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        return params
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def shutdown(self) -> None:
+        """Abort whatever runs and release the engine."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _load_tokenizer(config: VllmConfig, model_files: Any):
+    """The tokenizer from the resolved files (``tokenizer_dir`` honours ``model.tokenizer``);
+    None when the model directory has none and ``model.tokenizer`` is unset (token-id prompts
+    only, like vLLM's ``skip_tokenizer_init``)."""
+    m = config.model
+    tokenizer_dir = getattr(model_files, "tokenizer_dir", None)
+    if tokenizer_dir is not None:
+        if m.tokenizer is None and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            return None
+        return load_tokenizer(tokenizer_dir, chat_template=m.chat_template)
+    model_dir = getattr(model_files, "model_dir", None)
+    if model_dir is None and m.tokenizer is None:
+        return None
+    return load_tokenizer(model_dir, tokenizer=m.tokenizer, chat_template=m.chat_template)
+
+
+def _final_only(req: EngineCoreRequest) -> EngineCoreRequest:
+    sp = msgspec.structs.replace(req.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return msgspec.structs.replace(req, sampling_params=sp)
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _prompt_of(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt
+    return [int(t) for t in prompt]
