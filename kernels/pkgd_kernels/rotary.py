@@ -159,6 +159,43 @@ def rotary_embedding_triton(
     return outputs[0], outputs[1]
 
 
+def rotary_embedding_cpu(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU form of :func:`rotary_embedding_ref` (same arguments and results; unchecked): GPT-J
+    pairs are adjacent, so each pair is one complex number and the rotation one complex
+    multiplication (3 ATen ops a tensor instead of ~10); NeoX pairs take the rotate-half form."""
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    if cos_sin.dtype != torch.float32:
+        cos_sin = cos_sin.float()
+    half = cos_sin.shape[1] // 2
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+    turn = None if is_neox else torch.complex(cos, sin)
+    return (_rotate_cpu(query, cos, sin, turn, head_size), _rotate_cpu(key, cos, sin, turn, head_size))
+
+
+def _rotate_cpu(x, cos, sin, turn, head_size: int) -> torch.Tensor:
+    """``x [T, H*D]`` rotated with ``cos``/``sin [T, 1, rot/2]`` float32 (``turn`` their
+    complex ``cos + i sin`` for adjacent pairs, None for NeoX pairs); a new ``[T, H*D]``."""
+    t, rot = x.shape[0], 2 * cos.shape[-1]
+    heads = x.view(t, x.shape[1] // head_size, head_size)
+    xr = heads[..., :rot] if heads.dtype == torch.float32 else heads[..., :rot].float()
+    if turn is not None:
+        out = torch.view_as_real(torch.view_as_complex(xr.reshape(t, heads.shape[1], rot // 2, 2)) * turn).flatten(-2)
+    else:
+        a, b = xr.chunk(2, dim=-1)
+        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    out = out.to(x.dtype)
+    if rot < head_size:
+        out = torch.cat((out, heads[..., rot:]), dim=-1)
+    return out.reshape(x.shape)
+
+
 def rotary_embedding(
     positions: torch.Tensor,
     query: torch.Tensor,
@@ -168,7 +205,9 @@ def rotary_embedding(
     is_neox: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on query and key: :func:`rotary_embedding_triton` on CUDA tensors,
-    :func:`rotary_embedding_ref` otherwise (see it for shapes and errors)."""
+    :func:`rotary_embedding_cpu` otherwise (see :func:`rotary_embedding_ref` for shapes and
+    errors)."""
     if use_triton(query):
         return rotary_embedding_triton(positions, query, key, head_size, cos_sin_cache, is_neox)
-    return rotary_embedding_ref(positions, query, key, head_size, cos_sin_cache, is_neox)
+    _check(positions, query, key, head_size, cos_sin_cache)
+    return rotary_embedding_cpu(positions, query, key, head_size, cos_sin_cache, is_neox)

@@ -1,4 +1,5 @@
-"""The one-call CPU decode step (`pkgd.runner.models.cpu_decode`) against the per-layer forward.
+"""The one-call CPU decode step (`pkgd.runner.models.llama_cpu_decode`) against its reference,
+the model's per-layer forward.
 
 Both run on the same model, the same random KV cache contents and the same step; the final
 hidden states and every layer's cache after the step must agree. Thread counts 2 and 3 make
@@ -12,23 +13,13 @@ import pytest
 import torch
 
 from pkgd.sampling_params import SamplingParams
-from pkgd.runner import ops
 from pkgd.runner.attention import AttentionMetadata
-from pkgd.runner.models.cpu_decode import CpuDecodeStep
+from pkgd.runner.models.llama_cpu_decode import LLAMA_DECODE, CpuDecodeStep, DecoderDims
 from tests.runner.conftest import make_runner
 from tests.runner.driver import Driver
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]
 BLOCK = 4
-
-
-@pytest.fixture
-def c_kernels():
-    from pkgd_kernels import cpu
-
-    why_not = ops.enable_cpu_kernels(cpu.default_cache_dir())
-    if why_not:
-        pytest.skip(f"C kernels unavailable: {why_not}")
 
 
 def _random_step(runner, seq_lens: list[int], seed: int):
@@ -114,11 +105,6 @@ def test_steps_it_does_not_serve_fall_back_to_the_per_layer_forward(tiny_dirs, c
     ids, positions, meta = _random_step(runner, [3, 5], seed=3)
     runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
-    # C kernels switched off after loading
-    runner.initialize_kv_cache(8, BLOCK)
-    ops.disable_cpu_kernels()
-    ids, positions, meta = _random_step(runner, [3, 5], seed=4)
-    assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
 
 
 def test_not_built_without_the_c_kernels(tiny_dirs, monkeypatch):
@@ -147,5 +133,47 @@ def test_the_log_says_the_kernels_and_the_one_call_step_are_in_use(tiny_dirs, c_
     with capture_logs() as logs:
         runner = make_runner(model_dir)
     (loaded,) = [e for e in logs if e["event"] == "cpu_kernels_loaded"]
-    assert loaded["one_call_decode"] is True and loaded["library"] == str(ops.cpu_kernels().path)
-    assert runner.model.cpu_decode is not None
+    assert loaded["one_call_decode"] is True and loaded["library"] == str(runner.cpu_kernels.path)
+    assert runner.model.cpu_decode is not None and runner.model.kernels is runner.cpu_kernels
+
+
+def test_the_per_layer_reference_needs_no_c_kernels(tiny_dirs, c_kernels, monkeypatch):
+    """The one-call step against the per-layer forward of a runner built without any C kernel
+    (every op in its PyTorch form), on the same weights, caches and step."""
+    model_dir, _ = tiny_dirs("qwen3")
+    fused = make_runner(model_dir)
+    monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+    plain = make_runner(model_dir)
+    assert plain.cpu_kernels is None and plain.model.cpu_decode is None
+    ids, positions, meta = _random_step(fused, [5, 13, 2], seed=5)
+    plain.kv_caches = [(k.clone(), v.clone()) for k, v in fused.kv_caches]
+    ref, _ = _forward(plain.model, ids, positions, plain.kv_caches, meta, fused=False)
+    got, calls = _forward(fused.model, ids, positions, fused.kv_caches, meta, fused=True)
+    assert calls == [True]
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    for (k, v), (rk, rv) in zip(fused.kv_caches, plain.kv_caches):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_a_library_that_disagrees_with_its_structs_is_refused_not_called(tiny_dirs, c_kernels, tmp_path, monkeypatch):
+    """The C side reports its struct layouts; a ctypes struct edited apart from the C one makes
+    the loader refuse the library (logged), and the per-layer forward serves the steps."""
+    import ctypes
+    import dataclasses
+
+    from structlog.testing import capture_logs
+
+    from pkgd.runner.models import llama_cpu_decode as lcd
+
+    class Shorter(ctypes.Structure):  # a field dropped on the Python side only
+        _c_name_ = "pkgd_decoder_dims"
+        _fields_ = DecoderDims._fields_[:-1]
+
+    monkeypatch.setattr(lcd, "LLAMA_DECODE", dataclasses.replace(LLAMA_DECODE, structs=(Shorter,)))
+    model_dir, _ = tiny_dirs("llama")
+    with capture_logs() as logs:
+        runner = make_runner(model_dir)
+    assert runner.model.cpu_decode is None
+    (refused,) = [e for e in logs if e["event"] == "one_call_decode_unavailable"]
+    assert "struct pkgd_decoder_dims" in refused["reason"] and "in C but" in refused["reason"]

@@ -52,30 +52,35 @@ def test_non_float32_weights_stay_dense():
 
 
 @pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
-def test_small_batches_take_the_c_gemv_and_agree(cpu_path):
+def test_small_batches_take_the_c_gemv_and_agree(cpu_path, monkeypatch):
     g = torch.Generator().manual_seed(1)
-    col = MergedColumnParallelLinear(48, [64, 64], bias=True)
+    col = MergedColumnParallelLinear(48, [64, 64], bias=True, kernels=cpu_path)
     for i in range(2):
         col.load_part(i, torch.randn(64, 48, generator=g))
         col.load_part(i, torch.randn(64, generator=g), "bias")
     xs = [torch.randn(m, 48, generator=g) for m in (1, 3, 8, 9, 40)]
     want = [col(x) for x in xs]
     col.process_weights_after_loading()
-    assert (col.gemv_ptr is not None) == (cpu_path == "c-kernels")
+    assert col.gemv_weight is not None and col.gemv_weight.shape == (2, 48, 64)  # layout verified
+    calls = []
+    if cpu_path is not None:
+        real = cpu_path.gemv_packed
+        monkeypatch.setattr(cpu_path, "gemv_packed", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     for x, w in zip(xs, want):
         torch.testing.assert_close(col(x), w, atol=1e-5, rtol=1e-5)
+    assert calls == ([1, 3, 8] if cpu_path is not None else [])  # C GEMV up to 8 rows, else oneDNN
 
 
 @pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
 def test_tied_lm_head_is_packed_once_and_the_embedding_reads_its_rows(cpu_path):
     g = torch.Generator().manual_seed(2)
-    head = ParallelLMHead(192, 48, tied=True)
+    head = ParallelLMHead(192, 48, tied=True, kernels=cpu_path)
     emb = VocabParallelEmbedding(192, 48, tied_rows=head.embedding_rows)
     w = torch.randn(192, 48, generator=g)
     head.load(w)
     head.process_weights_after_loading()
-    # packed only when the embedding can read the packing (checked through the C GEMV)
-    assert head.packed == (cpu_path == "c-kernels")
+    # packed when the embedding can read the packing (its layout checked against oneDNN)
+    assert head.packed and head.gemv_weight is not None
     ids = torch.tensor([0, 5, 63, 64, 191, 5])
     assert torch.equal(emb(ids), w[ids])
     many = torch.randint(0, 192, (40,), generator=g)  # a prefill's worth: rows split across threads

@@ -28,7 +28,6 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.scheduler_output import SchedulerOutput
 from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
-from pkgd.runner import ops
 from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
@@ -118,19 +117,18 @@ class ModelRunner:
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
+        self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
-                why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
-            if why_not:
-                logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
+                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
         with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
-            self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp, progress=p)
+            self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
+                                    progress=p, kernels=self.cpu_kernels)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
-        cpu_kernels = ops.cpu_kernels()
-        if cpu_kernels is not None:
-            logger.info("cpu_kernels_loaded", library=str(cpu_kernels.path),
+        if self.cpu_kernels is not None:
+            logger.info("cpu_kernels_loaded", library=str(self.cpu_kernels.path),
                         one_call_decode=getattr(self.model, "cpu_decode", None) is not None)
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
@@ -140,6 +138,18 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+
+    @staticmethod
+    def _load_cpu_kernels(cache_dir):
+        """The C kernels (`pkgd_kernels.cpu.CpuKernels`) for the model, or None (logged with
+        the reason; the ops' PyTorch forms then run)."""
+        from pkgd_kernels import cpu
+
+        try:
+            return cpu.load(cache_dir)
+        except cpu.CpuKernelsUnavailable as e:
+            logger.warning("cpu_kernels_unavailable", reason=str(e), fallback="pytorch")
+            return None
 
     def _model_info(self) -> ModelInfo:
         a = self.arch

@@ -107,8 +107,9 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
 
 
 def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
-               progress: Any = None) -> nn.Module:
+               progress: Any = None, kernels=None) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
+    ``kernels``: the `pkgd_kernels.cpu.CpuKernels` the model's ops may use (CPU), or None.
 
     ``progress`` (a `pkgd.phases.Phase`) is told one step per tensor read, then one for the
     post-loading processing (repacking for the CPU kernels).
@@ -120,7 +121,7 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     """
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
-        model = cls(cfg, tp=tp, dtype=dtype)
+        model = cls(cfg, tp=tp, dtype=dtype, kernels=kernels)
     tensors = iter_safetensors(model_dir)
     if progress is not None:
         progress.set_total(count_tensors(model_dir) + 1)
