@@ -193,7 +193,10 @@ class CacheConfig(Section):
     num_blocks: int | None = field(None, "Exact number of KV blocks; overrides kv_cache_memory_bytes.", aliases=("--num-gpu-blocks-override",), ge=2)
     kv_cache_memory_bytes: int | None = field(
         None,
-        "Bytes of KV cache per engine core; null = 448 MiB on CPU, 90% of free memory on CUDA.",
+        "Bytes of KV cache per engine worker; null = on CPU 4 GiB or half the memory available "
+        "after the weights load (shared by the node's workers), whichever is less, and no more "
+        "than max_num_seqs sequences of max_model_len; on CUDA 90% of free memory. A CPU cache "
+        "takes memory only as blocks are first used.",
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
     )

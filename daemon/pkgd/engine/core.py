@@ -6,9 +6,10 @@ vLLM v1's ``EngineCore`` without the process around it: the engine-core process
 → ``Scheduler.update_from_output()``.
 
 Start-up: the model is loaded through the runner (``pkgd.runner``), the KV cache is sized
-from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU, 90 %
-of free device memory on CUDA) ÷ the runner's bytes per block, and must hold at least one
-``max_model_len`` sequence.
+from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default on CPU: 4 GiB or half
+the memory available after the weights load, whichever is less, shared by the node's engine
+workers; on CUDA 90 % of free device memory) ÷ the runner's bytes per block, and must hold at
+least one ``max_model_len`` sequence.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from pkgd.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
 
-# 448 MiB: SmolLM2's float32 engine stays under 1.5 GB resident (issue 3's target) while a
-# 256 x (128 -> 128) batch keeps ~40 sequences' context (637 blocks of 16 tokens).
-DEFAULT_CPU_KV_CACHE_BYTES = 448 * 1024 * 1024
+# The CPU default budget: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, 4 GiB), capped at this
+# share of MemAvailable. The CPU cache is resident only where blocks are written and the block
+# pool reuses warm blocks first, so the budget bounds the worst case (a full cache must still
+# fit next to everything else) while memory follows the blocks the workload holds at once.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+CPU_AVAILABLE_MEMORY_FRACTION = 0.5
 CUDA_FREE_MEMORY_FRACTION = 0.9
 
 
@@ -85,13 +89,31 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     return model_files, ModelRunner(config, model_files)
 
 
-def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_device_bytes: int | None = None) -> int:
+def default_cpu_kv_cache_bytes(config: VllmConfig, available_bytes: int | None) -> int:
+    """The CPU KV budget of one engine worker when ``cache.kv_cache_memory_bytes`` is unset:
+    ``min(4 GiB, CPU_AVAILABLE_MEMORY_FRACTION x available_bytes / workers)``, where workers =
+    this node's engine cores (``parallel.dp_local``, else ``dp / nnodes``) x ``parallel.tp``
+    ranks; 4 GiB when ``available_bytes`` is unknown (None)."""
+    if available_bytes is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    p = config.parallel
+    engines = p.dp_local if p.dp_local else max(1, -(-p.dp // p.nnodes))
+    share = int(available_bytes * CPU_AVAILABLE_MEMORY_FRACTION) // (engines * p.tp)
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, share)
+
+
+def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_device_bytes: int | None = None,
+                            host_available_bytes: int | None = None, max_model_len: int | None = None) -> int:
     """KV blocks for this engine: ``cache.num_blocks`` when set, else the memory budget ÷
     ``bytes_per_block``.
 
     The budget is ``cache.kv_cache_memory_bytes`` when set, else 90 % of
-    ``free_device_bytes`` (CUDA, measured after the weights are loaded) or 448 MiB (CPU).
-    Raises `ValueError` when the budget holds no block.
+    ``free_device_bytes`` (CUDA, measured after the weights are loaded), else on CPU
+    `default_cpu_kv_cache_bytes` of ``host_available_bytes`` (MemAvailable after the weights
+    are loaded). The CPU default is also capped at what the scheduler can ever hold at once,
+    ``scheduler.max_num_seqs`` sequences of ``max_model_len`` tokens (the block pool takes a
+    never-used block only when every used one is held, so further blocks would never be
+    touched). Raises `ValueError` when the budget holds no block.
     """
     cache = config.cache
     if cache.num_blocks is not None:
@@ -103,7 +125,10 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
     elif free_device_bytes is not None:
         budget = int(free_device_bytes * CUDA_FREE_MEMORY_FRACTION)
     else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget = default_cpu_kv_cache_bytes(config, host_available_bytes)
+        if max_model_len is not None:
+            most = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size)
+            budget = min(budget, most * bytes_per_block)
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
@@ -111,7 +136,6 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
             f"(block_size {cache.block_size}); raise it or lower cache.block_size"
         )
     return num_blocks
-
 
 
 def _check_host_memory(runner: Any, kv_bytes: int) -> None:
@@ -157,8 +181,11 @@ class EngineCore:
         self.model_name = config.model.name or getattr(self.model_files, "name", None) or config.model.source
         self.block_size = config.cache.block_size
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
+        free_cuda = _free_cuda_bytes(self.model_runner)
         self.num_kv_blocks = determine_num_kv_blocks(
-            config, bytes_per_block, free_device_bytes=_free_cuda_bytes(self.model_runner)
+            config, bytes_per_block, free_device_bytes=free_cuda,
+            host_available_bytes=host.mem_available_bytes() if free_cuda is None else None,
+            max_model_len=self.max_model_len,
         )
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -276,4 +303,4 @@ def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
     return free
 
 
-__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_kv_cache_bytes", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
