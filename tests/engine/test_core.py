@@ -47,6 +47,19 @@ def test_cpu_default_budget_is_4gib_or_half_the_available_memory_per_worker():
     assert determine_num_kv_blocks(explicit, per_block, host_available_bytes=16 << 30, max_model_len=100) == (64 << 20) // per_block
 
 
+def test_engine_threads_default_to_every_core_shared_by_the_node_workers(monkeypatch):
+    import pkgd.engine.core as core
+
+    monkeypatch.setattr(core.host, "available_cores", lambda: 8)
+    assert core.default_cpu_threads(VllmConfig()) == 8  # no core held back for the API servers
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"tp": 2}})) == 4
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"dp": 2, "tp": 2}})) == 2
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"dp": 16}})) == 1
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"cpu_threads": 3}})) == 3
+    monkeypatch.setattr(core.host, "available_cores", lambda: 2)
+    assert core.default_cpu_threads(VllmConfig()) == 2
+
+
 def test_engine_sizes_the_default_cpu_cache_from_available_memory(monkeypatch):
     import pkgd.engine.core as core
 

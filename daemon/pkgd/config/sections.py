@@ -88,8 +88,9 @@ class ParallelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = field("auto", "Device the engine runs on; auto = cuda when available, else cpu.", aliases=("--device",))
     cpu_threads: int | None = field(
         None,
-        "Torch threads per engine worker on CPU; null = the cores left after reserving one for "
-        "the API servers (vLLM's CPU build does the same), at least 1.",
+        "Torch threads per engine worker on CPU; null = every core pkgd may use, shared among "
+        "this node's engine workers (dp_local x tp), at least 1. No core is reserved for the "
+        "API servers (they need a few percent of one); set this to leave cores to other work.",
         aliases=("--cpu-threads",),
         ge=1,
     )

@@ -57,13 +57,26 @@ class ModelRunnerLike(Protocol):
 RunnerFactory = Callable[[VllmConfig], "tuple[Any, ModelRunnerLike]"]
 
 
+def engine_workers_on_node(config: VllmConfig) -> int:
+    """Engine processes on this node that compute: local engine cores x tensor-parallel ranks."""
+    p = config.parallel
+    engines = p.dp_local if p.dp_local else max(1, -(-p.dp // p.nnodes))
+    return engines * p.tp
+
+
 def default_cpu_threads(config: VllmConfig) -> int:
     """Torch threads per engine worker (tensor-parallel rank): ``parallel.cpu_threads``, else
-    the cores left after reserving one for the API servers (vLLM's CPU build does the same),
-    shared among the ``parallel.tp`` ranks, at least 1."""
+    every core this process may use, shared among the node's workers (`engine_workers_on_node`),
+    at least 1.
+
+    No core is held back for the API servers, as vLLM's CPU build binds its worker to every
+    core when it runs one (``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset): an API process needs a few
+    percent of a core, which the OS scheduler gives it between the engine's threads, while a
+    reserved core would mostly idle (the measurement is in the README, "Memory and speed on a
+    CPU")."""
     if config.parallel.cpu_threads is not None:
         return config.parallel.cpu_threads
-    return max(1, (host.available_cores() - 1) // config.parallel.tp)
+    return max(1, host.available_cores() // engine_workers_on_node(config))
 
 
 def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
@@ -96,9 +109,7 @@ def default_cpu_kv_cache_bytes(config: VllmConfig, available_bytes: int | None) 
     ranks; 4 GiB when ``available_bytes`` is unknown (None)."""
     if available_bytes is None:
         return DEFAULT_CPU_KV_CACHE_BYTES
-    p = config.parallel
-    engines = p.dp_local if p.dp_local else max(1, -(-p.dp // p.nnodes))
-    share = int(available_bytes * CPU_AVAILABLE_MEMORY_FRACTION) // (engines * p.tp)
+    share = int(available_bytes * CPU_AVAILABLE_MEMORY_FRACTION) // engine_workers_on_node(config)
     return min(DEFAULT_CPU_KV_CACHE_BYTES, share)
 
 
@@ -303,4 +314,4 @@ def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
     return free
 
 
-__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_kv_cache_bytes", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_kv_cache_bytes", "default_cpu_threads", "determine_num_kv_blocks", "engine_workers_on_node", "load_model_runner"]
