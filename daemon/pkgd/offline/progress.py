@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pkgd.outputs import RequestOutput
+from pkgd.outputs import PoolingRequestOutput, RequestOutput
 
 
 class ProgressBar:
@@ -24,11 +24,12 @@ class ProgressBar:
             self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
                              postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
 
-    def update(self, ro: RequestOutput) -> None:
+    def update(self, ro: RequestOutput | PoolingRequestOutput) -> None:
         if self._bar is None:
             return
         self._in += len(ro.prompt_token_ids)
-        self._out += sum(len(c.token_ids) for c in ro.outputs)
+        if isinstance(ro, RequestOutput):
+            self._out += sum(len(c.token_ids) for c in ro.outputs)
         dt = max(time.perf_counter() - self._start, 1e-9)
         self._bar.postfix = f"est. speed input: {self._in / dt:.2f} toks/s, output: {self._out / dt:.2f} toks/s"
         self._bar.update(1)

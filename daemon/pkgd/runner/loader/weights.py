@@ -82,8 +82,22 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
     return t
 
 
-def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of an embedding checkpoint under the ``*ForCausalLM`` names: one saved from the
+    base model (sentence-transformers' Qwen3-Embedding: ``layers.0...``, ``embed_tokens``,
+    ``norm``) gets the ``model.`` prefix; a causal-LM checkpoint passes unchanged."""
+    for name, tensor in weights:
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        yield name, tensor
+
+
+def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
+               pooling: bool = False) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
+
+    ``pooling`` (``model.runner: pooling``): the LM head is never used, so a checkpoint
+    without one loads, and base-model tensor names are accepted (`pooling_names`).
 
     Raises:
         UnsupportedArchitectureError: the architecture is not registered.
@@ -93,8 +107,10 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, tp=tp, dtype=dtype)
+    model.requires_lm_head = not pooling
     with torch.no_grad():
-        model.load_weights(iter_safetensors(model_dir))
+        weights = iter_safetensors(model_dir)
+        model.load_weights(pooling_names(weights) if pooling else weights)
         # Submodules before the modules holding them (e.g. linear weights repacked for oneDNN
         # on CPU, then the model's one-call decode step over those packed weights).
         for module in reversed(list(model.modules())):
