@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
     state.check_ready()
     model = state.resolve_model(body.model)
+    serving.require_runner(state, "generate", "Completions API")
     params = serving.sampling_params(body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream)
     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
         params = _with_prompt_logprobs(params, body.logprobs)
