@@ -23,4 +23,10 @@ def test_relative_links_resolve():
 
 def test_no_reference_outside_the_repository():
     for doc in DOCS:
-        assert "../shared" not in doc.read_text(), doc
+        assert "../shared" not in doc.read_text() and "DESIGN.md" not in doc.read_text(), doc
+
+
+def test_readme_keeps_two_set_up_commands():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Set up and run", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert [line.split()[0] for line in block.strip().splitlines()] == ["./scripts/serve", "./scripts/test"]

@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"frontend", "engine"},
     {"runner"},
     {"ipc", "model_files"},
+    {"phases"},
     {"log"},
     {"config"},
     {"parsers"},

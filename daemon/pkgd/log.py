@@ -25,6 +25,8 @@ import structlog
 if TYPE_CHECKING:
     from pkgd.config.sections import LoggingConfig
 
+_console: bool | None = None  # what the last configure() chose; None: not configured yet
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -52,6 +54,7 @@ def configure(
 
     Call once per process, as early as possible; call again to change the level live.
     """
+    global _console
     level_name = cfg.level if cfg is not None else "info"
     fmt = cfg.format if cfg is not None else "auto"
     level = _LEVELS[level_name]
@@ -67,6 +70,7 @@ def configure(
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: Any
+    _console = not wants_json(fmt) and stream.isatty()
     if wants_json(fmt):
         shared.append(structlog.processors.format_exc_info)
         renderer = structlog.processors.JSONRenderer()
@@ -109,6 +113,15 @@ class _CurrentStderr:
 
     def isatty(self) -> bool:
         return sys.stderr.isatty()
+
+
+def is_console() -> bool:
+    """Whether this process logs readable lines to a terminal (then progress bars and the
+    ready headline are shown); before `configure`, whether stderr is a terminal outside
+    systemd's journal."""
+    if _console is None:
+        return not wants_json("auto")
+    return _console
 
 
 def set_level(level_name: str) -> None:

@@ -45,6 +45,20 @@ async def test_health_version_docs(tokenizer):
         assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/metrics"} <= set(paths)
 
 
+async def test_index_names_the_server_and_links_onwards(tokenizer):
+    async with served(tokenizer) as (http, _s, _f):
+        r = await http.get("/")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["name"] == "pkgd" and body["version"] and body["models"] == ["SmolLM2-135M-Instruct"]
+        for link in body["links"].values():
+            assert (await http.get(link)).status_code == 200, link
+    keys = VllmConfig.model_validate({"frontend": {"api_keys": ["k1"]}})
+    async with served(tokenizer, config=keys) as (http, _s, _f):
+        body = (await http.get("/")).json()  # open, but says no more than /health does
+        assert "models" not in body and "Bearer" in body["authentication"]
+
+
 async def test_metrics_use_vllm_names_and_count_requests(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
         await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4})

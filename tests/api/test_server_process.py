@@ -119,6 +119,13 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
     assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
     fig = json.loads(out.read_text())
     assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0
+    png = tmp_path / "serve.png"
+    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", url, "--num-prompts", "4",
+                        "--input-len", "8", "--output-len", "5", "--compare", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{url} / fig: requests/s " in r.stdout and f"plot: {png}" in r.stdout  # this run against the first
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_serves_an_inherited_unix_socket(tmp_path, procs, tokenizer_ready):

@@ -1,8 +1,12 @@
 """LLM with the fake runner: ordering, validation before anything runs, n, stop strings."""
 
+import io
+
 import pytest
+from tqdm import tqdm
 
 from pkgd import LLM, SamplingParams
+from pkgd.offline import progress
 from pkgd.sampling_params import BeamSearchParams
 
 from tests.smollm2 import smollm2_gguf
@@ -70,6 +74,28 @@ def test_beam_search_runs_on_the_engine(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_progress_bar_runs(llm, capsys):
-    llm.generate([[1, 2]] * 3, SamplingParams(max_tokens=2), use_tqdm=True)
-    assert "Processed prompts" in capsys.readouterr().err
+def test_no_progress_bar_for_a_quick_call_or_one_prompt(llm, capsys):
+    llm.generate([[1, 2]] * 3, SamplingParams(max_tokens=2))  # the default: done before the bar's delay
+    llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_bar_of_a_long_batch(llm, capsys, monkeypatch):
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)  # as if the batch had run for longer than the delay
+    llm.generate([[1, 2]] * 3, SamplingParams(max_tokens=2))
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "3/3" in err and "est. speed input" in err
+    llm.generate([[1, 2]] * 3, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_use_tqdm_takes_a_bar_factory_as_in_vllm(llm):
+    bars = []
+
+    def factory(**kwargs):
+        bars.append(tqdm(file=io.StringIO(), **kwargs))
+        return bars[-1]
+
+    llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=factory)  # shown even for one prompt
+    (bar,) = bars
+    assert bar.total == 1 and bar.n == 1 and bar.desc == "Processed prompts" and "toks/s" in bar.postfix

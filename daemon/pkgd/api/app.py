@@ -4,10 +4,10 @@ Outermost `LiveCORS` (Starlette's ``CORSMiddleware`` rebuilt when ``frontend.cor
 changes), then `GuardMiddleware`: the request body limit (``frontend.max_request_body_bytes``,
 413), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
 `hmac.compare_digest`) and, while draining, ``Connection: close`` on every response. Both read ``state.config`` on every request, so a SIGHUP reload of
-these live fields needs no restart. ``/health``, ``/ping``, ``/version``, ``/metrics`` and
-the OpenAPI docs (``/docs``) are open; everything else needs a key when keys are configured
-(vLLM checks keys on ``/v1`` routes only; pkgd also guards its admin and SageMaker
-``/invocations`` routes).
+these live fields needs no restart. The index (``/``), ``/health``, ``/ping``, ``/version``,
+``/metrics`` and the OpenAPI docs (``/docs``) are open; everything else needs a key when keys
+are configured (vLLM checks keys on ``/v1`` routes only; pkgd also guards its admin and
+SageMaker ``/invocations`` routes).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pkgd.api.routes import router
 from pkgd.api.routes_admin import router as admin_router
 from pkgd.api.state import ServerState
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+OPEN_PATHS = frozenset({"/", "/health", "/ping", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 
 
 def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None = None) -> ASGIApp:

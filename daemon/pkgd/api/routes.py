@@ -118,14 +118,32 @@ async def health(request: Request) -> Response:
     return JSONResponse(body)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pkgd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/", tags=["admin"])
+async def index(request: Request) -> Any:
+    """What answers here and where to go next: name, version, the served model names (left
+    out when API keys are configured: this page is open, ``/v1/models`` is not) and links."""
+    state = get_state(request)
+    body: dict[str, Any] = {"name": "pkgd", "version": _version()}
+    if state.config.frontend.api_keys:
+        body["authentication"] = "send 'Authorization: Bearer <key>' to /v1/*"
+    else:
+        body["models"] = state.served_model_names()
+    body["links"] = {"docs": "/docs", "models": "/v1/models", "health": "/health", "metrics": "/metrics",
+                     "version": "/version", "openapi": "/openapi.json"}
+    return JSONResponse(body)
+
+
 @router.get("/version", tags=["admin"])
 async def version() -> Any:
     """pkgd's version."""
-    try:
-        v = importlib.metadata.version("pkgd")
-    except importlib.metadata.PackageNotFoundError:
-        v = "unknown"
-    return JSONResponse({"version": v})
+    return JSONResponse({"version": _version()})
 
 
 @router.get("/metrics", tags=["admin"])

@@ -100,10 +100,10 @@ class ApiServer:
         metrics = Metrics(self.state.served_model_names()[0])
         self.llm.metrics = self.state.metrics = metrics
         tasks = [asyncio.create_task(self._drain_on_stop()), asyncio.create_task(self._reload_loop())]
-        self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
         hs = self.llm.handshake
         logger.info("api_server_ready", server_index=self.args.server_index, model=hs.model_name if hs else None,
-                    engines=len(self.args.engine_address))
+                    engines=len(self.args.engine_address))  # before the frame: the supervisor's ready line comes last
+        self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
         try:
             yield
         finally:

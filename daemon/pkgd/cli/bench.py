@@ -1,4 +1,4 @@
-"""``pkgd bench throughput``: offline throughput of the engine (the seeds' ``vllm bench throughput``).
+"""``pkgd bench throughput``: offline throughput of the engine (vLLM's ``vllm bench throughput``).
 
 Prints, from one run: requests/s, output and total tokens/s, peak RSS of the engine; the
 fp32 ``torch.mm`` FLOP/s and the roofline fraction ``2 × params × tokens ÷ time ÷ GEMM
@@ -22,9 +22,25 @@ from typing import Any
 
 import yaml
 
+from pkgd.benchmarks import plot
+from pkgd.benchmarks.stats import latency_stats
 from pkgd.cli.base import CLISubcommand
 
 GB = 1e9
+
+THROUGHPUT_DESCRIPTION = """\
+Offline throughput of the engine (as vllm bench throughput), all in one process:
+requests/s, output and total tokens/s and the engine's peak memory; the achieved FLOP/s
+against a measured matrix multiply; one request alone (decode tokens/s against the bound
+the memory bandwidth sets); with --baseline hf, the same prompts through transformers'
+generate() and the ratio. Configuration flags and overrides (--model, --max-num-seqs 64,
+cache.num_blocks=512) choose the engine as for pkgd serve."""
+
+THROUGHPUT_EXAMPLES = """\
+examples:
+  pkgd bench throughput --num-prompts 64 --input-len 256 --output-len 64
+  pkgd bench throughput --baseline hf --repeats 3 --output-json run.json --plot run.png
+  pkgd bench throughput --compare run.json --plot compare.png   (against an earlier run)"""
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +63,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                         "of each: on a shared machine the quietest window is the closest to the truth")
     p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
     p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
-                   help="input and output tokens of the single-stream run (default 128 in / 128 out)")
+                   help="input and output tokens of the single-stream run")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
@@ -55,6 +71,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                         "are composed with every config layer instead)")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    plot.add_plot_args(p)
 
 
 def offline_llm(args: argparse.Namespace) -> Any:
@@ -133,6 +150,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "all_elapsed_s": [r.elapsed for r in runs], "requests_per_s": res.requests_per_s,
         "output_tokens_per_s": res.output_tokens_per_s, "total_tokens_per_s": res.total_tokens_per_s,
         "peak_rss_bytes": peak_rss, "num_preemptions": engine.stats().num_preemptions,
+        "ttft_s": latency_stats(res.ttfts), "latency_s": latency_stats(res.latencies),
     }
     if single is not None:
         fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
@@ -148,6 +166,11 @@ def run_throughput(args: argparse.Namespace) -> int:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(fig, f, indent=2)
     llm.shutdown()
+    runs = [plot.series_from_figures(fig, "pkgd")]
+    if hf_runs:
+        runs.append(plot.series_from_figures(fig, "HF generate()", prefix="hf_"))
+    plot.report(runs + args.previous_runs, args.plot, title=f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts, "
+                f"{args.input_len} in / {args.output_len} out, {fig['threads']} threads")
     return 0
 
 
@@ -196,6 +219,9 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
           f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in {fig['elapsed_s']:.1f} s, "
           f"runs {', '.join(f'{t:.1f}' for t in fig['all_elapsed_s'])} s; {fig['num_preemptions']} preemptions)")
+    for key, label in (("ttft_s", "TTFT"), ("latency_s", "Latency")):  # every request arrives at the start
+        st = fig[key]
+        print(f"{label:8s} median {st['median']:7.2f} s   mean {st['mean']:7.2f} s   p99 {st['p99']:7.2f} s")
     print(f"Peak RSS (engine, before baselines): {fig['peak_rss_bytes'] / GB:.2f} GB")
     if "gemm_flops" in fig:
         print(f"GEMM (torch.mm fp32 2048x2048x2048): {fig['gemm_flops'] / 1e9:.1f} GFLOP/s")
@@ -224,22 +250,32 @@ class BenchSubcommand(CLISubcommand):
     """``pkgd bench {throughput,serve}``."""
 
     name = "bench"
-    help = "Benchmark the offline engine (throughput) or a running server (serve)."
+    help = "benchmark the offline engine (throughput) or a running server (serve)"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
         sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve}")
-        t = sub.add_parser("throughput", help="Offline throughput (vllm bench throughput).", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        t = sub.add_parser("throughput", help="offline throughput of the engine (vllm bench throughput)",
+                           description=THROUGHPUT_DESCRIPTION, epilog=THROUGHPUT_EXAMPLES)
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
         from pkgd.cli import bench_serve  # light: argparse only until it runs
 
-        s = sub.add_parser("serve", help="Load a running OpenAI-compatible server (vllm bench serve).",
-                           description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        s = sub.add_parser("serve", help="load a running OpenAI-compatible server (vllm bench serve)",
+                           description=bench_serve.DESCRIPTION, epilog=bench_serve.EXAMPLES)
         bench_serve.add_serve_args(s)
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
         return parser
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """``--plot`` without matplotlib, or a ``--compare`` file that is no earlier run, stops
+        before the benchmark runs (exit 2)."""
+        from pkgd.cli.main import UsageError
+
+        try:
+            args.previous_runs = plot.check_plot_args(args)
+        except (plot.PlotUnavailable, ValueError) as e:
+            raise UsageError(str(e)) from None
 
     def cmd(self, args: argparse.Namespace) -> int:
         return args.bench_dispatch(args)
@@ -251,11 +287,21 @@ def cmd_init() -> list[BenchSubcommand]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pkgd.cli.bench throughput …`` (the same as ``pkgd bench throughput …``)."""
-    parser = argparse.ArgumentParser(prog="pkgd")
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd")
     subparsers = parser.add_subparsers(dest="command", required=True)
     (cmd,) = cmd_init()
     cmd.subparser_init(subparsers)
-    return cmd.cmd(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+    from pkgd.cli.main import UsageError
+
+    args = parser.parse_command_line(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        cmd.validate(args)
+    except UsageError as e:
+        print(f"pkgd bench: error: {e}", file=sys.stderr)
+        return 2
+    return cmd.cmd(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Split argv into configuration arguments and the rest; the ``--help`` text of the config keys.
+"""Split argv into configuration arguments and the rest.
 
 Configuration arguments may stand anywhere on the command line, before or after the
 subcommand (``pkgd +model=qwen parallel.tp=2 config show``), so they are taken out before
@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
-import textwrap
 from collections.abc import Sequence
-from typing import Any
 
 from pkgd.config.errors import ConfigError
 
@@ -81,50 +78,3 @@ def split_argv(argv: Sequence[str]) -> SplitArgv:
             out.flags.append(tokens[i])
             i += 1
     return out
-
-
-def _default_text(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    return str(value)
-
-
-def config_keys_help(width: int | None = None) -> str:
-    """Every config leaf from the schema: dotted key, type, default, flags, description."""
-    from pkgd.config import schema
-
-    width = width or min(shutil.get_terminal_size((100, 24)).columns, 120)
-    lines = [
-        "configuration keys: set one as KEY=VALUE (reset it with ~KEY), with the vLLM flag shown",
-        "(a boolean's --no-FLAG sets false), or as PKGD_SECTION__FIELD=VALUE in the environment;",
-        "see the result with `pkgd config show --sources`.",
-    ]
-    current = None
-    for leaf in schema.leaves().values():
-        if leaf.section != current:
-            current = leaf.section
-            lines += ["", f"{current}: {schema.sections().get(current, '')}"]
-        head = f"  {leaf.key}: {leaf.type_label} = {_default_text(leaf.default)}"
-        if leaf.aliases:
-            head += "   " + ", ".join(a.replace("=", " (sets ", 1) + ")" if "=" in a else a for a in leaf.aliases)
-        lines.append(head)
-        body = f"{leaf.description} [reload: {leaf.reload.value}]"
-        lines += textwrap.wrap(body, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
-
-
-def config_groups_help() -> str:
-    """The config groups and their options, from the packaged tree."""
-    from pkgd.config.compose import packaged_defaults, packaged_dir
-
-    defaults = packaged_defaults()
-    lines = ["config groups (GROUP=OPTION; the packaged default is marked *):"]
-    for d in sorted(p for p in packaged_dir().iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
-        names = sorted(f.stem for f in d.glob("*.yaml"))
-        shown = [f"{n}*" if defaults.get(d.name) == n else n for n in names]
-        lines.append(f"  {d.name}: {', '.join(shown)}")
-    return "\n".join(lines)

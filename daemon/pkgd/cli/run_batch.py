@@ -22,6 +22,20 @@ from typing import Any
 from pkgd.cli.base import CLISubcommand
 from pkgd.sampling_params import SamplingParams
 
+DESCRIPTION = """\
+Run a file of OpenAI batch requests on an in-process engine (as vllm run-batch). Each input
+line is {"custom_id", "method": "POST", "url": "/v1/completions" or "/v1/chat/completions",
+"body": {...}}; all valid lines run in one continuous batch. Each output line, in input
+order, is {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"},
+the body being what the HTTP API would answer. A bad line gets status 400 and an
+OpenAI-shaped error; the other lines still run. Configuration flags and overrides (--model,
+--max-num-seqs 64) choose the engine as for pkgd serve."""
+
+EXAMPLES = """\
+examples:
+  pkgd run-batch -i requests.jsonl -o results.jsonl
+  cat requests.jsonl | pkgd run-batch -i - -o - --max-model-len 4096 > results.jsonl"""
+
 # OpenAI body field -> SamplingParams field (same meaning), plus vLLM's extra fields.
 _COMMON = {
     "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
@@ -219,11 +233,10 @@ class RunBatchSubcommand(CLISubcommand):
     """``pkgd run-batch``."""
 
     name = "run-batch"
-    help = "Run an OpenAI batch file (JSONL) on the offline engine."
+    help = "run a JSONL file of OpenAI requests offline"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        p = subparsers.add_parser(self.name, help=self.help, description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = subparsers.add_parser(self.name, help=self.help, description=DESCRIPTION, epilog=EXAMPLES)
         p.add_argument("-i", "--input-file", required=True, help="batch requests, JSONL ('-' = stdin)")
         p.add_argument("-o", "--output-file", required=True, help="results, JSONL ('-' = stdout)")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -242,11 +255,13 @@ def cmd_init() -> list[RunBatchSubcommand]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pkgd.cli.run_batch -i … -o …`` (the same as ``pkgd run-batch``)."""
-    parser = argparse.ArgumentParser(prog="pkgd")
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd")
     subparsers = parser.add_subparsers(dest="command", required=True)
     (cmd,) = cmd_init()
     cmd.subparser_init(subparsers)
-    return cmd.cmd(parser.parse_args(["run-batch", *(sys.argv[1:] if argv is None else argv)]))
+    return cmd.cmd(parser.parse_command_line(["run-batch", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

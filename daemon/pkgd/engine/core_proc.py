@@ -21,6 +21,7 @@ abandons). SIGHUP re-reads the config file for live fields (log level).
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pkgd import log
+from pkgd import log, phases
 from pkgd.engine.core import EngineBusyError, EngineSleepingError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
@@ -308,7 +309,8 @@ def _load_interruptibly(factory: Callable[[], Any], signals: child.SignalState) 
         finally:
             done.set()
 
-    threading.Thread(target=load, name="engine-load", daemon=True).start()
+    # In a copy of this context: the loader's log lines carry the process's pid, role, dp_rank.
+    threading.Thread(target=contextvars.copy_context().run, args=(load,), name="engine-load", daemon=True).start()
     while not done.wait(0.05):
         if signals.stop:
             return None, None
@@ -332,6 +334,8 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
         ready.failed(ROLE, f"cannot read config {args.config_file}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE, dp_rank=args.engine_index)
+    # one progress bar per terminal: the first engine core of this node draws it
+    phases.allow_bars(args.engine_index == config.serve_plan().dp_start_rank)
     ctx = zmq.Context()
     try:
         sock = transport.bind_router(ctx, args.address)

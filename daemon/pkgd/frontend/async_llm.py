@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 logger = log.get_logger(__name__)
 
+WAIT_NOTICE_S = 1.0  # an engine core not answering by then is loading: log waiting_for_engine
+ALL_CORES_WAIT_S = 10.0  # how long start() waits for every core before it goes on with the first
+
 
 class RequestStream:
     """Outputs of one client request, in order; an error ends it. ``processed`` is kept for a
@@ -103,7 +106,13 @@ class AsyncLLM:
         # after a handshake, when the engine has resolved (for a GGUF: converted) the model, so
         # this process never converts weights nor imports torch.
         preload = asyncio.ensure_future(asyncio.to_thread(_import_frontend))
-        await self.client.start(timeout=min(handshake_timeout, 10.0))
+        # Loading takes seconds to minutes on a cold cache: say so once, as information
+        # (nothing is wrong until engine_ready_timeout passes), and wait.
+        all_cores = asyncio.ensure_future(self.client.start(timeout=min(handshake_timeout, ALL_CORES_WAIT_S)))
+        if not (await asyncio.wait({all_cores}, timeout=WAIT_NOTICE_S))[0]:
+            logger.info("waiting_for_engine", loading=self.client.unavailable(), timeout_s=handshake_timeout,
+                        timeout_key="supervisor.engine_ready_timeout")
+        await all_cores
         deadline = time.monotonic() + handshake_timeout
         while self.client.handshake is None:
             if time.monotonic() > deadline:

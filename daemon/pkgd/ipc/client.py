@@ -131,7 +131,8 @@ class EngineClient:
 
     async def start(self, timeout: float = 30.0) -> bool:
         """Start the reader and monitor tasks; wait up to ``timeout`` s for every core's
-        handshake. Returns True when all answered (the client keeps trying either way)."""
+        handshake. Returns True when all answered, False when some are still loading (not
+        an error: the client keeps trying, `unavailable` says which)."""
         for core in self._cores:
             monitor = core.sock.get_monitor_socket(_UP | _DOWN)  # before connect: miss no event
             core.sock.connect(core.address)
@@ -140,8 +141,7 @@ class EngineClient:
         try:
             await asyncio.wait_for(self._wait_all(), timeout)
         except TimeoutError:
-            missing = [c.address for c in self._cores if not c.available]
-            logger.warning("engine_handshake_timeout", missing=missing)
+            logger.debug("engine_handshake_pending", missing=self.unavailable())
             return False
         return True
 
@@ -162,6 +162,10 @@ class EngineClient:
         self._ctx.destroy(linger=0)
 
     # ---- queries -------------------------------------------------------------------------
+
+    def unavailable(self) -> list[str]:
+        """Addresses of the cores that cannot take requests now (loading, or down)."""
+        return [c.address for c in self._cores if not c.available]
 
     def is_available(self) -> bool:
         """True when at least one core can take requests."""

@@ -53,8 +53,11 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Any = None) -> None:
     """Write the HF-layout files of ``gguf_path`` into ``out_dir``.
+
+    ``progress`` (a `pkgd.phases.Phase`) is told the steps: one per tensor, then writing the
+    weights, then the tokenizer.
 
     Raises:
         ModelSourceError: the file is not a readable GGUF, its architecture is not one of
@@ -74,13 +77,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             f"supported: {', '.join(sorted(_ARCHES))}"
         )
     config = gguf_config(meta, arch, {t.name for t in reader.tensors})
-    tensors = _dequantized_tensors(reader, config, _ARCHES[arch][2], gguf_path)
+    if progress is not None:
+        progress.set_total(len(reader.tensors) + 2)
+        progress.note(tensors=len(reader.tensors))
+    tensors = _dequantized_tensors(reader, config, _ARCHES[arch][2], gguf_path, progress)
     from safetensors.numpy import save_file
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    if progress is not None:
+        progress.advance()
     _write_json(out_dir / "config.json", config)
     _write_tokenizer(meta, arch, config, out_dir, gguf_path)
+    if progress is not None:
+        progress.advance()
 
 
 def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
@@ -154,7 +164,7 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
 
-def _dequantized_tensors(reader: Any, config: dict[str, Any], permute: bool, gguf_path: Path) -> dict[str, np.ndarray]:
+def _dequantized_tensors(reader: Any, config: dict[str, Any], permute: bool, gguf_path: Path, progress: Any) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     out: dict[str, np.ndarray] = {}
@@ -171,6 +181,8 @@ def _dequantized_tensors(reader: Any, config: dict[str, Any], permute: bool, ggu
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, config["num_key_value_heads"])
         out[name] = np.ascontiguousarray(arr)
+        if progress is not None:
+            progress.advance()
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - out.keys()
     if missing:
         raise ModelSourceError(f"model source {str(gguf_path)!r}: GGUF lacks {', '.join(sorted(missing))}")

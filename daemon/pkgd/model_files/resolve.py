@@ -233,9 +233,11 @@ def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
         tmp = cache_dir / f".tmp-{key}-{os.getpid()}"
         tmp.mkdir()
         try:
+            from pkgd import phases
             from pkgd.model_files.gguf_convert import convert_gguf  # heavy: numpy, gguf
 
-            convert_gguf(gguf_path, tmp)
+            with phases.phase("convert_gguf", f"converting {gguf_path.name}", unit="tensor", file=str(gguf_path)) as p:
+                convert_gguf(gguf_path, tmp, progress=p)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -32,7 +32,7 @@ from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
 from pkgd.frontend.pooling import pooling_request_output
 from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
-from pkgd.offline.progress import ProgressBar
+from pkgd.offline.progress import ProgressBar, UseTqdm
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pkgd.frontend.tokenizer import load_tokenizer
@@ -92,14 +92,17 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; returns one finished `RequestOutput` per prompt, in order.
 
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or
         ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt). ``sampling_params`` is one
-        for all or one per prompt. Raises `ValueError` for bad input before anything runs.
+        for all or one per prompt. ``use_tqdm``: True shows a progress bar for a batch of
+        several prompts still running after 2 s, False none, a callable makes the bar (as
+        ``tqdm``; see `pkgd.offline.progress`). Raises `ValueError` for bad input before
+        anything runs.
         """
         prompt_list = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
@@ -117,7 +120,7 @@ class LLM:
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -171,7 +174,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[PoolingRequestOutput]:
         """Pool each prompt's hidden states (``model.pooler``); one `PoolingRequestOutput`
         per prompt, in order, whose ``outputs.data`` is a float32 ``torch.Tensor [D]``.
@@ -201,13 +204,13 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
     ) -> list[EmbeddingRequestOutput]:
         """`encode` as lists of floats: ``outputs.embedding`` per prompt (vLLM's ``embed``)."""
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
-    def _run_pooling(self, processed: list[ProcessedRequest], use_tqdm: bool) -> list[PoolingRequestOutput]:
+    def _run_pooling(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm) -> list[PoolingRequestOutput]:
         import torch
 
         by_id = {p.request_id: (i, p) for i, p in enumerate(processed)}
@@ -217,7 +220,7 @@ class LLM:
             for p in processed:
                 self.engine.add_request(p.engine_requests[0])
                 added.append(p.request_id)
-            with ProgressBar(len(processed), enabled=use_tqdm) as bar:
+            with ProgressBar(len(processed), use_tqdm=use_tqdm) as bar:
                 remaining = len(processed)
                 while remaining:
                     if not self.engine.has_unfinished_requests():
@@ -248,7 +251,7 @@ class LLM:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run_processed(self, processed: list[ProcessedRequest], use_tqdm: bool = True) -> list[RequestOutput]:
+    def run_processed(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """Run requests built by ``self.input_processor`` (ids unique among live requests) to
         completion; finished `RequestOutput`s in the same order. On any error or interrupt
         every request of this call is aborted before the exception propagates."""
@@ -263,7 +266,7 @@ class LLM:
                 added.append(p.request_id)
                 for req in p.engine_requests:
                     self.engine.add_request(req)
-            with ProgressBar(len(processed), enabled=use_tqdm) as bar:
+            with ProgressBar(len(processed), use_tqdm=use_tqdm) as bar:
                 remaining = len(processed)
                 while remaining:
                     if not self.engine.has_unfinished_requests():

@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from typing import Any
 
 import torch
 
-from pkgd import log
+from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.scheduler_output import SchedulerOutput
 from pkgd.logprobs import TokenLogprobs
@@ -123,15 +124,18 @@ class ModelRunner:
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
+        bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         if self.device.type == "cpu":
             tune_cpu_allocator()
-            why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+            with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
+                why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
             if why_not:
                 logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
         self.runner_type = config.model.runner_type
         pooler_cfg = config.model.pooler
         self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
-        self.model = self._load_model()
+        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
+            self.model = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         cpu_kernels = ops.cpu_kernels()
@@ -149,9 +153,9 @@ class ModelRunner:
         self.num_blocks = 0
         self._offloaded: dict[torch.Tensor, torch.Tensor] | None = None  # sleep level 1 on a GPU
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, progress: Any = None) -> torch.nn.Module:
         return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
-                          pooling=self.runner_type == "pooling")
+                          progress=progress, pooling=self.runner_type == "pooling")
 
     def _model_info(self) -> ModelInfo:
         a = self.arch
@@ -194,10 +198,14 @@ class ModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.arch.num_hidden_layers)
-        ]
+        layers = self.arch.num_hidden_layers
+        with phases.phase("kv_cache", "allocating KV cache", total=layers, unit="layer", bar=self.tp.rank == 0,
+                          num_blocks=num_blocks, bytes=num_blocks * self.kv_cache_bytes_per_block(block_size)) as p:
+            self.kv_caches = []
+            for _ in range(layers):
+                self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                       torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+                p.advance()
         self.block_size, self.num_blocks = block_size, num_blocks
         if self.device.type == "cpu":
             self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])

@@ -8,6 +8,7 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +50,29 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                         yield name, _read_tensor(f, name, info, base, size, path)
         except OSError as e:
             raise ModelSourceError(f"{path}: cannot read ({e})") from e
+
+
+def count_tensors(model_dir: Path) -> int:
+    """How many tensors `iter_safetensors` yields for ``model_dir`` (headers only).
+
+    Raises:
+        ModelSourceError: as `iter_safetensors`.
+    """
+    n = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                header, _ = _read_header(f, os.fstat(f.fileno()).st_size, path)
+        except OSError as e:
+            raise ModelSourceError(f"{path}: cannot read ({e})") from e
+        n += sum(1 for name in header if name != "__metadata__")
+    return n
+
+
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], progress: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        yield item
+        progress.advance()
 
 
 def _read_header(f, size: int, path: Path) -> tuple[dict, int]:
@@ -93,11 +117,13 @@ def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple
 
 
 def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
-               pooling: bool = False) -> nn.Module:
+               progress: Any = None, pooling: bool = False) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
 
-    ``pooling`` (``model.runner: pooling``): the LM head is never used, so a checkpoint
-    without one loads, and base-model tensor names are accepted (`pooling_names`).
+    ``progress`` (a `pkgd.phases.Phase`) is told one step per tensor read, then one for the
+    post-loading processing (repacking for the CPU kernels). ``pooling``
+    (``model.runner: pooling``): the LM head is never used, so a checkpoint without one
+    loads, and base-model tensor names are accepted (`pooling_names`).
 
     Raises:
         UnsupportedArchitectureError: the architecture is not registered.
@@ -108,12 +134,17 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     with torch.device(device):
         model = cls(cfg, tp=tp, dtype=dtype)
     model.requires_lm_head = not pooling
+    tensors = iter_safetensors(model_dir)
+    if progress is not None:
+        progress.set_total(count_tensors(model_dir) + 1)
+        tensors = _counted(tensors, progress)
     with torch.no_grad():
-        weights = iter_safetensors(model_dir)
-        model.load_weights(pooling_names(weights) if pooling else weights)
+        model.load_weights(pooling_names(tensors) if pooling else tensors)
         # Submodules before the modules holding them (e.g. linear weights repacked for oneDNN
         # on CPU, then the model's one-call decode step over those packed weights).
         for module in reversed(list(model.modules())):
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+    if progress is not None:
+        progress.advance()
     return model.eval()
