@@ -23,8 +23,10 @@ from pkgd.api.protocol import (
     TokenizeResponse,
 )
 from pkgd.api.protocol_embeddings import EmbeddingRequest
+from pkgd.api.protocol_responses import ResponsesRequest
 from pkgd.api.serving import process
 from pkgd.api.serving_embedding import create_embedding
+from pkgd.api.serving_responses import create_response, retrieve_response
 from pkgd.api.serving_chat import create_chat_completion
 from pkgd.api.serving_completion import create_completion
 from pkgd.api.state import ServerState
@@ -57,6 +59,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
     """Embeddings of strings or token ids (a model served with ``model.runner: pooling``)."""
     return await create_embedding(body, request, get_state(request))
+
+
+@router.post("/v1/responses", responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
+async def responses(body: ResponsesRequest, request: Request) -> Any:
+    """OpenAI's Responses API over the chat template (``stream: true`` answers Responses events)."""
+    return await create_response(body, request, get_state(request))
+
+
+@router.get("/v1/responses/{response_id}", responses=_ERRORS, tags=["openai"])
+async def get_response(response_id: str, request: Request) -> Any:
+    """A response stored with ``store: true`` (``frontend.responses_store_size``)."""
+    return await retrieve_response(response_id, get_state(request))
 
 
 def _model_cards(state: ServerState) -> list[ModelCard]:
