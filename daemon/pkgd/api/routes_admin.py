@@ -49,7 +49,8 @@ def _not_found(request: Request) -> APIError:
     return APIError(404, f"no route {request.method} {request.url.path}")
 
 
-@router.api_route("/ping", methods=["GET", "POST"], tags=["sagemaker"], responses={503: {"model": ErrorResponse}})
+@router.get("/ping", tags=["sagemaker"], responses={503: {"model": ErrorResponse}})
+@router.post("/ping", tags=["sagemaker"], responses={503: {"model": ErrorResponse}}, operation_id="ping_post")
 async def ping(request: Request) -> Response:
     """SageMaker's health check: 200 while an engine core serves, else 503 (as ``/health``)."""
     status, body = _state(request).health()
