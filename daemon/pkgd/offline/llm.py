@@ -178,6 +178,9 @@ class LLM:
                     if not self.engine.has_unfinished_requests():
                         raise RuntimeError("the engine finished while requests were still open")
                     result = self.output_processor.process_outputs(self.engine.step())
+                    failed = self.engine.pop_failed_requests()
+                    if failed:
+                        raise ValueError(f"request {failed[0][0]}: {failed[0][1]}")
                     if result.reqs_to_abort:
                         self.engine.abort_requests(result.reqs_to_abort)
                     for ro in result.request_outputs:
