@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pkgd import log
-from pkgd.sampling_params import StructuredOutputsParams
+from pkgd.sampling_params import StructuredOutputsParams, build_grammar, constraint_error
 
 if TYPE_CHECKING:
     from pkgd.engine.request import Request
@@ -45,60 +45,6 @@ logger = log.get_logger(__name__)
 # Distinct constraints kept compiled. A compiled JSON-schema grammar for a 49k vocabulary
 # takes tens to hundreds of KiB, so 256 stay well under 100 MiB.
 MAX_CACHED_GRAMMARS = 256
-# Grammar construction error text starts with a C++ source location; users see the reason.
-_LOCATION_SEP = ": "
-
-
-def constraint_error(exc: BaseException) -> str:
-    """xgrammar's error message without its ``[time] file.cc:line:`` prefix."""
-    text = str(exc).strip()
-    if text.startswith("[") and ".cc:" in text:
-        head, _, rest = text.partition(".cc:")
-        _line, _, rest = rest.partition(_LOCATION_SEP)
-        text = rest.strip() or text
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def build_grammar(xgr: Any, so: StructuredOutputsParams) -> Any:
-    """The ``xgrammar.Grammar`` of a constraint (no tokenizer needed; about a millisecond).
-
-    ``xgr`` is the xgrammar module (the full one here, the torch-free subset in API servers,
-    see `pkgd.frontend.structured_outputs`). Raises whatever xgrammar raises for a bad
-    constraint (``RuntimeError`` with the reason), `ValueError` for a bad shape.
-    """
-    kind, text, compact = so.key()
-    ws = {"any_whitespace": not compact}
-    if kind == "json":
-        return xgr.Grammar.from_json_schema(text, **ws)
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    if kind == "choice":
-        alternatives = " | ".join(_ebnf_string(c) for c in so.choice or ())
-        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
-    return xgr.Grammar.from_ebnf(text)
-
-
-def _ebnf_string(s: str) -> str:
-    """An EBNF string literal for ``s`` (backslash, quote and control characters escaped)."""
-    out = []
-    for ch in s:
-        if ch in '\\"':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
 class StructuredOutputRequest:
     """One request's constraint: the compiled grammar (a future) and, once it is ready, the
     matcher that has accepted every output token so far."""
