@@ -34,7 +34,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         json_object: any JSON object (OpenAI's ``response_format: json_object``).
 
     and, for ``json``/``json_object``: ``disable_any_whitespace`` makes the output compact
-    (no whitespace between tokens beyond the separators ``", "`` and ``": "``).
+    (no whitespace between tokens beyond the separators ``", "`` and ``": "``); for ``json``:
+    ``json_strict`` (default) allows no object property or array item the schema does not
+    list (xgrammar's strict mode, OpenAI's ``strict: true``), False applies JSON Schema's own
+    rules (``additionalProperties`` allowed unless the schema says otherwise).
     The engine compiles each distinct constraint once (`key`) and masks every token that
     cannot continue a match; a request whose constraint is complete stops with ``"stop"``.
     """
@@ -45,6 +48,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    json_strict: bool = True
 
     def kind(self) -> str:
         """Which constraint is set: ``json``, ``regex``, ``choice``, ``grammar`` or
@@ -59,9 +63,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         return given[0]
 
-    def key(self) -> tuple[str, str, bool]:
-        """The compile-cache key: (kind, the constraint as text, compact whitespace). Property
-        order in a schema is kept (it orders the generated object's keys)."""
+    def key(self) -> tuple[str, str, bool, bool]:
+        """The compile-cache key: (kind, the constraint as text, compact whitespace, strict).
+        Property order in a schema is kept (it orders the generated object's keys)."""
         kind = self.kind()
         value: Any = getattr(self, kind)
         if kind == "json":
@@ -72,7 +76,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             text = ""
         else:
             text = value
-        return kind, text, self.disable_any_whitespace
+        return kind, text, self.disable_any_whitespace, self.json_strict
 
     def verify(self) -> None:
         """Check the shape (the constraint itself is checked by the frontend's validator and
@@ -97,10 +101,10 @@ def build_grammar(xgr: Any, so: StructuredOutputsParams) -> Any:
     the torch-free subset API servers load). Raises what xgrammar raises for a bad
     constraint (``RuntimeError`` with the reason, see `constraint_error`).
     """
-    kind, text, compact = so.key()
+    kind, text, compact, strict = so.key()
     ws = {"any_whitespace": not compact}
     if kind == "json":
-        return xgr.Grammar.from_json_schema(text, **ws)
+        return xgr.Grammar.from_json_schema(text, strict_mode=strict, **ws)
     if kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
     if kind == "regex":

@@ -261,7 +261,7 @@ class JsonSchemaFormat(OpenAIModel):
 
     name: str = Field(min_length=1, max_length=64)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # every output is held to the schema whatever its value
+    strict: bool | None = None  # false: properties the schema does not list are allowed
 
 
 class ResponseFormat(OpenAIModel):

@@ -3,8 +3,9 @@
 Every way a client can constrain the output becomes one `StructuredOutputsParams` (the engine
 knows only that type):
 
-* ``response_format``: ``json_object`` (any JSON object), ``json_schema`` (the schema;
-  ``strict`` or not, the output is held to it), ``text`` (no constraint);
+* ``response_format``: ``json_object`` (any JSON object), ``json_schema`` (the schema; with
+  ``strict: false`` properties it does not list are allowed, as JSON Schema allows them;
+  otherwise none), ``text`` (no constraint);
 * vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
   ``json_object``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
   ``guided_grammar`` fields;
@@ -59,7 +60,8 @@ def request_constraint(body: SamplingFields) -> Constraint | None:
             found.append(Constraint(StructuredOutputsParams(json_object=True), "response_format"))
         elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
             schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
-            found.append(Constraint(StructuredOutputsParams(json=schema), f"response_format.json_schema ({rf.json_schema.name})"))
+            so = StructuredOutputsParams(json=schema, json_strict=rf.json_schema.strict is not False)
+            found.append(Constraint(so, f"response_format.json_schema ({rf.json_schema.name})"))
         tool = tool_constraint(body)
         if tool is not None:
             found.append(tool)

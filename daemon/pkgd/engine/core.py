@@ -176,7 +176,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len)
         self.kv_cache_bytes = bytes_per_block * self.num_kv_blocks
         self.structured_output = StructuredOutputManager(
-            getattr(self.model_files, "tokenizer_dir", None), self.vocab_size,
+            getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer, self.vocab_size,
             tuple(getattr(info, "eos_token_ids", None) or ([] if self.eos_token_id is None else [self.eos_token_id])),
         )
         # Constrained requests whose grammar is still compiling: outside the scheduler, so

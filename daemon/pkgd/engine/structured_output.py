@@ -29,6 +29,7 @@ import collections
 import concurrent.futures
 import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -83,8 +84,8 @@ class StructuredOutputManager:
     """Compiles constraints off the step path and fills each step's token bitmask.
 
     Args:
-        tokenizer_dir: directory with the model's ``tokenizer.json`` (None: constraints are
-            refused, the engine has no tokenizer).
+        tokenizer_dir: directory with the model's ``tokenizer.json``, or a ``.gguf`` file
+            (``model.tokenizer``); None: constraints are refused, the engine has no tokenizer.
         vocab_size: the model's logits width (may exceed the tokenizer's size).
         stop_token_ids: the model's EOS ids; a complete grammar allows only these.
         max_cached: compiled grammars kept (LRU).
@@ -148,7 +149,11 @@ class StructuredOutputManager:
                 import xgrammar as xgr
                 from transformers import PreTrainedTokenizerFast
 
-                tok = PreTrainedTokenizerFast.from_pretrained(str(self.tokenizer_dir))
+                path = Path(self.tokenizer_dir)  # type: ignore[arg-type]
+                if path.is_file() and path.suffix == ".gguf":  # model.tokenizer may name one
+                    tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+                else:
+                    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
                 info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
                                                           stop_token_ids=list(self.stop_token_ids) or None)
                 threads = max(1, (os.cpu_count() or 2) // 2)

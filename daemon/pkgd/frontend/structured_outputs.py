@@ -92,7 +92,7 @@ def check(so: StructuredOutputsParams, field: str = "structured_outputs") -> Non
     enforced, or admits no output. ``field`` is the request field it came from."""
     try:
         so.verify()
-        kind, text, _ = so.key()
+        kind, text, _, _ = so.key()
     except ValueError as exc:
         raise ValueError(_renamed(exc, field)) from None
     if len(text.encode()) > MAX_CONSTRAINT_BYTES:
@@ -142,6 +142,11 @@ def _walk(node: Any, field: str, path: str) -> None:
     for kw in UNENFORCED_KEYWORDS:
         if kw in node and not (kw == "uniqueItems" and node[kw] is False):
             raise ValueError(f"{field}: JSON schema keyword {kw!r} at {path} is not supported (it cannot be enforced while generating)")
+    if isinstance(node.get("pattern"), str):  # xgrammar ignores what it cannot enforce in a pattern
+        try:
+            load_xgrammar().Grammar.from_regex(node["pattern"])
+        except Exception as exc:
+            raise ValueError(f"{field}: JSON schema pattern at {path}: {constraint_error(exc)}") from None
     if "multipleOf" in node and node.get("type") != "integer":
         raise ValueError(f"{field}: JSON schema keyword 'multipleOf' at {path} is only supported with type 'integer'")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
