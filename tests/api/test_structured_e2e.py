@@ -94,9 +94,11 @@ def test_parse_with_a_pydantic_model(daemon):
 def test_regex_choice_and_grammar_on_completions(daemon):
     c = daemon.client()
     pattern = r"\d{3}-\d{4}"
-    r = c.completions.create(model=MODEL, prompt="My phone number is", max_tokens=16, temperature=0.8, seed=1,
+    r = c.completions.create(model=MODEL, prompt="My phone number is", max_tokens=16, temperature=0.8, seed=1, logprobs=2,
                              extra_body={"guided_regex": pattern})
     assert r.choices[0].finish_reason == "stop" and re.fullmatch(pattern, r.choices[0].text)
+    lp = r.choices[0].logprobs  # of the masked distribution: every sampled token was allowed
+    assert "".join(lp.tokens).startswith(r.choices[0].text) and all(x > -9999 for x in lp.token_logprobs)
     choices = ["yes", "no", "it depends"]
     for body in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
         r = c.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=1.0, n=3, seed=2, extra_body=body)

@@ -116,10 +116,10 @@ async def with_constraint(state: ServerState, body: SamplingFields, params: Samp
 
 
 def continuous_usage(body: SamplingFields) -> bool:
-    """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage on
-    every chunk."""
+    """vLLM's ``stream_options.continuous_usage_stats``: the usage so far on every chunk
+    (vLLM also needs ``include_usage``; pkgd does what is asked either way)."""
     opts = body.stream_options
-    return opts is not None and opts.include_usage and opts.continuous_usage_stats
+    return opts is not None and opts.continuous_usage_stats
 
 
 def _first(*values: Any) -> Any:
