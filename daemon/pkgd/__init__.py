@@ -16,6 +16,7 @@ _LAZY = {
     "SamplingParams": "pkgd.sampling_params",
     "BeamSearchParams": "pkgd.sampling_params",
     "RequestOutputKind": "pkgd.sampling_params",
+    "StructuredOutputsParams": "pkgd.sampling_params",
     "RequestOutput": "pkgd.outputs",
     "CompletionOutput": "pkgd.outputs",
     "Logprob": "pkgd.outputs",
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from pkgd.offline.beam_search import BeamSearchOutput, BeamSearchSequence
     from pkgd.offline.llm import LLM
     from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
-    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

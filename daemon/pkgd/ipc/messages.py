@@ -21,7 +21,8 @@ import msgspec
 from pkgd.logprobs import TokenLogprobs
 from pkgd.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+# 2: SamplingParams.structured_outputs (an engine speaking 1 would ignore the constraint).
+PROTOCOL_VERSION = 2
 
 
 class FinishReason(enum.IntEnum):

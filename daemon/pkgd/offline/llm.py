@@ -1,10 +1,12 @@
 """`LLM`: offline batch inference on an in-process `EngineCore` (vLLM's ``vllm.LLM``).
 
-    from pkgd import LLM, SamplingParams
+    from pkgd import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
     llm = LLM("/models/Qwen3-0.6B", max_model_len=4096, num_blocks=512)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    llm.generate(["A person:"], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
 
 All requests go to the engine at once, so they are batched continuously; outputs come back
 in input order. The frontend half is the same `InputProcessor` / `OutputProcessor` the API
@@ -28,6 +30,7 @@ from pkgd.engine.core import EngineCore, RunnerFactory
 from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
+from pkgd.frontend.structured_outputs import check as check_constraint
 from pkgd.outputs import Logprob, RequestOutput
 from pkgd.offline.progress import ProgressBar, UseTqdm
 from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -183,6 +186,9 @@ class LLM:
                     if not self.engine.has_unfinished_requests():
                         raise RuntimeError("the engine finished while requests were still open")
                     result = self.output_processor.process_outputs(self.engine.step())
+                    failed = self.engine.pop_failed_requests()
+                    if failed:
+                        raise ValueError(f"request {failed[0][0]}: {failed[0][1]}")
                     if result.reqs_to_abort:
                         self.engine.abort_requests(result.reqs_to_abort)
                     for ro in result.request_outputs:
@@ -196,13 +202,19 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        """One `SamplingParams` per prompt; structured-output constraints are checked here,
+        so a bad one is a `ValueError` ("structured_outputs: reason") before anything runs."""
         if sampling_params is None:
             return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        for sp in {id(p): p for p in params}.values():
+            if sp.structured_outputs is not None:
+                check_constraint(sp.structured_outputs)
         return params
 
     def next_request_id(self) -> str:

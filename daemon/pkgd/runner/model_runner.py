@@ -8,7 +8,8 @@ cache, ``initialize_kv_cache`` allocates it, then each step ``execute_model(Sche
 A step: apply the scheduler's diffs to the per-request states -> flatten (one-token queries
 first) -> model forward over all scheduled tokens -> LM head only on the rows that sample (the
 last scheduled token of each request whose known tokens are all computed) and on the rows that
-give prompt logprobs -> `Sampler` -> append each sampled token to its request.
+give prompt logprobs -> the grammar bitmask of constrained requests (`grammar_bitmask`) ->
+`Sampler` -> append each sampled token to its request.
 
 Threads are the process owner's business (``torch.set_num_threads``); the runner never sets
 them. With ``world_size > 1`` the owner initialises ``torch.distributed`` first; every rank
@@ -30,6 +31,7 @@ from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
+from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir
@@ -227,7 +229,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if batch.sample_rows:
-            self._sample(batch, hidden, sampled, logprobs)
+            self._sample(batch, hidden, sampled, logprobs, scheduler_output)
         out = ModelRunnerOutput(
             req_ids=[st.req_id for st in batch.states],
             sampled_token_ids=[sampled.get(st.req_id, []) for st in batch.states],
@@ -253,9 +255,11 @@ class ModelRunner:
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict) -> None:
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput) -> None:
         rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
+        logits = logits.cpu()
         spec = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
         result = self.sampler(logits, spec)
         tokens = result.token_ids.tolist()
