@@ -17,6 +17,7 @@ _LAZY = {
     "BeamSearchParams": "pkgd.sampling_params",
     "RequestOutputKind": "pkgd.sampling_params",
     "PoolingParams": "pkgd.pooling_params",
+    "StructuredOutputsParams": "pkgd.sampling_params",
     "RequestOutput": "pkgd.outputs",
     "PoolingOutput": "pkgd.outputs",
     "PoolingRequestOutput": "pkgd.outputs",
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
         RequestOutput,
     )
     from pkgd.pooling_params import PoolingParams
-    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

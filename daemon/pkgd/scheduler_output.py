@@ -59,6 +59,11 @@ class SchedulerOutput:
     starting at its ``num_computed_tokens``; ``total_num_scheduled_tokens`` is their sum
     (at most ``scheduler.max_num_batched_tokens``). ``finished_req_ids`` (finished, aborted
     or preempted since the last step) tell the runner to drop its state for them.
+
+    Structured outputs: ``grammar_bitmask`` is int32 ``[len(structured_output_request_ids),
+    ceil(vocab_size / 32)]`` as little-endian bytes (bit ``t % 32`` of word ``t // 32`` set =
+    token ``t`` allowed); ``structured_output_request_ids[req_id]`` is the request's row. The
+    runner masks those requests' logits before sampling; other requests are not touched.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -66,3 +71,5 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
+    structured_output_request_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    grammar_bitmask: bytes | None = None

@@ -128,7 +128,8 @@ async def test_the_official_client_streams_through_the_app(tokenizer):
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}}, "text.format", "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "objekt"}}}}, "text.format", "text.format"),
+    ({"input": "x", "reasoning": {"effort": "low"}}, None, "reasoning: unrecognized request argument"),
     ({"input": "x", "background": True}, None, "background"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "input_image"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "text only"),
@@ -145,6 +146,18 @@ async def test_refusals_are_openai_shaped_400s(tokenizer, body, param, fragment)
         assert not fake.added
     async with served(tokenizer, runner="pooling") as (http, _s, _f):
         assert (await http.post("/v1/responses", json={"input": "x"})).status_code == 400
+
+
+async def test_text_format_becomes_the_chat_constraint(tokenizer):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    async with served(tokenizer) as (http, _s, fake):
+        body = {"input": "x", "text": {"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}}}
+        r = await http.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.json()["text"]["format"]["name"] == "place"
+        so = fake.added[-1].sampling_params.structured_outputs
+        assert so is not None and so.json == schema
+        await http.post("/v1/responses", json={"input": "x", "text": {"format": {"type": "json_object"}}})
+        assert fake.added[-1].sampling_params.structured_outputs.json_object
 
 
 async def test_stored_responses_continue_and_are_bounded(tokenizer):

@@ -77,6 +77,23 @@ def test_a_function_tool_and_its_output_round_trip(daemon):
     assert follow.status in ("completed", "incomplete") and follow.output
 
 
+def test_text_format_and_a_required_tool_constrain_the_output(daemon):
+    from pydantic import BaseModel
+
+    class Capital(BaseModel):
+        country: str
+        city: str
+
+    c = daemon.client()
+    parsed = c.responses.parse(model=MODEL, input="France's capital, as JSON.", text_format=Capital,
+                               temperature=0, max_output_tokens=64)
+    assert isinstance(parsed.output_parsed, Capital) and parsed.output_parsed.city
+    call = c.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                              temperature=0, max_output_tokens=128)
+    [item] = [i for i in call.output if i.type == "function_call"]  # a valid call, by construction
+    assert item.name == "get_weather" and isinstance(json.loads(item.arguments)["city"], str)
+
+
 def test_previous_response_id_continues_a_stored_response(daemon):
     c = daemon.client()
     first = c.responses.create(model=MODEL, input="My name is Ada. Say hi.", store=True, **GREEDY)

@@ -86,7 +86,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if not loc:
-        return (msg if msg != "Field required" else "the request body is missing"), None
+        if msg == "Field required":
+            return "the request body is missing", None
+        head = msg.split(":", 1)[0]  # model-level checks start with the field they concern
+        return msg, head if head.isidentifier() and head != msg else None
     field = ".".join(loc)
     got = err.get("input")
     suffix = f" (got {json.dumps(got)})" if isinstance(got, int | float | str | bool) else ""

@@ -11,12 +11,12 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pkgd.api.protocol import OpenAIModel
+from pkgd.api.protocol import KnownFieldsModel
 
 EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(OpenAIModel):
+class EmbeddingRequest(KnownFieldsModel):
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"

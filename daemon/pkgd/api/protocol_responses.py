@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pkgd.api.protocol import OpenAIModel
+from pkgd.api.protocol import KnownFieldsModel
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(KnownFieldsModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

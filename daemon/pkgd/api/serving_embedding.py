@@ -14,6 +14,8 @@ import base64
 import time
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,6 +36,8 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
     serving.require_runner(state, "pooling", "Embeddings API")
     params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
     rid = serving.request_id("embd", request)
+    if body.user is not None:  # OpenAI's end-user id: on this request's log lines
+        structlog.contextvars.bind_contextvars(user=body.user)
     processed = [
         serving.process(state, lambda ip, i=i, prompt=prompt: ip.process_pooling(
             f"{rid}-{i}", prompt, params, truncate_prompt_tokens=body.truncate_prompt_tokens,

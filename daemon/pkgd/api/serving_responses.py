@@ -35,8 +35,10 @@ from pkgd.api.serving_chat import create_chat_completion
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
 
-# Chat request fields as the Responses request names them, for error messages.
-_FIELD_NAMES = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
+# Chat request fields as the Responses request names them, for error messages (longest first:
+# a json_schema's fields sit directly in text.format).
+_FIELD_NAMES = {"response_format.json_schema": "text.format", "response_format": "text.format",
+                "max_completion_tokens": "max_output_tokens", "messages": "input"}
 
 
 async def create_response(body: ResponsesRequest, request: Request, state: ServerState) -> Any:
@@ -49,7 +51,10 @@ async def create_response(body: ResponsesRequest, request: Request, state: Serve
     chat_body = _chat_request(body, model, messages)
     builder = ResponseBuilder(new_id("resp"), model, _echo(body, stored=body.store and store.enabled))
     # Refusals (400s) come out of this call; a stream starts generating only when iterated.
-    answer = await create_chat_completion(chat_body, request, state)
+    try:
+        answer = await create_chat_completion(chat_body, request, state)
+    except APIError as exc:
+        raise _renamed(exc) from None
     if body.stream:
         events = _stream(answer, state, builder, conversation if body.store else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=serving.SSE_HEADERS)
@@ -125,6 +130,15 @@ def _as_api_error(exc: ValueError) -> APIError:
         if chat_name in msg:
             msg, field = msg.replace(chat_name, name), field or name
     return APIError(400, msg if not loc else f"{field}: {msg}", param=field)
+
+
+def _renamed(exc: APIError) -> APIError:
+    """A chat refusal under the Responses request's field names."""
+    message, param = exc.message, exc.param
+    for chat_name, name in _FIELD_NAMES.items():
+        message = message.replace(chat_name, name)
+        param = param.replace(chat_name, name) if param else param
+    return APIError(exc.status, message, param=param, code=exc.code)
 
 
 def _echo(body: ResponsesRequest, *, stored: bool) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
+from pkgd.engine.structured_output import StructuredOutputManager
 from pkgd.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
@@ -193,6 +194,16 @@ class EngineCore:
         self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
         self.sleep_level = 0  # 0 = awake
         self.asleep: set[str] = set()  # of SLEEP_TAGS, released and not yet restored
+        self.structured_output = StructuredOutputManager(
+            getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer, self.vocab_size,
+            tuple(getattr(info, "eos_token_ids", None) or ([] if self.eos_token_id is None else [self.eos_token_id])),
+        )
+        # Constrained requests whose grammar is still compiling: outside the scheduler, so
+        # nothing waits for a compile (pkgd.engine.structured_output).
+        self.awaiting_grammar: dict[str, Request] = {}
+        # (request id, reason) of requests refused after add_request returned (a constraint
+        # that failed to compile); the caller reports them (core_proc, LLM).
+        self.failed_requests: list[tuple[str, str]] = []
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -248,11 +259,42 @@ class EngineCore:
         req = Request.from_engine_core_request(request, max_model_len=self.max_model_len, skip_prefix_cache=skip)
         if req.arrival_time == 0.0:
             req.arrival_time = time.time()
-        self.scheduler.add_request(req)
+        if req.request_id in self.awaiting_grammar:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params is None or req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.structured_output.add_request(req)
+        self.awaiting_grammar[req.request_id] = req
+        self._admit_compiled()
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar finished compiling into the scheduler (or to
+        ``failed_requests`` when it failed)."""
+        for rid, req in list(self.awaiting_grammar.items()):
+            if not req.structured_output.ready():
+                continue
+            del self.awaiting_grammar[rid]
+            error = req.structured_output.error()
+            if error is not None:
+                self.failed_requests.append((rid, f"structured_outputs: {error}"))
+                continue
+            self.structured_output.start_matcher(req)
+            self.scheduler.add_request(req)
+
+    def pop_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, reason) of requests refused since the last call; they are gone."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End these requests now and free their blocks; unknown ids are ignored. No output
         is produced for them (the frontend ends its side itself)."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self.awaiting_grammar.pop(rid, None)
         self.scheduler.finish_requests(request_ids)
 
     # ---- stepping ---------------------------------------------------------------------------
@@ -260,9 +302,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one schedule → execute → update step; returns the outputs of requests that got
         tokens (finished ones carry ``finish_reason``). Empty when there is nothing to do."""
+        if self.awaiting_grammar:
+            self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                # Only compiles pending: wait a little for one instead of spinning.
+                self.structured_output.wait_any(list(self.awaiting_grammar.values()), timeout=0.005)
+                self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing fits (cannot happen while the cache holds a max_model_len sequence);
             # keep the finished ids for the next step the runner sees.
@@ -272,10 +321,10 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.awaiting_grammar) or bool(self.failed_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + len(self.awaiting_grammar)
 
     def stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage and cumulative prefix-cache and preemption counters."""
@@ -352,6 +401,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Abort everything and release the runner (idempotent)."""
         self.scheduler.finish_requests(list(self.scheduler.requests))
+        self.awaiting_grammar.clear()
+        self.structured_output.shutdown()
         close = getattr(self.model_runner, "shutdown", None)
         if close is not None:
             close()

@@ -130,6 +130,12 @@ class EngineCoreProc:
             raise
         if outputs:
             self._send_outputs(outputs)
+        pop_failed = getattr(self.core, "pop_failed_requests", None)
+        for rid, message in pop_failed() if pop_failed is not None else ():
+            identity = self.owner.get(rid)
+            if identity is not None:
+                self._forget([rid])
+                self._reject(identity, rid, message)
 
     def _receive_all(self) -> None:
         while True:

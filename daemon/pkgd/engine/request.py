@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
@@ -73,6 +74,8 @@ class Request:
         num_preemptions: how often it lost its blocks.
         prompt_logprobs: prompt-position logprobs gathered from the runner, sent with the
             first output.
+        structured_output: the constraint's compiled grammar and matcher
+            (`pkgd.engine.structured_output.StructuredOutputRequest`), None when unconstrained.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class Request:
         self.num_preemptions = 0
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.sent_first_output = False
+        self.structured_output: Any = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, *, max_model_len: int, skip_prefix_cache: bool = False) -> Request:

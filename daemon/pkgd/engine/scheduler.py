@@ -26,7 +26,8 @@ on the runner's contract: in every layer the KV of all of a step's tokens is wri
 cache before any attention of that layer reads it.
 
 `update_from_output` appends the runner's sampled tokens, applies the stop rules
-(`Request.check_stop`), frees finished requests at once (their blocks stay cached) and
+(`Request.check_stop`; a constrained request also stops when its grammar is complete, after
+its matcher accepted the token: `pkgd.engine.structured_output`), frees finished requests at once (their blocks stay cached) and
 returns one `EngineCoreOutput` per request that produced tokens. A pooling request is a
 prefill that samples nothing: it is scheduled like any prompt (chunked, batched with the
 others) and finishes on the step that computes its last prompt token, with the runner's
@@ -288,7 +289,7 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
                 new_ids.append(token_id)
-                if request.check_stop(self.max_model_len):
+                if request.check_stop(self.max_model_len) or self._grammar_done(request, token_id):
                     stopped.append(request)
                     break
             outputs.append(self._make_output(request, new_ids, logprobs[i] if logprobs else None))
@@ -298,6 +299,19 @@ class Scheduler:
             for request in stopped:
                 self._free(request)
         return outputs
+
+    @staticmethod
+    def _grammar_done(request: Request, token_id: int) -> bool:
+        """Advance a constrained request's matcher by its new token; True (status set to
+        stopped) when the grammar is complete, or when it rejected the token (only possible
+        if no token was allowed, e.g. ``min_tokens`` banned the only stop token)."""
+        so = request.structured_output
+        if so is None:
+            return False
+        if so.accept(token_id) and not so.is_terminated():
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None, *,
                      pooling_output: bytes | None = None) -> EngineCoreOutput:

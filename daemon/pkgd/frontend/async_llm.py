@@ -282,8 +282,11 @@ def _import_frontend() -> tuple[type, type]:
 
     from pkgd.frontend.input_processor import InputProcessor
     from pkgd.frontend.output_processor import OutputProcessor
+    from pkgd.frontend.structured_outputs import load_xgrammar
     from pkgd.frontend.tokenizer import load_tokenizer  # noqa: F401
     from pkgd.model_files.resolve import resolve_model  # noqa: F401
+
+    load_xgrammar()  # the constraint checker's grammar builder (torch-free)
 
     return InputProcessor, OutputProcessor
 

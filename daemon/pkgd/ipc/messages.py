@@ -25,8 +25,9 @@ from pkgd.logprobs import TokenLogprobs
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
-# 2: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
-PROTOCOL_VERSION = 2
+# 2: SamplingParams.structured_outputs (an engine speaking 1 would ignore the constraint).
+# 3: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
+PROTOCOL_VERSION = 3
 
 
 class FinishReason(enum.IntEnum):

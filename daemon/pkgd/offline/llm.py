@@ -1,10 +1,12 @@
 """`LLM`: offline batch inference on an in-process `EngineCore` (vLLM's ``vllm.LLM``).
 
-    from pkgd import LLM, SamplingParams
+    from pkgd import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
     llm = LLM("/models/Qwen3-0.6B", max_model_len=4096, num_blocks=512)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    llm.generate(["A person:"], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
 
     emb = LLM(runner="pooling")                  # an embedding model (vLLM's --runner pooling)
     print(len(emb.embed(["Hello"])[0].outputs.embedding))   # 576: SmolLM2's hidden size
@@ -24,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from pkgd import log
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.engine.core import EngineCore, RunnerFactory
@@ -31,6 +34,7 @@ from pkgd.frontend.input_processor import ChatMessage, InputProcessor, Processed
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
 from pkgd.frontend.pooling import pooling_request_output
+from pkgd.frontend.structured_outputs import check as check_constraint
 from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
 from pkgd.offline.progress import ProgressBar, UseTqdm
 from pkgd.pooling_params import PoolingParams
@@ -60,6 +64,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: VllmConfig | None = None,
                  runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
         self.config = build_llm_config(model, config=config, **kwargs)
+        log.ensure_configured(role="offline")  # start-up lines (model_phase …) on stderr
         self.engine = EngineCore(self.config, runner_factory=runner_factory)
         self.tokenizer = _load_tokenizer(self.config, self.engine.model_files)
         self.input_processor = InputProcessor(
@@ -272,6 +277,9 @@ class LLM:
                     if not self.engine.has_unfinished_requests():
                         raise RuntimeError("the engine finished while requests were still open")
                     result = self.output_processor.process_outputs(self.engine.step())
+                    failed = self.engine.pop_failed_requests()
+                    if failed:
+                        raise ValueError(f"request {failed[0][0]}: {failed[0][1]}")
                     if result.reqs_to_abort:
                         self.engine.abort_requests(result.reqs_to_abort)
                     for ro in result.request_outputs:
@@ -285,13 +293,19 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        """One `SamplingParams` per prompt; structured-output constraints are checked here,
+        so a bad one is a `ValueError` ("structured_outputs: reason") before anything runs."""
         if sampling_params is None:
             return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        for sp in {id(p): p for p in params}.values():
+            if sp.structured_outputs is not None:
+                check_constraint(sp.structured_outputs)
         return params
 
     def next_request_id(self) -> str:

@@ -8,7 +8,8 @@ cache, ``initialize_kv_cache`` allocates it, then each step ``execute_model(Sche
 A step: apply the scheduler's diffs to the per-request states -> flatten (one-token queries
 first) -> model forward over all scheduled tokens -> LM head only on the rows that sample (the
 last scheduled token of each request whose known tokens are all computed) and on the rows that
-give prompt logprobs -> `Sampler` -> append each sampled token to its request.
+give prompt logprobs -> the grammar bitmask of constrained requests (`grammar_bitmask`) ->
+`Sampler` -> append each sampled token to its request.
 
 Threads are the process owner's business (``torch.set_num_threads``); the runner never sets
 them. With ``world_size > 1`` the owner initialises ``torch.distributed`` first; every rank
@@ -30,9 +31,9 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.scheduler_output import SchedulerOutput
 from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
-from pkgd.runner import ops
 from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
+from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir
@@ -125,12 +126,11 @@ class ModelRunner:
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
+        self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
-                why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
-            if why_not:
-                logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
+                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
         self.runner_type = config.model.runner_type
         pooler_cfg = config.model.pooler
         self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
@@ -138,9 +138,8 @@ class ModelRunner:
             self.model = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
-        cpu_kernels = ops.cpu_kernels()
-        if cpu_kernels is not None:
-            logger.info("cpu_kernels_loaded", library=str(cpu_kernels.path),
+        if self.cpu_kernels is not None:
+            logger.info("cpu_kernels_loaded", library=str(self.cpu_kernels.path),
                         one_call_decode=getattr(self.model, "cpu_decode", None) is not None)
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
@@ -155,7 +154,19 @@ class ModelRunner:
 
     def _load_model(self, progress: Any = None) -> torch.nn.Module:
         return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
-                          progress=progress, pooling=self.runner_type == "pooling")
+                          progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
+
+    @staticmethod
+    def _load_cpu_kernels(cache_dir):
+        """The C kernels (`pkgd_kernels.cpu.CpuKernels`) for the model, or None (logged with
+        the reason; the ops' PyTorch forms then run)."""
+        from pkgd_kernels import cpu
+
+        try:
+            return cpu.load(cache_dir)
+        except cpu.CpuKernelsUnavailable as e:
+            logger.warning("cpu_kernels_unavailable", reason=str(e), fallback="pytorch")
+            return None
 
     def _model_info(self) -> ModelInfo:
         a = self.arch
@@ -276,7 +287,7 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if batch.sample_rows:
-            self._sample(batch, hidden, sampled, logprobs)
+            self._sample(batch, hidden, sampled, logprobs, scheduler_output)
         out = ModelRunnerOutput(
             req_ids=[st.req_id for st in batch.states],
             sampled_token_ids=[sampled.get(st.req_id, []) for st in batch.states],
@@ -305,9 +316,11 @@ class ModelRunner:
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict) -> None:
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput) -> None:
         rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
+        logits = logits.cpu()
         spec = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
         result = self.sampler(logits, spec)
         tokens = result.token_ids.tolist()

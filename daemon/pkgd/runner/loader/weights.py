@@ -117,8 +117,9 @@ def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple
 
 
 def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
-               progress: Any = None, pooling: bool = False) -> nn.Module:
+               progress: Any = None, kernels=None, pooling: bool = False) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
+    ``kernels``: the `pkgd_kernels.cpu.CpuKernels` the model's ops may use (CPU), or None.
 
     ``progress`` (a `pkgd.phases.Phase`) is told one step per tensor read, then one for the
     post-loading processing (repacking for the CPU kernels). ``pooling``
@@ -132,7 +133,7 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     """
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
-        model = cls(cfg, tp=tp, dtype=dtype)
+        model = cls(cfg, tp=tp, dtype=dtype, kernels=kernels)
     model.requires_lm_head = not pooling
     tensors = iter_safetensors(model_dir)
     if progress is not None:
