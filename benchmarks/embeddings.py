@@ -51,15 +51,18 @@ def parse_args() -> argparse.Namespace:
 
 
 def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    # Its own runtime directory: another daemon on this host keeps its control socket.
     cmd = [str(ROOT / ".venv" / "bin" / "pkgd"), "serve", "--runner", "pooling", "--host", "127.0.0.1",
-           "--port", str(args.port), "--max-model-len", str(max(512, args.tokens + 16))]
+           "--port", str(args.port), "--max-model-len", str(max(512, args.tokens + 16)),
+           f"supervisor.runtime_dir={log.parent / 'run'}"]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"pkgd serve exited with {proc.returncode}; see {log}")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+            raise SystemExit(f"pkgd serve exited with {proc.returncode}:\n{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=1).status_code == 200:
                 return proc
@@ -67,7 +70,7 @@ def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     proc.terminate()
-    raise SystemExit(f"pkgd serve not ready in 900 s; see {log}")
+    raise SystemExit(f"pkgd serve not ready in 900 s:\n{log.read_text(errors='replace')[-2000:]}")
 
 
 async def embed_via_server(url: str, prompts: list[list[int]], per_request: int, concurrency: int) -> tuple[np.ndarray, float]:
