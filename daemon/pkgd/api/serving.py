@@ -100,6 +100,19 @@ def sampling_params(
     return params
 
 
+def require_runner(state: ServerState, runner: str, api: str) -> None:
+    """Raise a 400 (as vLLM) when the served model's runner is not ``runner``
+    (``generate`` or ``pooling``); ``api`` names the endpoint family in the message."""
+    hs = state.llm.handshake
+    actual = hs.runner if hs is not None else state.config.model.runner_type
+    if actual == runner:
+        return
+    how = ("as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
+           if actual == "pooling" else
+           "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner pooling)")
+    raise APIError(400, f"this model does not support the {api}: it is served {how}")
+
+
 async def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
     """``params`` with the request's structured-output constraint (`pkgd.api.structured`),
     checked off the event loop by ``state.constraints``. Raises `APIError` 400 naming the

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
     state.check_ready()
     model = state.resolve_model(body.model)
+    serving.require_runner(state, "generate", "Completions API")
     score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
     params = serving.sampling_params(body, state, max_tokens=1 if score_only else body.max_tokens,
                                      logprobs=body.logprobs, stream=body.stream)
