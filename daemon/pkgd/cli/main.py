@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        split = split_argv(argv)
+        split = split_argv(argv, commands=available_subcommands())
         rest, command = _command_of(split.rest, list(available_subcommands()))
         wants_help = any(t in (*_HELP, "--version") for t in rest)
         parser, commands = build_parser(command, with_help_text=wants_help)
@@ -147,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.compose_request = ComposeRequest(
             config_dir=split.config_dir,
             config_name=split.config_name,
+            vllm_config=split.vllm_config,
             overrides=tuple(split.overrides),
             flags=tuple(split.flags),
         )
