@@ -34,10 +34,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pkgd.cli.serve", "serve the configured model over the OpenAI-compatible API (default)"),
     "config": ("pkgd.cli.config_cmd", "show, validate or diff the configuration; print its JSON schema"),
     # Written by other parts of pkgd on `pkgd.cli.base.CLISubcommand`:
-    "bench": ("pkgd.cli.bench", "benchmark offline throughput or latency"),
+    "bench": ("pkgd.cli.bench", "benchmark offline throughput or latency, or a running server"),
     "run-batch": ("pkgd.cli.run_batch", "run a JSONL file of OpenAI requests offline"),
     "status": ("pkgd.cli.ctl", "show the running daemon's processes and configuration"),
     "reload": ("pkgd.cli.ctl", "make the running daemon compose its configuration again"),
+    "collect-env": ("pkgd.cli.collect_env", "print the versions, hardware, kernels and config digest a bug report needs"),
+    "launch": ("pkgd.cli.launch", "launch render: print the prompt a chat request becomes, without an engine"),
 }
 DEFAULT_SUBCOMMAND = "serve"
 _HELP = ("-h", "--help")
