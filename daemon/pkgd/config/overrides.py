@@ -151,18 +151,8 @@ def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
     i = 0
     while i < len(tokens):
         token = normalize_flag(tokens[i])
-        i += 1
         name, eq, inline = token.partition("=")
-        arity = flag_arity(token)
-        values: list[str] = []
-        if arity is None and not eq and i < len(tokens) and not tokens[i].startswith("-"):
-            i += 1  # an unknown flag: the next word is most likely its value
-        elif arity == 1 and i < len(tokens):
-            values, i = [tokens[i]], i + 1  # "-1" too
-        elif arity in ("+", "?"):
-            while i < len(tokens) and not tokens[i].startswith("-") and not (arity == "?" and values):
-                values.append(tokens[i])
-                i += 1
+        values, i = _take_values(tokens, i + 1, flag_arity(token), bool(eq))
         if eq:
             values = [inline, *values]
         if name not in index:
@@ -201,6 +191,21 @@ def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
             value = items
         ops.append(ValueOp(leaf.key, value, origin=origin))
     return ops, problems
+
+
+def _take_values(tokens: Sequence[str], i: int, arity: int | str | None, inline: bool) -> tuple[list[str], int]:
+    """The values of the flag before ``tokens[i]`` and the index after them."""
+    if arity is None:  # an unknown flag: the next word is most likely its value
+        skip = not inline and i < len(tokens) and not tokens[i].startswith("-")
+        return [], i + skip
+    if arity == 1 and i < len(tokens):
+        return [tokens[i]], i + 1  # "-1" too
+    values: list[str] = []
+    if arity in ("+", "?"):
+        while i < len(tokens) and not tokens[i].startswith("-") and not (arity == "?" and values):
+            values.append(tokens[i])
+            i += 1
+    return values, i
 
 
 VLLM_CONFIG_FLAG = "--config"  # vLLM's YAML of flags: a layer of its own (`pkgd.config.vllm_yaml`)
