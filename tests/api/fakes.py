@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections.abc import Callable
 
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
@@ -75,6 +76,9 @@ class FakeEngineClient:
     def engine_stats(self) -> dict[int, SchedulerStats]:
         return {0: SchedulerStats(num_running_reqs=len(self._tasks), kv_cache_usage=0.25)}
 
+    def engine_info(self):
+        return {0: (self.handshake, self.engine_stats()[0])}
+
     def num_inflight(self) -> int:
         return len(self._tasks)
 
@@ -118,8 +122,10 @@ class FakeEngineClient:
                 finish = FinishReason.STOP
             elif i + 1 >= (sp.max_tokens or len(tokens)) or i + 1 == len(tokens):
                 finish = FinishReason.LENGTH
+            now = time.time()
             out = EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[tok], finish_reason=finish,
+                queued_ts=now - 0.002 if i == 0 else 0.0, scheduled_ts=now - 0.001 if i == 0 else 0.0,
                 new_logprobs=[_entry(tok, sp.logprobs)] if sp.logprobs is not None else None,
                 new_prompt_logprobs=(
                     [None] + [_entry(t, sp.prompt_logprobs) for t in req.prompt_token_ids[1:]]
@@ -128,6 +134,6 @@ class FakeEngineClient:
             )
             if finish is not None:
                 self._tasks.pop(req.request_id, None)
-            self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None))
+            self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None, timestamp=now))
             if finish is not None:
                 return

@@ -162,10 +162,10 @@ async def version() -> Any:
 
 @router.get("/metrics", tags=["admin"])
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition (vLLM's metric names); the daemon's totals across API servers."""
+    """Prometheus exposition (vLLM's metric names); the daemon's totals across API servers.
+    Empty with ``logging.log_stats: false`` (vLLM's --disable-log-stats)."""
     state = get_state(request)
     if state.metrics is None:
-        raise APIError(404, "metrics are disabled")
-    state.metrics.set_engine_stats(state.llm.client.engine_stats())
-    data, content_type = state.metrics.render()
+        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+    data, content_type = state.metrics.render(state.engine_collector)
     return Response(data, media_type=content_type)

@@ -25,6 +25,7 @@ class ServerState:
         self.config = config
         self.llm = llm
         self.metrics = metrics
+        self.engine_collector: Any = None  # the engine cores' /metrics series (frontend.metrics)
         self.server_index = server_index
         self.draining = False
         f = config.frontend

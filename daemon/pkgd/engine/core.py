@@ -6,13 +6,14 @@ vLLM v1's ``EngineCore`` without the process around it: the engine-core process
 → ``Scheduler.update_from_output()``.
 
 Start-up: the model is loaded through the runner (``pkgd.runner``), the KV cache is sized
-from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU, 90 %
-of free device memory on CUDA) ÷ the runner's bytes per block, and must hold at least one
-``max_model_len`` sequence.
+from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU; on CUDA
+what ``cache.gpu_memory_utilization`` of the device leaves after loading) ÷ the runner's bytes
+per block, and must hold at least one ``max_model_len`` sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -97,13 +98,24 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     return model_files, ModelRunner(config, model_files)
 
 
-def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_device_bytes: int | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory after the weights are loaded, in bytes: ``free`` and ``total``
+    (``torch.cuda.mem_get_info``) and ``used`` by this process (``memory_reserved``)."""
+
+    free: int
+    total: int
+    used: int
+
+
+def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_memory: DeviceMemory | None = None) -> int:
     """KV blocks for this engine: ``cache.num_blocks`` when set, else the memory budget ÷
     ``bytes_per_block``.
 
-    The budget is ``cache.kv_cache_memory_bytes`` when set, else 90 % of
-    ``free_device_bytes`` (CUDA, measured after the weights are loaded) or 448 MiB (CPU).
-    Raises `ValueError` when the budget holds no block.
+    The budget is ``cache.kv_cache_memory_bytes`` when set; on CUDA (``device_memory``) it is
+    vLLM's ``gpu_memory_utilization`` × total − what this process already holds, capped at
+    90 % of the free memory (other processes' allocations and activations need the rest);
+    on CPU it is 448 MiB. Raises `ValueError` when the budget holds no block.
     """
     cache = config.cache
     if cache.num_blocks is not None:
@@ -112,8 +124,14 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
         raise ValueError(f"the runner reports {bytes_per_block} bytes per KV block")
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
-    elif free_device_bytes is not None:
-        budget = int(free_device_bytes * CUDA_FREE_MEMORY_FRACTION)
+    elif device_memory is not None:
+        share = int(device_memory.total * cache.gpu_memory_utilization) - device_memory.used
+        budget = min(share, int(device_memory.free * CUDA_FREE_MEMORY_FRACTION))
+        if budget < bytes_per_block:
+            raise ValueError(
+                f"cache.gpu_memory_utilization: {cache.gpu_memory_utilization} of {device_memory.total / 2**30:.1f} GiB "
+                f"leaves no room for the KV cache after the model's {device_memory.used / 2**30:.1f} GiB; raise it"
+            )
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // bytes_per_block
@@ -170,7 +188,7 @@ class EngineCore:
         self.block_size = config.cache.block_size
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
         self.num_kv_blocks = determine_num_kv_blocks(
-            config, bytes_per_block, free_device_bytes=_free_cuda_bytes(self.model_runner)
+            config, bytes_per_block, device_memory=_cuda_memory(self.model_runner)
         )
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -408,14 +426,14 @@ class EngineCore:
             close()
 
 
-def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
+def _cuda_memory(runner: ModelRunnerLike) -> DeviceMemory | None:
     device = getattr(runner, "device", None)
     if device is None or getattr(device, "type", str(device)) != "cuda":
         return None
     import torch
 
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(free=free, total=total, used=torch.cuda.memory_reserved(device))
 
 
 __all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]

@@ -72,6 +72,8 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache when first scheduled;
             -1 until then.
         num_preemptions: how often it lost its blocks.
+        queued_ts, scheduled_ts: Unix times in seconds when the scheduler received it and
+            first scheduled it (0.0 until then).
         prompt_logprobs: prompt-position logprobs gathered from the runner, sent with the
             first output.
         structured_output: the constraint's compiled grammar and matcher
@@ -117,6 +119,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.queued_ts = 0.0
+        self.scheduled_ts = 0.0
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.sent_first_output = False
         self.structured_output: Any = None

@@ -8,8 +8,8 @@ incrementally, applies stop strings and aggregates ``n > 1``; the resulting `Req
 go to one `RequestStream` per client request. Requests that hit a stop string are aborted in
 the engine, and so is a request whose consumer stops iterating (the HTTP client went away).
 
-Timing for ``/metrics`` (TTFT, inter-token latency, end-to-end) is measured here with the
-monotonic clock, from the moment a request is handed to `generate`.
+`Metrics` (``/metrics``) follows each request from the moment it is handed to `generate`:
+the engine core it went to, every step's outputs, and its end.
 """
 
 from __future__ import annotations
@@ -92,6 +92,8 @@ class AsyncLLM:
         self.input_processor: InputProcessor | None = None
         self.output_processor: Any = None
         self.handshake: Handshake | None = None
+        # sampling defaults of model.generation_config (pkgd.model_files.generation)
+        self.generation_defaults: dict[str, Any] = {}
         self._streams: dict[str, RequestStream] = {}  # client request id -> stream
         self._client_of: dict[str, str] = {}  # engine request id -> client request id
 
@@ -122,7 +124,7 @@ class AsyncLLM:
         InputProcessor, OutputProcessor = await preload  # noqa: N806 - classes
         self.handshake = hs = self.client.handshake
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_frontend_tokenizer, self.config)
+            self.tokenizer, self.generation_defaults = await asyncio.to_thread(load_frontend_model, self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
             eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.max_logprobs,
@@ -172,10 +174,13 @@ class AsyncLLM:
         for eid in engine_ids:
             self._client_of[eid] = rid
         try:
-            self.client.add_requests(processed.engine_requests)
+            engine_index = self.client.add_requests(processed.engine_requests)
         except BaseException:
             self._forget(rid, abort=False)
             raise
+        if self.metrics is not None:
+            self.metrics.track(rid, engine_ids, engine_index, prompt_len=stream.prompt_len,
+                               max_tokens=processed.sampling_params.max_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -199,6 +204,8 @@ class AsyncLLM:
 
     def _forget(self, rid: str, *, abort: bool) -> None:
         stream = self._streams.pop(rid, None)
+        if self.metrics is not None:
+            self.metrics.end(rid)
         if stream is None:
             return
         for eid in stream.engine_ids:
@@ -217,6 +224,8 @@ class AsyncLLM:
             else:
                 self._count_tokens(out.request_id, len(out.new_token_ids), now)
         result = self.output_processor.process_outputs(msg.outputs)
+        if self.metrics is not None:
+            self.metrics.on_outputs(msg.outputs, msg.timestamp, result.reqs_to_abort)
         if result.reqs_to_abort:
             self.client.abort_requests(result.reqs_to_abort)
         for ro in result.request_outputs:
@@ -251,20 +260,12 @@ class AsyncLLM:
         stream = self._streams.get(self._client_of.get(engine_id, ""))
         if stream is None or not num:
             return
-        if self.metrics is not None:
-            if stream.t_last is None:
-                self.metrics.first_token(now - stream.t_arrival, stream.prompt_len)
-                self.metrics.tokens(num, None)
-            else:
-                self.metrics.tokens(num, now - stream.t_last)
         stream.t_last = now
         stream.num_tokens += num
 
     def _finished(self, stream: RequestStream, reason: str) -> None:
-        """Count a finished request; with ``logging.log_requests`` log one line for it."""
+        """With ``logging.log_requests``, log one line for a finished request."""
         latency = time.monotonic() - stream.t_arrival
-        if self.metrics is not None:
-            self.metrics.finished(reason, latency)
         if self.config.logging.log_requests:
             logger.info("request_finished", request_id=stream.request_id, finish_reason=reason,
                         prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
@@ -297,8 +298,16 @@ def load_frontend_tokenizer(config: VllmConfig) -> Any:
     The engine core resolved (and, for a GGUF, converted) the model before any API server
     started, so this only reads the cached files.
     """
+    return load_frontend_model(config)[0]
+
+
+def load_frontend_model(config: VllmConfig) -> tuple[Any, dict[str, Any]]:
+    """The served model's tokenizer and the sampling defaults of ``model.generation_config``
+    (`pkgd.model_files.generation`), from the resolved model directory."""
     from pkgd.frontend.tokenizer import load_tokenizer
+    from pkgd.model_files.generation import generation_defaults
     from pkgd.model_files.resolve import resolve_model
 
     files = resolve_model(config.model)
-    return load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)
+    tokenizer = load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)
+    return tokenizer, generation_defaults(config.model.generation_config, files.model_dir)

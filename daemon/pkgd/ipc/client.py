@@ -181,6 +181,10 @@ class EngineClient:
         requests failed), of the cores that ever handshook."""
         return {c.engine_index: c.stats for c in self._cores if c.engine_index is not None}
 
+    def engine_info(self) -> dict[int, tuple[Handshake | None, SchedulerStats]]:
+        """`engine_stats` with each core's handshake (None while it is down)."""
+        return {c.engine_index: (c.handshake, c.stats) for c in self._cores if c.engine_index is not None}
+
     def num_inflight(self) -> int:
         return len(self._owner)
 

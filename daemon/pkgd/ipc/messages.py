@@ -27,7 +27,14 @@ from pkgd.sampling_params import SamplingParams
 
 # 2: SamplingParams.structured_outputs (an engine speaking 1 would ignore the constraint).
 # 3: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
-PROTOCOL_VERSION = 3
+# 4: per-request engine timestamps and preemptions on EngineCoreOutput; the per-step token
+# histogram in SchedulerStats.
+PROTOCOL_VERSION = 4
+
+# Upper bounds of the SchedulerStats.iteration_tokens_counts buckets (tokens per engine step),
+# vLLM v1's ``vllm:iteration_tokens_total`` buckets (vllm/v1/metrics/buckets.py); the last
+# count is the +Inf bucket.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class FinishReason(enum.IntEnum):
@@ -130,9 +137,12 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     """New tokens of one request this step; ``finish_reason`` set on its last output.
 
     ``stop_reason`` is the stop token id that ended it, None for EOS/length.
-    ``num_cached_tokens`` (prompt tokens hit in the prefix cache) is sent with the first
-    output. A pooling request has one output, its last, with ``pooling_output``: the pooled
-    vector as little-endian float32 bytes (4 x its dimensions) and no tokens.
+    ``num_cached_tokens`` (prompt tokens hit in the prefix cache), ``queued_ts`` (when the
+    engine core received the request) and ``scheduled_ts`` (when it was first scheduled) are
+    sent with the first output, as Unix times in seconds of the engine's clock;
+    ``num_preemptions`` (how often it lost its KV blocks) with the last. A pooling request has
+    one output, its last, with ``pooling_output``: the pooled vector as little-endian float32
+    bytes (4 x its dimensions) and no tokens.
     """
 
     request_id: str
@@ -143,13 +153,19 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     pooling_output: bytes | None = None
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    num_preemptions: int = 0
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Engine gauges and counters for ``/metrics`` (vLLM's metric meanings).
 
     ``kv_cache_usage`` is the used fraction of KV blocks in [0, 1]; the prefix-cache and
-    preemption counters are cumulative since the engine started.
+    preemption counters are cumulative since the engine started, and so is the histogram of
+    tokens per step: ``iteration_tokens_counts[i]`` steps with at most
+    ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before; the last entry
+    counts the rest), ``iteration_tokens_sum`` their tokens.
     """
 
     num_running_reqs: int = 0
@@ -158,6 +174,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 class EngineOutputs(Message, tag="outputs"):

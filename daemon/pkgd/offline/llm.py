@@ -85,9 +85,13 @@ class LLM:
         return self.tokenizer
 
     def default_sampling_params(self) -> SamplingParams:
-        """`SamplingParams` with ``model.generation`` defaults applied."""
-        gen = self.config.model.generation
-        fields = {k: v for k, v in gen.model_dump().items() if v is not None}
+        """`SamplingParams` with ``model.generation`` defaults applied, over those of
+        ``model.generation_config`` (the model's generation_config.json by default)."""
+        from pkgd.model_files.generation import generation_defaults
+
+        model_dir = getattr(self.engine.model_files, "model_dir", None)
+        fields = generation_defaults(self.config.model.generation_config, model_dir) if model_dir else {}
+        fields.update((k, v) for k, v in self.config.model.generation.model_dump().items() if v is not None)
         return SamplingParams(**fields)
 
     # ---- generation -----------------------------------------------------------------------
