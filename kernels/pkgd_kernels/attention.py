@@ -19,6 +19,7 @@ the references gather the keys densely and take an ordinary softmax. A sequence 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -342,7 +343,7 @@ def paged_attention_decode(
     scale: float,
     *,
     kernels=None,
-    plan: list[DecodeChunk] | None = None,
+    plan: list[DecodeChunk] | Callable[[], list[DecodeChunk]] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: :func:`paged_attention_decode_triton` on CUDA
     tensors; on CPU the C form when ``kernels`` (a `pkgd_kernels.cpu.CpuKernels`) takes the
@@ -369,7 +370,7 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     *,
-    plan: list[PrefillSeq] | None = None,
+    plan: list[PrefillSeq] | Callable[[], list[PrefillSeq]] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged KV cache: :func:`paged_attention_prefill_triton`
     on CUDA tensors, `paged_attention_prefill_cpu` with ``plan`` otherwise (see

@@ -17,13 +17,15 @@ attended in the query dtype.
   aligned bottom-right (query i sits at position ``seq_len - q_len + i``).
 
 A plan (`plan_decode`, `plan_prefill`) depends only on the step's block tables and lengths, so
-a runner builds it once per step and passes it to every layer's call (``plan=``); without one
-the call builds its own.
+a runner builds it once per step and passes it to every layer's call (``plan=``: the plan, or a
+function returning it, called only when this form runs, so a step the C kernel serves never
+builds one); without one the call builds its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -116,11 +118,13 @@ def paged_attention_decode_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     *,
-    plan: list[DecodeChunk] | None = None,
+    plan: list[DecodeChunk] | Callable[[], list[DecodeChunk]] | None = None,
 ) -> torch.Tensor:
     """CPU form of `pkgd_kernels.paged_attention_decode_ref` (same arguments and result;
     unchecked), with ``plan`` from `plan_decode` for these tables and lengths when the caller
     has one. The cache may be 16-bit under float32 queries."""
+    if callable(plan):
+        plan = plan()
     if plan is None:
         plan = plan_decode(block_tables, seq_lens.tolist(), key_cache.shape[1], kv_bytes_per_token(query, key_cache))
     _, _, hkv, d = key_cache.shape
@@ -157,10 +161,12 @@ def paged_attention_prefill_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     *,
-    plan: list[PrefillSeq] | None = None,
+    plan: list[PrefillSeq] | Callable[[], list[PrefillSeq]] | None = None,
 ) -> torch.Tensor:
     """CPU form of `pkgd_kernels.paged_attention_prefill_ref` (same arguments and result;
     unchecked), with ``plan`` from `plan_prefill` when the caller has one."""
+    if callable(plan):
+        plan = plan()
     if plan is None:
         plan = plan_prefill(block_tables, query_start_loc.tolist(), seq_lens.tolist(), key_cache.shape[1])
     out = torch.empty_like(query)

@@ -110,7 +110,8 @@ def test_takes_says_no_to_layouts_the_kernel_does_not_take():
     takes = cpu.CpuKernels.takes_paged_attention_decode
     kc = torch.zeros(4, 16, 2, 64)
     assert takes(torch.zeros(3, 4, 64), kc)
-    assert not takes(torch.zeros(3, 4, 64, dtype=torch.bfloat16), kc)  # bf16 queries
+    assert takes(torch.zeros(3, 4, 64, dtype=torch.bfloat16), kc)  # bf16 queries: widened
+    assert not takes(torch.zeros(3, 4, 64, dtype=torch.float64), kc)
     assert not takes(torch.zeros(3, 4, 24), torch.zeros(4, 16, 2, 24))  # D % 16
     assert not takes(torch.zeros(3, 3, 64), kc)  # Hq % Hkv
     assert not takes(torch.zeros(3, 64, 4).transpose(1, 2), kc)  # heads strided
@@ -241,7 +242,7 @@ def test_a_library_of_another_abi_is_rebuilt_and_one_that_disagrees_is_refused(t
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
     stale = dataclasses.replace(cpu.KERNELS, abi_version=cpu.KERNELS.abi_version + 1)
-    with pytest.raises(cpu.CpuKernelsUnavailable, match=r"has ABI 5, its bindings expect 6"):
+    with pytest.raises(cpu.CpuKernelsUnavailable, match=rf"has ABI {cpu.KERNELS.abi_version}, its bindings expect {cpu.KERNELS.abi_version + 1}"):
         build.open_library.__wrapped__(stale, tmp_path)
     assert path.exists()  # the wrong one was removed and built again (then still refused)
 
@@ -252,3 +253,64 @@ def test_a_library_of_another_abi_is_rebuilt_and_one_that_disagrees_is_refused(t
     with pytest.raises(cpu.CpuKernelsUnavailable, match=r"struct no_such_struct is .* unknown in C but \[8, 0\]"):
         build.open_library.__wrapped__(dataclasses.replace(cpu.KERNELS, structs=(Unknown,)), tmp_path)
     assert build.struct_layout(Unknown) == [8, 0]
+
+
+def _bf16_impls(kernels):
+    return ["widen"] + (["dpbf16"] if kernels.bf16_native else [])
+
+
+@pytest.fixture
+def bf16_impl(kernels, request):
+    """Run with each bf16 dot product this CPU can execute; restores the handle's choice."""
+    before = kernels.bf16_impl
+    yield kernels
+    kernels.use_bf16_impl(before)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_gemv_reads_the_onednn_packing_by_each_path(bf16_impl, n, k, m, x_dtype):
+    from pkgd.runner.layers.linear import packed_view
+
+    kernels = bf16_impl
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    view = packed_view(packed, n, k)
+    assert view is not None and view.shape == (n // 32, k // 2, 32, 2)
+    x = torch.randn(m, k + 6, generator=g)[:, :k].to(x_dtype)
+    b = torch.randn(n, generator=g)
+    want = pk.gemv_packed_ref(x, view, b)
+    dense = (x.to(torch.bfloat16).float() @ w.float().t() + b).to(x_dtype)
+    rounded = 1e-3 if x_dtype == torch.float32 else 1e-2  # a bf16 result: one ulp apart at most
+    torch.testing.assert_close(want.float(), dense.float(), atol=rounded, rtol=rounded)
+    outs = {}
+    for impl in _bf16_impls(kernels):
+        kernels.use_bf16_impl(impl)
+        outs[impl] = kernels.gemv_packed(x, view, b)
+        assert outs[impl].dtype == x_dtype
+        tol = 1e-4 * k**0.5 if x_dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(outs[impl].float(), want.float(), atol=tol, rtol=tol)
+    ids = torch.randint(0, n, (9,), generator=g)
+    assert torch.equal(kernels.gather_packed(view, ids), w[ids]) and torch.equal(pk.gather_packed_ref(view, ids), w[ids])
+
+
+def test_the_bf16_path_is_chosen_by_the_cpu_and_a_missing_one_refused(kernels):
+    assert kernels.bf16_impl == ("dpbf16" if kernels.bf16_native else "widen")
+    if not kernels.bf16_native:
+        with pytest.raises(ValueError, match="not available here"):
+            kernels.use_bf16_impl("dpbf16")
+    with pytest.raises(ValueError, match="not available here"):
+        kernels.use_bf16_impl("amx")
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_takes_16_bit_queries(kernels, q_dtype):
+    kc, vc, tables, lens = _paged(5, 2, 64, 16, q_dtype, seed=3)
+    q = torch.randn(5, 8, 64).to(q_dtype)
+    out = kernels.paged_attention_decode(q, kc, vc, tables, lens, 0.125)
+    assert out.dtype == q_dtype
+    want = paged_attention_decode_ref(q.float(), kc.float(), vc.float(), tables, lens, 0.125)
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)

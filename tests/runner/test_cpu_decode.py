@@ -101,9 +101,9 @@ def test_steps_it_does_not_serve_fall_back_to_the_per_layer_forward(tiny_dirs, c
     ids, positions, meta = _random_step(runner, [3, 5], seed=2)
     meta.num_decodes = 1
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
-    # a float16 KV cache
+    # K and V caches of two dtypes
     ids, positions, meta = _random_step(runner, [3, 5], seed=3)
-    runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
+    runner.kv_caches = [(k.half(), v) for k, v in runner.kv_caches]
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
 
 
@@ -177,3 +177,61 @@ def test_a_library_that_disagrees_with_its_structs_is_refused_not_called(tiny_di
     assert runner.model.cpu_decode is None
     (refused,) = [e for e in logs if e["event"] == "one_call_decode_unavailable"]
     assert "struct pkgd_decoder_dims" in refused["reason"] and "in C but" in refused["reason"]
+
+
+def _compare(runner, seq_lens, seed):
+    """(max |one-call - per-layer| / max |per-layer| of the hidden states, same for the caches)."""
+    model = runner.model
+    ids, positions, meta = _random_step(runner, seq_lens, seed=seed)
+    base = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    ref, _ = _forward(model, ids, positions, base, meta, fused=False)
+    got, calls = _forward(model, ids, positions, runner.kv_caches, meta, fused=True)
+    assert calls == [True] and got.dtype == ref.dtype == model.dtype
+    hidden = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    cache = max(((c.float() - rc.float()).abs().max() / rc.float().abs().max()).item()
+                for kv, rkv in zip(runner.kv_caches, base) for c, rc in zip(kv, rkv))
+    return hidden, cache
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
+def test_16_bit_caches_under_a_float32_model(tiny_dirs, c_kernels, cache_dtype):
+    model_dir, _ = tiny_dirs("qwen2")
+    runner = make_runner(model_dir)
+    runner.config = runner.config.model_copy(update={"cache": runner.config.cache.model_copy(update={"cache_dtype": cache_dtype})})
+    runner.kv_dtype = getattr(torch, cache_dtype)
+    hidden, cache = _compare(runner, [5, 13, 2], seed=11)
+    assert hidden <= 1e-5 and cache <= 1e-2  # the new K/V rounded to 16 bits on both paths
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("impl", ["dpbf16", "widen"])
+@pytest.mark.parametrize("seq_lens", [[9], [61, 3], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x9", "61+3", "8"])
+def test_bf16_step_matches_the_per_layer_bf16_forward(tiny_dirs, c_kernels, arch, impl, seq_lens):
+    """bf16 weights and KV cache: the one-call step keeps its residual stream in float32 and
+    rounds only GEMV inputs and cache writes, the per-layer forward rounds after every op, so
+    they agree to bf16 rounding (measured here: <= 1.1e-2 of the largest value), not to float32's."""
+    if impl == "dpbf16" and not c_kernels.bf16_native:
+        pytest.skip("this CPU has no AVX512-BF16")
+    model_dir, _ = tiny_dirs(arch)
+    runner = make_runner(model_dir, dtype="bfloat16")
+    assert isinstance(runner.model.cpu_decode, CpuDecodeStep) and runner.kv_caches == []
+    runner.cpu_kernels.use_bf16_impl(impl)
+    torch.set_num_threads(2)
+    hidden, cache = _compare(runner, seq_lens, seed=len(seq_lens) + len(impl))
+    assert hidden <= 3e-2 and cache <= 3e-2, (hidden, cache)
+
+
+def test_bf16_dot_product_paths_agree(tiny_dirs, c_kernels):
+    """vdpbf16ps and the widening path compute the same sums of the same rounded inputs, up to
+    their order."""
+    if not c_kernels.bf16_native:
+        pytest.skip("this CPU has no AVX512-BF16")
+    model_dir, _ = tiny_dirs("llama-untied")
+    runner = make_runner(model_dir, dtype="bfloat16")
+    model = runner.model
+    outs = []
+    for impl in ("dpbf16", "widen"):
+        runner.cpu_kernels.use_bf16_impl(impl)
+        ids, positions, meta = _random_step(runner, [5, 13, 2], seed=3)
+        outs.append(_forward(model, ids, positions, runner.kv_caches, meta, fused=True)[0].float())
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * outs[1].abs().max().item()  # one bf16 ulp of the output

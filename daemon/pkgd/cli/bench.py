@@ -247,14 +247,14 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 class BenchSubcommand(CLISubcommand):
-    """``pkgd bench {throughput,serve}``."""
+    """``pkgd bench {throughput,serve,latency}``."""
 
     name = "bench"
-    help = "benchmark the offline engine (throughput) or a running server (serve)"
+    help = "benchmark the offline engine (throughput, latency) or a running server (serve)"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
-        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve}")
+        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency}")
         t = sub.add_parser("throughput", help="offline throughput of the engine (vllm bench throughput)",
                            description=THROUGHPUT_DESCRIPTION, epilog=THROUGHPUT_EXAMPLES)
         add_throughput_args(t)
@@ -265,6 +265,12 @@ class BenchSubcommand(CLISubcommand):
                            description=bench_serve.DESCRIPTION, epilog=bench_serve.EXAMPLES)
         bench_serve.add_serve_args(s)
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
+        from pkgd.cli import bench_latency  # light: argparse only until it runs
+
+        lat = sub.add_parser("latency", help="Latency of one batch (vllm bench latency).", description=bench_latency.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        bench_latency.add_latency_args(lat)
+        lat.set_defaults(bench_dispatch=lambda a: bench_latency.run_latency(a, offline_llm))
         return parser
 
     def validate(self, args: argparse.Namespace) -> None:

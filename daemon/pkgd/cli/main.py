@@ -34,10 +34,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pkgd.cli.serve", "serve the configured model over the OpenAI-compatible API (default)"),
     "config": ("pkgd.cli.config_cmd", "show, validate or diff the configuration; list its keys; print its JSON schema"),
     # Written by other parts of pkgd on `pkgd.cli.base.CLISubcommand`:
-    "bench": ("pkgd.cli.bench", "benchmark the offline engine (throughput) or a running server (serve)"),
+    "bench": ("pkgd.cli.bench", "benchmark offline throughput or latency, or a running server"),
     "run-batch": ("pkgd.cli.run_batch", "run a JSONL file of OpenAI requests offline"),
     "status": ("pkgd.cli.ctl", "show the running daemon's processes and configuration"),
     "reload": ("pkgd.cli.ctl", "make the running daemon compose its configuration again"),
+    "collect-env": ("pkgd.cli.collect_env", "print the versions, hardware, kernels and config digest a bug report needs"),
+    "launch": ("pkgd.cli.launch", "launch render: print the prompt a chat request becomes, without an engine"),
 }
 DEFAULT_SUBCOMMAND = "serve"
 _HELP = ("-h", "--help")
@@ -145,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        split = split_argv(argv)
+        split = split_argv(argv, commands=available_subcommands())
         rest, command = _command_of(split.rest, list(available_subcommands()))
         wants_help = any(t in (*_HELP, "--version") for t in rest)
         parser, commands = build_parser(command, with_help_text=wants_help)
@@ -153,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.compose_request = ComposeRequest(
             config_dir=split.config_dir,
             config_name=split.config_name,
+            vllm_config=split.vllm_config,
             overrides=tuple(split.overrides),
             flags=tuple(split.flags),
         )

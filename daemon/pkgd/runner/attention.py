@@ -44,6 +44,8 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     kv_bytes_per_token: int = 0
+    _decode_plan: list[DecodeChunk] | None = dataclasses.field(default=None, repr=False)
+    _prefill_plan: list[PrefillSeq] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -91,21 +93,20 @@ class AttentionMetadata:
         nd = self.num_decodes
         return self.query_start_loc[nd:] - self.query_start_loc[nd]
 
-    @functools.cached_property
-    def decode_plan(self) -> list[DecodeChunk] | None:
-        """The CPU decode chunks of this step (None on CUDA); computed once, used by every layer."""
-        if self.block_tables.is_cuda:
-            return None
-        nd = self.num_decodes
-        return plan_decode(self.block_tables[:nd], self.seq_lens[:nd].tolist(), self.block_size, self.kv_bytes_per_token)
+    def decode_plan(self) -> list[DecodeChunk]:
+        """The CPU PyTorch decode chunks of this step, built on the first call (only when that
+        form runs: a step the C kernel serves never builds them), then shared by every layer."""
+        if self._decode_plan is None:
+            nd = self.num_decodes
+            self._decode_plan = plan_decode(self.block_tables[:nd], self.seq_lens[:nd].tolist(), self.block_size, self.kv_bytes_per_token)
+        return self._decode_plan
 
-    @functools.cached_property
-    def prefill_plan(self) -> list[PrefillSeq] | None:
-        """The CPU per-sequence prefill gathers and masks of this step (None on CUDA)."""
-        if self.block_tables.is_cuda:
-            return None
-        nd = self.num_decodes
-        return plan_prefill(self.block_tables[nd:], self.prefill_query_start_loc.tolist(), self.seq_lens[nd:].tolist(), self.block_size)
+    def prefill_plan(self) -> list[PrefillSeq]:
+        """The CPU per-sequence prefill gathers and masks of this step, built on the first call."""
+        if self._prefill_plan is None:
+            nd = self.num_decodes
+            self._prefill_plan = plan_prefill(self.block_tables[nd:], self.prefill_query_start_loc.tolist(), self.seq_lens[nd:].tolist(), self.block_size)
+        return self._prefill_plan
 
 
 def paged_attention(
@@ -127,7 +128,7 @@ def paged_attention(
     if nd:
         decode = pk.paged_attention_decode(
             q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-            kernels=kernels, plan=meta.decode_plan,
+            kernels=kernels, plan=meta.decode_plan,  # built only if the PyTorch form runs
         )  # fmt: skip
         if nd == meta.num_tokens:
             return decode

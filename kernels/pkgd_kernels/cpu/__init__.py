@@ -9,8 +9,10 @@ each ``takes_<op>`` says whether the C form accepts given tensors; the op's disp
 PyTorch form, which computes the same thing:
 
 * `CpuKernels.gemv_packed`: ``x [M, K] @ W^T`` for small M straight from oneDNN's packed
-  fp32 weight (layout ``[N/64][K][64]``), at DRAM read speed where MKL/oneDNN GEMV reach
-  about half of it on this machine;
+  weight (fp32 ``[N/64][K][64]``, or bf16 ``[N/32][K/2][32][2]``), at DRAM read speed where
+  MKL/oneDNN GEMV reach about half of it on this machine. bf16 products go through
+  AVX512-BF16's ``vdpbf16ps`` where the CPU has it, else by widening each bf16 to float32
+  (`CpuKernels.bf16_impl`, chosen at load; both give the same sums up to their order);
 * `CpuKernels.gather_packed`: rows of such a packed weight (a tied embedding's lookup);
 * `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
   read in place through the block table instead of gathering K/V copies;
@@ -42,10 +44,12 @@ from pkgd_kernels.cpu.build import (
 )
 
 SOURCE = Path(__file__).with_name("kernels.c")
-KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=5)
+KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=6)
 """The generic library (``kernels.c``): exports only pointers and scalars, so no structs."""
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+BF16_IMPLS = {"widen": 0, "dpbf16": 1}
+"""The bf16 dot products of the C GEMVs: widening to float32 (any CPU), ``vdpbf16ps`` (AVX512-BF16)."""
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -60,6 +64,17 @@ class CpuKernels:
         self.path = path
         self.cache_dir = cache_dir
         self._lib = lib
+        lib.pkgd_bf16_dot_native.restype = ctypes.c_int
+        self.bf16_native = bool(lib.pkgd_bf16_dot_native())
+        self.bf16_impl = "dpbf16" if self.bf16_native else "widen"
+        """How bf16 GEMVs multiply: ``dpbf16`` where the CPU has AVX512-BF16, else ``widen``;
+        `use_bf16_impl` switches (tests run both)."""
+        self._gemv_bf16 = lib.pkgd_gemv_bf16_packed32
+        self._gemv_bf16.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i32]
+        self._gemv_bf16.restype = ctypes.c_int
+        self._gather_bf16 = lib.pkgd_gather_bf16_packed32
+        self._gather_bf16.argtypes = [_p, _p, _p, _i64, _i64, _i64]
+        self._gather_bf16.restype = ctypes.c_int
         self._gemv = lib.pkgd_gemv_packed64
         self._gemv.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64]
         self._gemv.restype = None
@@ -78,6 +93,16 @@ class CpuKernels:
         """OpenMP threads a kernel call uses (follows ``torch.set_num_threads``)."""
         return self._lib.pkgd_num_threads()
 
+    def use_bf16_impl(self, impl: str) -> None:
+        """Make bf16 GEMVs use ``impl`` (`BF16_IMPLS`).
+
+        Raises:
+            ValueError: an unknown name, or ``dpbf16`` on a CPU without AVX512-BF16.
+        """
+        if impl not in BF16_IMPLS or (impl == "dpbf16" and not self.bf16_native):
+            raise ValueError(f"bf16 impl {impl!r} is not available here (have: {'dpbf16, ' if self.bf16_native else ''}widen)")
+        self.bf16_impl = impl
+
     def load_library(self, spec: LibrarySpec) -> ctypes.CDLL:
         """Build (once) and load another library on these kernels' loops into the same cache.
 
@@ -90,12 +115,16 @@ class CpuKernels:
 
     @staticmethod
     def takes_gemv_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `gemv_packed` takes these: float32 ``x [M, K]`` with unit column stride and
-        a contiguous float32 ``weight [N/64, K, 64]``."""
+        """Whether `gemv_packed` takes these: ``x [M, K]`` with unit column stride and a
+        contiguous packed weight, float32 ``[N/64, K, 64]`` (float32 ``x``) or bfloat16
+        ``[N/32, K/2, 32, 2]`` (float32 or bfloat16 ``x``)."""
+        if x.dim() != 2 or x.stride(1) != 1 or x.is_cuda or not weight.is_contiguous():
+            return False
+        if weight.dtype == torch.float32:
+            return x.dtype == torch.float32 and weight.dim() == 3 and weight.shape[2] == 64 and x.shape[1] == weight.shape[1]
         return (
-            x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and weight.dim() == 3
-            and weight.shape[2] == 64 and x.shape[1] == weight.shape[1] and x.stride(1) == 1
-            and weight.is_contiguous() and not x.is_cuda
+            weight.dtype == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 4
+            and weight.shape[2:] == (32, 2) and x.shape[1] == 2 * weight.shape[1]
         )  # fmt: skip
 
     @staticmethod
@@ -106,13 +135,13 @@ class CpuKernels:
 
     @staticmethod
     def takes_paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """Whether `paged_attention_decode` takes these: float32 queries with contiguous heads,
-        a contiguous float32/float16/bfloat16 cache, ``head_dim % 16 == 0``, at most 256 query
-        heads, a whole number of them per KV head."""
+        """Whether `paged_attention_decode` takes these: float32/bfloat16/float16 queries with
+        contiguous heads, a contiguous float32/float16/bfloat16 cache, ``head_dim % 16 == 0``, at
+        most 256 query heads, a whole number of them per KV head."""
         hq, d = query.shape[1], query.shape[2]
         hkv = key_cache.shape[2]
         return (
-            query.dtype == torch.float32 and key_cache.dtype in _CACHE_DTYPES and query.stride(2) == 1
+            query.dtype in _CACHE_DTYPES and key_cache.dtype in _CACHE_DTYPES and query.stride(2) == 1
             and query.stride(1) == d and d % 16 == 0 and hq % hkv == 0 and hq <= 256
             and key_cache.is_contiguous() and not query.is_cuda
         )  # fmt: skip
@@ -120,34 +149,51 @@ class CpuKernels:
     # ---- the C forms of the ops ---------------------------------------------------------------
 
     def gemv_packed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """C form of `pkgd_kernels.gemv_packed`: ``x [M, K]`` times the packed ``weight [N/64,
-        K, 64]`` plus ``bias [N]``; a new float32 ``[M, N]``.
+        """C form of `pkgd_kernels.gemv_packed`: ``x [M, K]`` times the packed ``weight``
+        (float32 ``[N/64, K, 64]`` or bf16 ``[N/32, K/2, 32, 2]``) plus ``bias [N]``; a new
+        ``[M, N]`` in ``x``'s dtype (bf16: ``x`` rounded to bf16, float32 sums, by `bf16_impl`).
 
         Raises:
             ValueError: tensors `takes_gemv_packed` refuses.
+            MemoryError: no memory for the bf16 copy of ``x``.
         """
         if not self.takes_gemv_packed(x, weight):
-            raise ValueError("gemv_packed: x must be float32 [M, K] with unit column stride, weight float32 [N/64, K, 64]")
-        n, k = weight.shape[0] * 64, weight.shape[1]
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            raise ValueError("gemv_packed: x [M, K] with unit column stride and a contiguous packed weight, "
+                             "float32 [N/64, K, 64] (float32 x) or bfloat16 [N/32, K/2, 32, 2]")
         b = None if bias is None else bias.to(torch.float32).contiguous()
-        self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0], n, k)
-        return y
+        bp = None if b is None else b.data_ptr()
+        if weight.dtype == torch.float32:
+            n, k = weight.shape[0] * 64, weight.shape[1]
+            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), bp, y.data_ptr(), x.shape[0], n, k)
+            return y
+        n, k = weight.shape[0] * 32, weight.shape[1] * 2
+        x32 = x if x.dtype == torch.float32 else x.float()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if self._gemv_bf16(x32.data_ptr(), x32.stride(0), weight.data_ptr(), bp, y.data_ptr(), x.shape[0], n, k,
+                           BF16_IMPLS[self.bf16_impl]):
+            raise MemoryError("gemv_packed: out of memory for the bf16 copy of x")
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def gather_packed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """C form of `pkgd_kernels.gather_packed`: rows ``ids`` (int64 ``[T]``) of the matrix
-        packed in ``weight [N/64, K, 64]`` float32 (contiguous); a new ``[T, K]``.
+        packed in the contiguous ``weight`` (float32 ``[N/64, K, 64]`` or bf16 ``[N/32, K/2, 32,
+        2]``); a new ``[T, K]`` in its dtype.
 
         Raises:
-            ValueError: ``ids`` is not 1-D int64, or the weight not float32 ``[N/64, K, 64]``.
+            ValueError: ``ids`` is not 1-D int64, or the weight not one of those packings.
             IndexError: an id outside ``[0, N)``.
         """
-        if ids.dtype != torch.int64 or ids.dim() != 1 or weight.dtype != torch.float32 or weight.dim() != 3 or weight.shape[2] != 64 or not weight.is_contiguous():
-            raise ValueError("gather_packed: ids must be a 1-D int64 tensor, weight a contiguous float32 [N/64, K, 64]")
-        n, k = weight.shape[0] * 64, weight.shape[1]
+        f32 = weight.dtype == torch.float32 and weight.dim() == 3 and weight.shape[2] == 64
+        bf16 = weight.dtype == torch.bfloat16 and weight.dim() == 4 and weight.shape[2:] == (32, 2)
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not (f32 or bf16) or not weight.is_contiguous():
+            raise ValueError("gather_packed: ids must be a 1-D int64 tensor, weight a contiguous float32 [N/64, K, 64] "
+                             "or bfloat16 [N/32, K/2, 32, 2]")
+        n, k = (weight.shape[0] * 64, weight.shape[1]) if f32 else (weight.shape[0] * 32, weight.shape[1] * 2)
         ids = ids.contiguous()
-        out = torch.empty(ids.shape[0], k, dtype=torch.float32)
-        if self._gather(out.data_ptr(), weight.data_ptr(), ids.data_ptr(), ids.shape[0], n, k):
+        out = torch.empty(ids.shape[0], k, dtype=weight.dtype)
+        gather = self._gather if f32 else self._gather_bf16
+        if gather(out.data_ptr(), weight.data_ptr(), ids.data_ptr(), ids.shape[0], n, k):
             raise IndexError(f"gather_packed: token id out of range [0, {n})")
         return out
 
@@ -198,11 +244,12 @@ class CpuKernels:
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """C form of `pkgd_kernels.paged_attention_decode`: ``query [S, Hq, D]`` float32 (heads
+        """C form of `pkgd_kernels.paged_attention_decode`: ``query [S, Hq, D]`` (heads
         contiguous, any token stride), one token per sequence at position ``seq_lens[s] - 1``,
         over caches ``[num_blocks, block_size, Hkv, D]`` (float32, float16 or bfloat16;
         contiguous) through ``block_tables`` int32 ``[S, max_blocks]``; ``seq_lens`` int32
-        ``[S]``. Returns ``[S, Hq, D]`` float32.
+        ``[S]``. Computes in float32 (16-bit queries widened); returns ``[S, Hq, D]`` in the
+        query dtype.
 
         Raises:
             ValueError: a layout or dtype `takes_paged_attention_decode` refuses.
@@ -210,6 +257,9 @@ class CpuKernels:
         """
         if not self.takes_paged_attention_decode(query, key_cache):
             raise ValueError("paged_attention_decode: unsupported layout or dtype")
+        q_dtype = query.dtype
+        if q_dtype != torch.float32:
+            query = query.float()
         s, hq, d = query.shape
         _, bs, hkv, _ = key_cache.shape
         tables = block_tables.to(torch.int32).contiguous()
@@ -222,7 +272,7 @@ class CpuKernels:
         )  # fmt: skip
         if rc:
             raise MemoryError("paged_attention_decode: out of memory for scratch buffers")
-        return out
+        return out if q_dtype == torch.float32 else out.to(q_dtype)
 
 
 def load(cache_dir: Path | None = None) -> CpuKernels:

@@ -7,6 +7,8 @@
  *    64-row block is streamed once per call; memory-bound, so the goal is DRAM read speed.
  *  - pkgd_gather_packed64: rows of a weight in that packing (the embedding lookup of a model
  *    whose embedding is tied to its packed LM head).
+ *  - pkgd_gemv_bf16_packed32 / pkgd_gather_bf16_packed32: the same for bf16 weights in oneDNN's
+ *    bf16 packing [N/32][K/2][32][2] (vdpbf16ps where the CPU has it, else widening).
  *  - pkgd_rms_norm: RMSNorm of float32 rows, optionally after adding a residual (which it
  *    also returns): one pass where PyTorch's composite op runs several (pow, mean, rsqrt, mul).
  *  - pkgd_paged_attention_decode: one query token per sequence over the paged KV cache
@@ -19,7 +21,7 @@
  */
 #include "kernels.h"
 
-#define PKGD_KERNELS_ABI_VERSION 5
+#define PKGD_KERNELS_ABI_VERSION 6
 
 int pkgd_abi_version(void) { return PKGD_KERNELS_ABI_VERSION; }
 
@@ -32,6 +34,9 @@ int64_t pkgd_struct_layout(const char* name, int64_t* out, int64_t cap) {
 
 int pkgd_num_threads(void) { return omp_get_max_threads(); }
 
+/* 1 when this CPU executes AVX512-BF16's vdpbf16ps (the BF16_DP path), else 0. */
+int pkgd_bf16_dot_native(void) { return bf16_dot_native(); }
+
 /* x: [m, k] with row stride ldx; w: [n/64][k][64]; bias: [n] or NULL; y: [m, n] contiguous.
  * n must be a multiple of 64. */
 void pkgd_gemv_packed64(const float* x, int64_t ldx, const float* w, const float* bias,
@@ -40,6 +45,41 @@ void pkgd_gemv_packed64(const float* x, int64_t ldx, const float* w, const float
 #pragma omp parallel for schedule(static) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
         gemv_rows(x, ldx, w + b * k * 64, 0, k, y + b * 64, n, bias ? bias + b * 64 : NULL, m);
+}
+
+/* y[m, n] = x[m, k] W^T (+ bias) for bf16 W in the [n/32][k/2][32][2] packing (kernels.h); x
+ * float32 rows of stride ldx, rounded to bf16; y float32 [m, n] contiguous. n % 32 == 0,
+ * k % 2 == 0. impl: BF16_DP or BF16_WIDEN. Returns 0, or -1 when scratch could not be allocated. */
+int pkgd_gemv_bf16_packed32(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
+                            int64_t m, int64_t n, int64_t k, int impl) {
+    uint32_t* xp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * (k / 2) + 1));
+    if (!xp) return -1;
+    pack_x_bf16(xp, x, ldx, m, k);
+    const int64_t nblk = n / 32;
+#pragma omp parallel for schedule(static) if (nblk > 1)
+    for (int64_t b = 0; b < nblk; b++)
+        gemv_bf16_rows(xp, k / 2, w + b * k * 32, 0, k / 2, y + b * 32, n, bias ? bias + b * 32 : NULL, m, impl);
+    free(xp);
+    return 0;
+}
+
+/* out[t, k] <- rows ids[t] of bf16 W [n, k] in the [n/32][k/2][32][2] packing: row v's pair j sits
+ * in line (v / 32) * (k / 2) + j, 4 bytes of its 128, so as in pkgd_gather_packed64 all of a
+ * row's lines are requested before the first is read. Returns 0, or -1 (nothing written) when an
+ * id is outside [0, n). */
+int pkgd_gather_bf16_packed32(uint16_t* out, const uint16_t* w, const int64_t* ids, int64_t t, int64_t n, int64_t k) {
+    for (int64_t i = 0; i < t; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+#pragma omp parallel for schedule(static) if (t > 8)
+    for (int64_t i = 0; i < t; i++) {
+        const uint16_t* col = w + (ids[i] / 32) * k * 32 + (ids[i] % 32) * 2;
+        for (int64_t j = 0; j < k / 2; j++) __builtin_prefetch(col + j * 64, 0, 1);
+        for (int64_t j = 0; j < k / 2; j++) {
+            out[i * k + 2 * j] = col[j * 64];
+            out[i * k + 2 * j + 1] = col[j * 64 + 1];
+        }
+    }
+    return 0;
 }
 
 /* out[t, k] <- rows ids[t] of W [n, k] held in the packing above ([n/64][k][64]): element

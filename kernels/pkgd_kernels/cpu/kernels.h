@@ -83,6 +83,163 @@ static inline void gemv_rows(const float* x, int64_t ldx, const float* wb, int64
     }
 }
 
+/* ---- GEMV on bf16 weights in oneDNN's [N/32][K/2][32][2] packing ----------------------- */
+
+/* What torch.ops.mkldnn._reorder_linear_weight makes of a bf16 W [n, k] here (checked at run
+ * time by the caller against oneDNN's own product): element (v, c) at
+ * w[((v / 32) * (k / 2) + c / 2) * 64 + (v % 32) * 2 + c % 2], so each 32-bit lane of a 64-byte
+ * line holds the pair (W[v, 2j], W[v, 2j + 1]) of one output v: the operand layout of
+ * AVX512-BF16's vdpbf16ps. x is rounded to bf16 pairs first (xp[j] = bf16(x[2j]) | bf16(x[2j+1])
+ * << 16), as a bf16 GEMM rounds its input; products are summed in float32. Two ways to the same
+ * sums, chosen at run time (impl): vdpbf16ps where the CPU has it (BF16_DP), else widening each
+ * bf16 to float32 by a shift (BF16_WIDEN: AVX-512F, or two AVX2 registers a vector). */
+
+enum { BF16_WIDEN = 0, BF16_DP = 1 };
+
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16u __attribute__((vector_size(64), aligned(4)));
+#define LOADU32(p) (*(const u32x16u*)(p))
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (finite inputs) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint32_t h) {
+    const uint32_t u = h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* xp[r * (k / 2) + j] = the bf16 pair of x[r, 2j], x[r, 2j + 1]; x rows have stride ldx. */
+static inline void pack_x_bf16(uint32_t* xp, const float* x, int64_t ldx, int64_t m, int64_t k) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 2; j++)
+            xp[r * (k / 2) + j] = (uint32_t)f32_to_bf16(x[r * ldx + 2 * j]) |
+                                  ((uint32_t)f32_to_bf16(x[r * ldx + 2 * j + 1]) << 16);
+}
+
+#define GEMV_BF16_PREFETCH 2048 /* bf16 elements ahead: 4 KiB, as the float32 GEMV */
+
+/* The 32 outputs of block wb ([k/2][32][2]) for `rows` rows of xp over pairs [j0, j1). */
+static inline __attribute__((always_inline)) void gemv_bf16_block_widen(
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const float* bias, const int rows) {
+    v16 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (v16){0};
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t* wr = wb + j * 64;
+        __builtin_prefetch(wr + GEMV_BF16_PREFETCH, 0, 1);
+        __builtin_prefetch(wr + GEMV_BF16_PREFETCH + 32, 0, 1);
+        const u32x16 w0 = LOADU32(wr), w1 = LOADU32(wr + 32);
+        const v16 e0 = (v16)(w0 << 16), o0 = (v16)(w0 & 0xffff0000u);
+        const v16 e1 = (v16)(w1 << 16), o1 = (v16)(w1 & 0xffff0000u);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const uint32_t p = xp[r * ldxp + j];
+            const float xe = bf16_to_f32(p & 0xffffu), xo = bf16_to_f32(p >> 16);
+            acc[r][0] += xe * e0 + xo * o0;
+            acc[r][1] += xe * e1 + xo * o1;
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 2; i++) {
+            v16 o = acc[r][i];
+            if (bias) o += LOADV(bias + 16 * i);
+            STOREV(y + r * ldy + 16 * i, o);
+        }
+}
+
+static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
+                                        float* y, int64_t ldy, const float* bias, int64_t m) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 4);
+    switch (m - r) {
+        case 3: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        default: break;
+    }
+}
+
+#if defined(__x86_64__) && (__GNUC__ >= 10 || defined(__clang__))
+#define PKGD_HAVE_BF16_DP 1
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+/* vdpbf16ps: acc[lane] += x.lo * w.lo + x.hi * w.hi for 16 outputs; compiled for AVX512-BF16
+ * whatever -march says, called only where the CPU has it (pkgd_bf16_dot_native). */
+static inline __attribute__((always_inline)) void gemv_bf16_block_dp(
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const float* bias, const int rows) {
+    __m512 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t* wr = wb + j * 64;
+        _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH), _MM_HINT_T1);
+        _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH + 32), _MM_HINT_T1);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr), w1 = (__m512bh)_mm512_loadu_si512(wr + 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + j]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 2; i++) {
+            __m512 o = acc[r][i];
+            if (bias) o = _mm512_add_ps(o, _mm512_loadu_ps(bias + 16 * i));
+            _mm512_storeu_ps(y + r * ldy + 16 * i, o);
+        }
+}
+
+static void gemv_bf16_rows_dp(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
+                              float* y, int64_t ldy, const float* bias, int64_t m) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 4);
+    switch (m - r) {
+        case 3: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        default: break;
+    }
+}
+#pragma GCC pop_options
+#endif
+
+/* Whether this CPU executes vdpbf16ps (AVX512-BF16). */
+static inline int bf16_dot_native(void) {
+#ifdef PKGD_HAVE_BF16_DP
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* One 32-output block of the bf16 GEMV by `impl` (BF16_DP falls back to widening where the
+ * CPU lacks it, so a wrong request never faults). */
+static inline void gemv_bf16_rows(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
+                                  float* y, int64_t ldy, const float* bias, int64_t m, int impl) {
+#ifdef PKGD_HAVE_BF16_DP
+    if (impl == BF16_DP) {
+        gemv_bf16_rows_dp(xp, ldxp, wb, j0, j1, y, ldy, bias, m);
+        return;
+    }
+#else
+    (void)impl;
+#endif
+    gemv_bf16_rows_widen(xp, ldxp, wb, j0, j1, y, ldy, bias, m);
+}
+
 /* ---- paged decode attention ----------------------------------------------------------- */
 
 /* exp(x) for x <= 0, 16 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6
@@ -132,7 +289,6 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 
 typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
 typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 /* Row `idx` of a cache viewed as [rows, d], as floats (converted into tmp for 16-bit caches;
  * d % 16 == 0). */
@@ -351,42 +507,50 @@ static inline void add_row(float* ro, const float* a, const float* c, const floa
 
 /* ---- GEMV by a thread team, and the small row loops of a decoder layer ------------- */
 
+/* A linear's weight as the GEMVs read it: float32 [n/64][k][64] (W_F32) or bf16 [n/32][k/2][32][2]
+ * (W_BF16, with the bf16 dot product `impl`). */
+enum { W_F32 = 0, W_BF16 = 1 };
+
 /* Inside a parallel region, every thread calling: y[m, n] = x[m, k] W^T (+ bias) on the packed
- * W ([n/64][k][64]). The buffer is cut into one contiguous range of 64-float rows per thread,
- * equal to within a row, so each thread streams its own part of memory front to back and none
- * waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a ninth
- * of the time). A block a thread enters mid-way is summed into part[t] (m x 64, part_blk[t] =
- * the block, else -1) rather than into y: after the caller's barrier, a reader takes y through
- * fixed_range, which adds those parts. No barrier inside. */
-static inline void gemv_team(const float* x, int64_t ldx, const float* w, const float* bias, float* y,
-                      int64_t m, int64_t n, int64_t k, float* part, int64_t* part_blk) {
+ * W (of dtype wdt; for W_BF16, xp holds x as bf16 pairs, see pack_x_bf16). The buffer is cut
+ * into one contiguous range of block rows per thread (64 outputs a block in float32, 32 in
+ * bf16), equal to within a row, so each thread streams its own part of memory front to back and
+ * none waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a
+ * ninth of the time). A block a thread enters mid-way is summed into part[t] (m x 64, part_blk[t]
+ * = the block, else -1) rather than into y: after the caller's barrier, a reader takes y
+ * through fixed_range, which adds those parts. No barrier inside. */
+static inline void gemv_team(const float* x, int64_t ldx, const uint32_t* xp, const void* w, int wdt, int impl,
+                             const float* bias, float* y, int64_t m, int64_t n, int64_t k, float* part,
+                             int64_t* part_blk) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t units = (n / 64) * k;
+    const int64_t bw = wdt == W_BF16 ? 32 : 64, kk = wdt == W_BF16 ? k / 2 : k; /* outputs, rows a block */
+    const int64_t units = (n / bw) * kk;
     const int64_t u1 = units * (t + 1) / nt;
     int64_t u = units * t / nt;
     part_blk[t] = -1;
     while (u < u1) {
-        const int64_t b = u / k, k0 = u % k;
-        const int64_t k1 = (b + 1) * k <= u1 ? k : u1 - b * k;
-        const float* wb = w + b * k * 64;
-        if (k0 == 0) {
-            gemv_rows(x, ldx, wb, 0, k1, y + b * 64, n, bias ? bias + b * 64 : NULL, m);
-        } else { /* only a thread's first piece can start mid-block */
-            gemv_rows(x, ldx, wb, k0, k1, part + t * m * 64, 64, NULL, m);
-            part_blk[t] = b;
-        }
-        u = b * k + k1;
+        const int64_t b = u / kk, k0 = u % kk;
+        const int64_t k1 = (b + 1) * kk <= u1 ? kk : u1 - b * kk;
+        float* out = k0 == 0 ? y + b * bw : part + t * m * 64; /* only a thread's first piece can start mid-block */
+        const int64_t ldo = k0 == 0 ? n : 64;
+        const float* bb = k0 == 0 && bias ? bias + b * bw : NULL;
+        if (wdt == W_BF16)
+            gemv_bf16_rows(xp, k / 2, (const uint16_t*)w + b * k * 32, k0, k1, out, ldo, bb, m, impl);
+        else
+            gemv_rows(x, ldx, (const float*)w + b * k * 64, k0, k1, out, ldo, bb, m);
+        if (k0 != 0) part_blk[t] = b;
+        u = b * kk + k1;
     }
 }
 
-/* dst[0, j1 - j0) = columns [j0, j1) of row r of a gemv_team output (row yrow, m rows in all),
- * with the parts of split blocks added in thread order. */
+/* dst[0, j1 - j0) = columns [j0, j1) of row r of a gemv_team output (row yrow, m rows in all;
+ * blocks of bw outputs), with the parts of split blocks added in thread order. */
 static inline void fixed_range(float* dst, const float* yrow, int64_t j0, int64_t j1, const float* part,
-                               const int64_t* part_blk, int nt, int64_t m, int64_t r) {
+                               const int64_t* part_blk, int nt, int64_t m, int64_t r, int64_t bw) {
     memcpy(dst, yrow + j0, sizeof(float) * (size_t)(j1 - j0));
     for (int i = 0; i < nt; i++) {
         if (part_blk[i] < 0) continue;
-        const int64_t b0 = part_blk[i] * 64, lo = b0 > j0 ? b0 : j0, hi = b0 + 64 < j1 ? b0 + 64 : j1;
+        const int64_t b0 = part_blk[i] * bw, lo = b0 > j0 ? b0 : j0, hi = b0 + bw < j1 ? b0 + bw : j1;
         const float* pr = part + (i * m + r) * 64 - b0;
         for (int64_t j = lo; j < hi; j++) dst[j - j0] += pr[j];
     }

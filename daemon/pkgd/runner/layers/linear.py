@@ -56,9 +56,9 @@ GEMV_MAX_BATCH = 8  # rows up to which the C GEMV beats oneDNN (module docstring
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` float32 on CPU repacked for `onednn_linear`; None when oneDNN's
-    packed linear is unavailable or does not apply (device, dtype)."""
-    if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    """``weight [out, in]`` float32 or bfloat16 on CPU repacked for `onednn_linear`; None when
+    oneDNN's packed linear is unavailable or does not apply (device, dtype)."""
+    if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     # Read by oneDNN when it creates its first primitive, which is after loading; an
     # operator's own setting wins.
@@ -76,17 +76,29 @@ def _repack(layer: nn.Module, weight_out_in: torch.Tensor) -> None:
 
 
 def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
-    """``packed`` (from `pack_for_onednn`, of ``W [n, k]``) as the ``[n/64, k, 64]`` float32
-    tensor ``pkgd_kernels.gemv_packed`` reads, when oneDNN laid it out so (checked by
-    comparing ``gemv_packed_ref`` on the view with oneDNN's product on a random input); None
-    otherwise. Row i of ``W`` is ``view[i // 64, :, i % 64]``. Valid while ``packed`` lives."""
-    if n % 64 or torch.ops.mkldnn._nbytes(packed) != n * k * 4:
+    """``packed`` (from `pack_for_onednn`, of ``W [n, k]``) as the tensor
+    ``pkgd_kernels.gemv_packed`` reads: float32 ``[n/64, k, 64]`` or bfloat16 ``[n/32, k/2, 32,
+    2]``, when oneDNN laid it out so (checked by comparing ``gemv_packed_ref`` on the view with
+    oneDNN's product on a random input; oneDNN picks other layouts for some shapes and CPUs);
+    None otherwise. Valid while ``packed`` lives."""
+    dtype = packed.dtype
+    if dtype == torch.float32:
+        shape, ctype = (n // 64, k, 64), ctypes.c_float
+    elif dtype == torch.bfloat16:
+        shape, ctype = (n // 32, k // 2, 32, 2), ctypes.c_uint16
+    else:
         return None
-    buf = (ctypes.c_float * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    view = torch.frombuffer(buf, dtype=torch.float32).view(n // 64, k, 64)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
-    ref = onednn_linear(x, packed, None)
-    if (pk.gemv_packed_ref(x, view, None) - ref).abs().max() > 1e-4 * ref.abs().max() + 1e-6:
+    if n % shape[-2 if dtype == torch.bfloat16 else -1] or k % (2 if dtype == torch.bfloat16 else 1):
+        return None
+    if torch.ops.mkldnn._nbytes(packed) != n * k * dtype.itemsize:
+        return None
+    buf = (ctype * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    raw = torch.frombuffer(buf, dtype=torch.float32 if dtype == torch.float32 else torch.int16)
+    view = (raw if dtype == torch.float32 else raw.view(torch.bfloat16)).view(shape)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ref = onednn_linear(x, packed, None).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the two round their outputs apart
+    if (pk.gemv_packed_ref(x, view, None).float() - ref).abs().max() > tol * ref.abs().max() + 1e-6:
         return None
     return view
 

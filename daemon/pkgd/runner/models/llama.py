@@ -21,9 +21,11 @@ every layer instead (`pkgd.runner.models.llama_cpu_decode`, set up in
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import pkgd_kernels as pk
 import torch
+from pkgd_kernels.rotary import RotaryPlan, plan_rotary
 from torch import nn
 
 from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
@@ -34,6 +36,14 @@ from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, to_interleaved
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama_cpu_decode import CpuDecodeStep
+
+
+class RopeStep(NamedTuple):
+    """The rotary table and the step's `pkgd_kernels.rotary.plan_rotary` (computed once per
+    forward, shared by every layer; None on CUDA)."""
+
+    table: RotaryEmbedding
+    plan: RotaryPlan | None
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
@@ -81,7 +91,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t, d = h.shape[0], self.head_dim
         qkv = self.qkv_proj(h)
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
@@ -90,7 +100,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, d)).view(t, q_size)
             k = self.k_norm(k.reshape(-1, d)).view(t, kv_size)
-        q, k = pk.rotary_embedding(positions, q, k, d, rope.cos_sin_cache, rope.is_neox)
+        q, k = pk.rotary_embedding(positions, q, k, d, rope.table.cos_sin_cache, rope.table.is_neox, plan=rope.plan)
         out = paged_attention(q.view(t, -1, d), k.view(t, -1, d), v, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.view(t, q_size))
 
@@ -118,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
-    def forward(self, h, residual, positions: torch.Tensor, rope: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, h, residual, positions: torch.Tensor, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
@@ -134,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
     `pkgd_kernels.cpu.CpuKernels` (CPU only; None = PyTorch ops), handed to every layer."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # False for a pooling model (the loader sets it): a checkpoint without lm_head.weight loads.
+    requires_lm_head = True
 
     def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
         super().__init__()
@@ -167,9 +179,11 @@ class LlamaForCausalLM(nn.Module):
         """Embeddings ``h [T, H]`` -> hidden states ``[T, H]`` after the final norm, layer by
         layer (writing this step's K/V into ``kv_caches``): the reference of the one-call
         decode step."""
+        r = self.rotary_emb
+        rope = RopeStep(r, plan_rotary(positions, r.cos_sin_cache, r.is_neox))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, self.rotary_emb, kv_cache, meta)
+            h, residual = layer(h, residual, positions, rope, kv_cache, meta)
         h, _ = self.norm(h, residual)
         return h
 
@@ -196,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
     def _expected_names(self) -> list[str]:
-        names = ["model.norm.weight", "lm_head.weight"]
+        names = ["model.norm.weight"]
+        if self.requires_lm_head or self.cfg.tie_word_embeddings:
+            names.append("lm_head.weight")  # tied: loaded from model.embed_tokens.weight
         if not self.cfg.tie_word_embeddings:
             names.append("model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):

@@ -8,23 +8,59 @@
 
 #include "kernels.h"
 
-#define PKGD_LLAMA_DECODE_ABI_VERSION 1
+#define PKGD_LLAMA_DECODE_ABI_VERSION 2
 
-/* Pointers of one decoder layer. Linear weights are in the packing of pkgd_gemv_packed64
- * ([out/64][in][64]); Q/K rows (and q_norm/k_norm) in the adjacent-pair RoPE layout. Optional
- * tensors are NULL when the model has none. Caches: [num_blocks, block_size, hkv, d] float32. */
+/* Pointers of one decoder layer. Linear weights (qkv, o, gate_up, down) are in oneDNN's packing
+ * of the dims' weight_dtype (kernels.h: float32 [out/64][in][64] or bf16 [out/32][in/2][32][2]);
+ * norms and biases float32; Q/K rows (and q_norm/k_norm) in the adjacent-pair RoPE layout.
+ * Optional tensors are NULL when the model has none. Caches: [num_blocks, block_size, hkv, d] of
+ * the dims' kv_dtype. */
 typedef struct {
-    const float *ln1, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *ln2, *gate_up, *gate_up_bias,
-        *down, *down_bias;
-    float *k_cache, *v_cache;
+    const float *ln1;
+    const void* qkv;
+    const float *qkv_bias, *q_norm, *k_norm;
+    const void* o;
+    const float *o_bias, *ln2;
+    const void* gate_up;
+    const float* gate_up_bias;
+    const void* down;
+    const float* down_bias;
+    void *k_cache, *v_cache;
 } pkgd_decoder_layer;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rot_dim, block_size;
     float eps, scale;
+    int32_t weight_dtype;        /* W_F32 or W_BF16 */
+    int32_t kv_dtype;            /* DT_F32, DT_F16 or DT_BF16 */
+    int32_t bf16_impl;           /* BF16_DP or BF16_WIDEN (bf16 weights) */
+    int32_t reserved;
     const float* final_norm;     /* [hidden] */
     const float* cos_sin_cache;  /* [max_position, rot_dim]: cos of each pair, then sin */
 } pkgd_decoder_dims;
+
+/* The new token's K (or V) row of one KV head, d floats, into the cache at element `off`. */
+static inline void store_kv(void* cache, int dtype, int64_t off, const float* src, int64_t d) {
+    if (dtype == DT_F32) {
+        memcpy((float*)cache + off, src, sizeof(float) * (size_t)d);
+    } else if (dtype == DT_F16) {
+        for (int64_t i = 0; i < d; i++) ((_Float16*)cache)[off + i] = (_Float16)src[i];
+    } else {
+        for (int64_t i = 0; i < d; i++) ((uint16_t*)cache)[off + i] = f32_to_bf16(src[i]);
+    }
+}
+
+/* attend_span with the cache dtype a run-time value (each variant inlined with its constant). */
+static void attend_span_any(float* acc, float* mx, float* sum, const float* q, const void* kc, const void* vc,
+                            const int32_t* table, int64_t b0, int64_t b1, int64_t len, int64_t g, int64_t hkv,
+                            int64_t d, int64_t bs, float scale, float* scores, int64_t sstride, float* tmp, int dtype) {
+    if (dtype == DT_F32)
+        attend_span(acc, mx, sum, q, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores, sstride, tmp, DT_F32);
+    else if (dtype == DT_F16)
+        attend_span(acc, mx, sum, q, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores, sstride, tmp, DT_F16);
+    else
+        attend_span(acc, mx, sum, q, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores, sstride, tmp, DT_BF16);
+}
 
 int pkgd_abi_version(void) { return PKGD_LLAMA_DECODE_ABI_VERSION; }
 
@@ -46,6 +82,8 @@ int64_t pkgd_struct_layout(const char* name, int64_t* out, int64_t cap) {
         offsetof(pkgd_decoder_dims, head_dim), offsetof(pkgd_decoder_dims, intermediate),
         offsetof(pkgd_decoder_dims, rot_dim), offsetof(pkgd_decoder_dims, block_size),
         offsetof(pkgd_decoder_dims, eps), offsetof(pkgd_decoder_dims, scale),
+        offsetof(pkgd_decoder_dims, weight_dtype), offsetof(pkgd_decoder_dims, kv_dtype),
+        offsetof(pkgd_decoder_dims, bf16_impl), offsetof(pkgd_decoder_dims, reserved),
         offsetof(pkgd_decoder_dims, final_norm), offsetof(pkgd_decoder_dims, cos_sin_cache),
     };
     const int64_t* src = NULL;
@@ -64,9 +102,11 @@ int64_t pkgd_struct_layout(const char* name, int64_t* out, int64_t cap) {
  * each ending at a barrier; the small steps between them (norms, residual adds, RoPE, the span
  * merge, and SiLU for m <= 2) are done by every thread on its own copy, which costs less than
  * a barrier: 5 barriers a layer (6 for m > 2). Nothing returns to Python between layers. Same
- * arithmetic as the per-op path (pkgd_gemv_packed64, pkgd_rms_norm,
+ * arithmetic as the per-op path (pkgd_gemv_packed64 / pkgd_gemv_bf16_packed32, pkgd_rms_norm,
  * pkgd_paged_attention_decode), except that a GEMV block split between threads sums its two
  * halves separately, and a long sequence's attention is cut into spans whose softmaxes are merged.
+ * With bf16 weights the residual stream, norms, RoPE, softmax and SiLU stay float32; each GEMV
+ * input is rounded to bf16 (as a bf16 GEMM's), and a bf16/fp16 cache stores the new K/V rounded.
  *
  * emb: [m, hidden] embeddings of the new tokens; out: [m, hidden] final hidden states;
  * positions, slots: int64 [m] (slot -1: do not write); block_tables int32 [m, bt_stride];
@@ -79,6 +119,9 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     const int64_t H = md->hidden, hq = md->num_heads, hkv = md->num_kv_heads, d = md->head_dim;
     const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
     const int64_t rot = md->rot_dim, bs = md->block_size;
+    const int wdt = md->weight_dtype, kvdt = md->kv_dtype, impl = md->bf16_impl;
+    const int64_t bw = wdt == W_BF16 ? 32 : 64; /* outputs per packed block */
+    const int64_t maxk = H > qd ? (H > I ? H : I) : (qd > I ? qd : I);
     const int nt = omp_get_max_threads();
     const int split_silu = m > 2; /* else every thread computes all of SiLU*mul itself */
     int64_t maxl = 1;
@@ -115,7 +158,9 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
         const size_t nown = (size_t)(2 * m * H + wrow + m * qd + (split_silu ? 0 : m * I) + (hq + hkv) * d +
                                      hq * sstride + d + 16);
         float* own = (float*)malloc(sizeof(float) * nown);
-        if (!own) {
+        /* x of the current GEMV as bf16 pairs (bf16 weights): every thread packs its own copy */
+        uint32_t* xp = wdt == W_BF16 ? (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * maxk / 2 + 1)) : NULL;
+        if (!own || (wdt == W_BF16 && !xp)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -129,19 +174,20 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
             /* residual += previous layer's output (+ its down bias); x = RMSNorm(residual) */
             for (int64_t r = 0; r < m; r++) {
                 if (l > 0) {
-                    fixed_range(row, y + r * H, 0, H, p_down, b_down, nt, m, r);
+                    fixed_range(row, y + r * H, 0, H, p_down, b_down, nt, m, r, bw);
                     add_row(xr + r * H, row, layers[l - 1].down_bias, xr + r * H, H);
                 }
                 rms_row(xn + r * H, xr + r * H, L->ln1, H, md->eps);
             }
-            gemv_team(xn, H, L->qkv, L->qkv_bias, qkv, m, nqkv, H, p_qkv, b_qkv);
+            if (xp) pack_x_bf16(xp, xn, H, m, H);
+            gemv_team(xn, H, xp, L->qkv, wdt, impl, L->qkv_bias, qkv, m, nqkv, H, p_qkv, b_qkv);
 #pragma omp barrier
             /* per item: the sequence's Q/K (QK-norm, RoPE) on this thread's copy; the item
              * holding the last block first writes the new token's K/V into the cache */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 const int64_t r = it / nsplit, sp = it % nsplit;
-                fixed_range(row, qkv + r * nqkv, 0, nqkv, p_qkv, b_qkv, nt, m, r);
+                fixed_range(row, qkv + r * nqkv, 0, nqkv, p_qkv, b_qkv, nt, m, r, bw);
                 for (int64_t hd = 0; hd < hq + hkv; hd++) {
                     float* v = qk + hd * d;
                     const float* nw = hd < hq ? L->q_norm : L->k_norm;
@@ -152,13 +198,13 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                 if (sp == nsplit - 1 && slots[r] >= 0)
                     for (int64_t kh = 0; kh < hkv; kh++) {
                         const int64_t off = (slots[r] * hkv + kh) * d;
-                        memcpy(L->k_cache + off, qk + (hq + kh) * d, sizeof(float) * d);
-                        memcpy(L->v_cache + off, row + (hq + hkv + kh) * d, sizeof(float) * d);
+                        store_kv(L->k_cache, kvdt, off, qk + (hq + kh) * d, d);
+                        store_kv(L->v_cache, kvdt, off, row + (hq + hkv + kh) * d, d);
                     }
                 const int64_t nb = (seq_lens[r] + bs - 1) / bs, base = it * hq;
-                attend_span(pacc + base * d, pmx + base, psum + base, qk, L->k_cache, L->v_cache,
-                            block_tables + r * bt_stride, nb * sp / nsplit, nb * (sp + 1) / nsplit, seq_lens[r], G,
-                            hkv, 0, hkv, d, bs, md->scale, scores, sstride, tmp, DT_F32);
+                attend_span_any(pacc + base * d, pmx + base, psum + base, qk, L->k_cache, L->v_cache,
+                                block_tables + r * bt_stride, nb * sp / nsplit, nb * (sp + 1) / nsplit, seq_lens[r], G,
+                                hkv, d, bs, md->scale, scores, sstride, tmp, kvdt);
             }
             /* merge the spans: weights exp(span max - overall max) (one span: weight 1, as attend_heads) */
             for (int64_t it = 0; it < m * hq; it++) {
@@ -178,14 +224,16 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                 const v16 iv = (v16){0} + 1.0f / den;
                 for (int64_t i = 0; i < d; i += 16) STOREV(o + i, LOADV(o + i) * iv);
             }
-            gemv_team(at, qd, L->o, NULL, y, m, H, qd, p_o, b_o);
+            if (xp) pack_x_bf16(xp, at, qd, m, qd);
+            gemv_team(at, qd, xp, L->o, wdt, impl, NULL, y, m, H, qd, p_o, b_o);
 #pragma omp barrier
             for (int64_t r = 0; r < m; r++) {
-                fixed_range(row, y + r * H, 0, H, p_o, b_o, nt, m, r);
+                fixed_range(row, y + r * H, 0, H, p_o, b_o, nt, m, r, bw);
                 add_row(xr + r * H, row, L->o_bias, xr + r * H, H);
                 rms_row(xn + r * H, xr + r * H, L->ln2, H, md->eps);
             }
-            gemv_team(xn, H, L->gate_up, L->gate_up_bias, gu, m, 2 * I, H, p_gu, b_gu);
+            if (xp) pack_x_bf16(xp, xn, H, m, H);
+            gemv_team(xn, H, xp, L->gate_up, wdt, impl, L->gate_up_bias, gu, m, 2 * I, H, p_gu, b_gu);
 #pragma omp barrier
             const float* a_in = actp;
             if (split_silu) {
@@ -193,29 +241,31 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                 for (int64_t c = 0; c < m * nt; c++) { /* rows cut in nt pieces of 16-float multiples */
                     const int64_t r = c / nt, p = c % nt;
                     const int64_t j0 = (I * p / nt) & ~(int64_t)15, j1 = p + 1 == nt ? I : (I * (p + 1) / nt) & ~(int64_t)15;
-                    fixed_range(row, gu + r * 2 * I, j0, j1, p_gu, b_gu, nt, m, r);
-                    fixed_range(row + (j1 - j0), gu + r * 2 * I, I + j0, I + j1, p_gu, b_gu, nt, m, r);
+                    fixed_range(row, gu + r * 2 * I, j0, j1, p_gu, b_gu, nt, m, r, bw);
+                    fixed_range(row + (j1 - j0), gu + r * 2 * I, I + j0, I + j1, p_gu, b_gu, nt, m, r, bw);
                     silu_mul_row(act + r * I + j0, row, row + (j1 - j0), j1 - j0);
                 }
                 a_in = act;
             } else {
                 for (int64_t r = 0; r < m; r++) {
-                    fixed_range(row, gu + r * 2 * I, 0, 2 * I, p_gu, b_gu, nt, m, r);
+                    fixed_range(row, gu + r * 2 * I, 0, 2 * I, p_gu, b_gu, nt, m, r, bw);
                     silu_mul_row(actp + r * I, row, row + I, I);
                 }
             }
-            gemv_team(a_in, I, L->down, NULL, y, m, H, I, p_down, b_down);
+            if (xp) pack_x_bf16(xp, a_in, I, m, I);
+            gemv_team(a_in, I, xp, L->down, wdt, impl, NULL, y, m, H, I, p_down, b_down);
 #pragma omp barrier
         }
         if (ok) {
             const int t = omp_get_thread_num();
             for (int64_t r = t; r < m; r += nt) {
-                fixed_range(row, y + r * H, 0, H, p_down, b_down, nt, m, r);
+                fixed_range(row, y + r * H, 0, H, p_down, b_down, nt, m, r, bw);
                 add_row(xr + r * H, row, layers[md->num_layers - 1].down_bias, xr + r * H, H);
                 rms_row(out + r * H, xr + r * H, md->final_norm, H, md->eps);
             }
         }
         free(own);
+        free(xp);
     }
     free(buf);
     free(blk);
