@@ -267,8 +267,8 @@ class BenchSubcommand(CLISubcommand):
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
         from pkgd.cli import bench_latency  # light: argparse only until it runs
 
-        lat = sub.add_parser("latency", help="Latency of one batch (vllm bench latency).", description=bench_latency.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        lat = sub.add_parser("latency", help="latency of one batch (vllm bench latency)",
+                             description=bench_latency.DESCRIPTION, epilog=bench_latency.EXAMPLES)
         bench_latency.add_latency_args(lat)
         lat.set_defaults(bench_dispatch=lambda a: bench_latency.run_latency(a, offline_llm))
         return parser
