@@ -16,7 +16,13 @@ _LAZY = {
     "SamplingParams": "pkgd.sampling_params",
     "BeamSearchParams": "pkgd.sampling_params",
     "RequestOutputKind": "pkgd.sampling_params",
+    "PoolingParams": "pkgd.pooling_params",
+    "StructuredOutputsParams": "pkgd.sampling_params",
     "RequestOutput": "pkgd.outputs",
+    "PoolingOutput": "pkgd.outputs",
+    "PoolingRequestOutput": "pkgd.outputs",
+    "EmbeddingOutput": "pkgd.outputs",
+    "EmbeddingRequestOutput": "pkgd.outputs",
     "CompletionOutput": "pkgd.outputs",
     "Logprob": "pkgd.outputs",
     "BeamSearchOutput": "pkgd.offline.beam_search",
@@ -30,8 +36,17 @@ if TYPE_CHECKING:
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.offline.beam_search import BeamSearchOutput, BeamSearchSequence
     from pkgd.offline.llm import LLM
-    from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
-    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from pkgd.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from pkgd.pooling_params import PoolingParams
+    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -49,8 +49,10 @@ def configure(
     role: str,
     dp_rank: int | None = None,
     stream: Any = None,
+    stdlib: bool = True,
 ) -> None:
-    """Configure structlog (and stdlib logging, so library logs share the format).
+    """Configure structlog (and, with ``stdlib``, stdlib logging, so library logs share the
+    format).
 
     Call once per process, as early as possible; call again to change the level live.
     """
@@ -87,6 +89,8 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+    if not stdlib:
+        return
     # Library logs (hypercorn, asyncio …) go through the same renderer, so a JSON journal
     # never gets a plain-text line; StreamHandler also writes each line in one call.
     handler = logging.StreamHandler(stream)
@@ -113,6 +117,14 @@ class _CurrentStderr:
 
     def isatty(self) -> bool:
         return sys.stderr.isatty()
+
+
+def ensure_configured(role: str) -> None:
+    """`configure` structlog with the defaults unless it is set up already (by pkgd or by
+    the program embedding it), leaving stdlib logging to that program: the offline `LLM`
+    logs its start-up to stderr, never into stdout."""
+    if _console is None and not structlog.is_configured():
+        configure(None, role=role, stdlib=False)
 
 
 def is_console() -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 from pkgd import log
 
 REFRESH_S = 0.5  # how often a bar is redrawn while its phase runs
+UNCOUNTED_FORMAT = "{desc} ({elapsed})"  # a phase without a total yet: its time so far
 
 logger = log.get_logger("pkgd.phases")
 _bars_allowed = True
@@ -62,7 +63,8 @@ class Phase:
             # A pseudo-terminal nobody sized reports 0 x 0, where tqdm would draw nothing.
             sized = _terminal_columns() > 0
             self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, mininterval=REFRESH_S,
-                             dynamic_ncols=sized, ncols=None if sized else 80, nrows=None if sized else 24)
+                             dynamic_ncols=sized, ncols=None if sized else 80, nrows=None if sized else 24,
+                             bar_format=None if total else UNCOUNTED_FORMAT)
             threading.Thread(target=self._refresh, name=f"phase-{name}", daemon=True).start()
 
     @property
@@ -73,6 +75,7 @@ class Phase:
         """The number of steps, once known."""
         if self._bar is not None:
             self._bar.total = total
+            self._bar.bar_format = None  # tqdm's bar, now that there is a total
             self._bar.refresh()
 
     def advance(self, n: int = 1) -> None:

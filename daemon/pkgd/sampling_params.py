@@ -8,6 +8,8 @@ maps its `ValueError` to a 400.
 from __future__ import annotations
 
 import enum
+import json
+from typing import Any
 
 import msgspec
 
@@ -18,6 +20,108 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # all text/tokens so far
     DELTA = 1  # only what is new since the previous output (streaming)
     FINAL_ONLY = 2  # one output when the request finishes
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+        json: a JSON schema (dict or its JSON text) the output must validate against.
+        regex: a regular expression the whole output must match (xgrammar's dialect: no
+            lookaround, backreferences or group flags).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (GBNF style, ``root ::= ...``) the output must match.
+        json_object: any JSON object (OpenAI's ``response_format: json_object``).
+
+    and, for ``json``/``json_object``: ``disable_any_whitespace`` makes the output compact
+    (no whitespace between tokens beyond the separators ``", "`` and ``": "``); for ``json``:
+    ``json_strict`` (default) allows no object property or array item the schema does not
+    list (xgrammar's strict mode, OpenAI's ``strict: true``), False applies JSON Schema's own
+    rules (``additionalProperties`` allowed unless the schema says otherwise).
+    The engine compiles each distinct constraint once (`key`) and masks every token that
+    cannot continue a match; a request whose constraint is complete stops with ``"stop"``.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    json_strict: bool = True
+
+    def kind(self) -> str:
+        """Which constraint is set: ``json``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``. Raises `ValueError` when none or more than one is."""
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object"
+                + (f"; got {', '.join(given)}" if given else "")
+            )
+        return given[0]
+
+    def key(self) -> tuple[str, str, bool, bool]:
+        """The compile-cache key: (kind, the constraint as text, compact whitespace, strict).
+        Property order in a schema is kept (it orders the generated object's keys)."""
+        kind = self.kind()
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        elif kind == "choice":
+            text = json.dumps(value, ensure_ascii=False)
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = value
+        return kind, text, self.disable_any_whitespace, self.json_strict
+
+    def verify(self) -> None:
+        """Check the shape (the constraint itself is checked by the frontend's validator and
+        compiled by the engine); raises `ValueError` naming the field."""
+        kind = self.kind()
+        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if kind in ("regex", "grammar") and not getattr(self, kind):
+            raise ValueError(f"structured_outputs.{kind} must not be empty")
+        if kind == "json" and isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+
+
+def build_grammar(xgr: Any, so: StructuredOutputsParams) -> Any:
+    """The ``xgrammar.Grammar`` of a constraint (no tokenizer needed; about a millisecond).
+
+    The one definition of what each constraint means, used by the frontend's validator and
+    by the engine's compiler. ``xgr`` is the xgrammar module (the engine's full import, or
+    the torch-free subset API servers load). Raises what xgrammar raises for a bad
+    constraint (``RuntimeError`` with the reason, see `constraint_error`).
+    """
+    kind, text, compact, strict = so.key()
+    ws = {"any_whitespace": not compact}
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(text, strict_mode=strict, **ws)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **ws)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice or ()))
+    return xgr.Grammar.from_ebnf(text)
+
+
+def constraint_error(exc: BaseException) -> str:
+    """xgrammar's error message without its ``[time] file.cc:line:`` prefix."""
+    text = str(exc).strip()
+    if text.startswith("[") and ".cc:" in text:
+        _head, _, rest = text.partition(".cc:")
+        rest = rest.partition(": ")[2]
+        text = rest.strip() or text
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -41,6 +145,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             included); None = none. prompt_logprobs: the same for prompt tokens.
         logit_bias: token id -> additive bias in [-100, 100] (OpenAI's ``logit_bias``).
         output_kind: cumulative, delta (streaming) or final-only outputs.
+        structured_outputs: a constraint on the output (`StructuredOutputsParams`), None = free.
     """
 
     n: int = 1
@@ -65,6 +170,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +210,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.verify()
 
 
 class BeamSearchParams(msgspec.Struct, kw_only=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
 
@@ -22,15 +23,18 @@ class NewRequestData:
     ``prompt_token_ids`` are the prompt's; ``output_token_ids`` the tokens generated before a
     preemption (empty otherwise) -- the runner recomputes them as part of the prefill.
     ``block_ids`` is the whole block table; ``num_computed_tokens`` counts tokens whose KV is
-    already in the cache (prefix-cache hits), so computation starts there.
+    already in the cache (prefix-cache hits), so computation starts there. A pooling request
+    has ``pooling_params`` instead of ``sampling_params``: the runner pools its hidden states
+    instead of sampling.
     """
 
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclasses.dataclass
@@ -55,6 +59,11 @@ class SchedulerOutput:
     starting at its ``num_computed_tokens``; ``total_num_scheduled_tokens`` is their sum
     (at most ``scheduler.max_num_batched_tokens``). ``finished_req_ids`` (finished, aborted
     or preempted since the last step) tell the runner to drop its state for them.
+
+    Structured outputs: ``grammar_bitmask`` is int32 ``[len(structured_output_request_ids),
+    ceil(vocab_size / 32)]`` as little-endian bytes (bit ``t % 32`` of word ``t // 32`` set =
+    token ``t`` allowed); ``structured_output_request_ids[req_id]`` is the request's row. The
+    runner masks those requests' logits before sampling; other requests are not touched.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -62,3 +71,5 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
+    structured_output_request_ids: dict[str, int] = dataclasses.field(default_factory=dict)
+    grammar_bitmask: bytes | None = None

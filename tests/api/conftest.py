@@ -42,7 +42,8 @@ def answer_script(tokenizer, text: str = ANSWER) -> Callable:
 
 
 @contextlib.asynccontextmanager
-async def served(tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None) -> AsyncIterator:
+async def served(tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None,
+                 runner: str = "generate") -> AsyncIterator:
     """(httpx client on the app, ServerState, FakeEngineClient)."""
     from pkgd.api.app import build_app
     from pkgd.frontend.async_llm import AsyncLLM
@@ -53,7 +54,7 @@ async def served(tokenizer, *, config: VllmConfig | None = None, script: Callabl
     fakes: list[FakeEngineClient] = []
 
     def factory(sink):
-        fakes.append(FakeEngineClient(sink, script or answer_script(tokenizer)))
+        fakes.append(FakeEngineClient(sink, script or answer_script(tokenizer), runner=runner))
         return fakes[0]
 
     llm = AsyncLLM(config, ["ipc:///unused"], tokenizer=tokenizer, client_factory=factory)

@@ -12,6 +12,8 @@ from pkgd.sampling_params import BeamSearchParams
 from tests.smollm2 import smollm2_gguf
 from tests.engine.fake_runner import fake_factory
 
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture(scope="module")
 def llm():
@@ -99,3 +101,18 @@ def test_use_tqdm_takes_a_bar_factory_as_in_vllm(llm):
     llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=factory)  # shown even for one prompt
     (bar,) = bars
     assert bar.total == 1 and bar.n == 1 and bar.desc == "Processed prompts" and "toks/s" in bar.postfix
+
+
+def test_start_up_lines_go_to_stderr_not_stdout():
+    """`LLM()` sets up pkgd's logging (unless the program did): its lines on stderr, so a
+    program writing results to stdout (pkgd run-batch -o -) gets only those there."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'engine')!r}); from fake_runner import fake_factory; "
+            f"from pkgd import LLM, phases; LLM(runner_factory=fake_factory(vocab_size=49152), tokenizer={str(smollm2_gguf())!r}, "
+            "num_blocks=8, block_size=16, max_model_len=64)\n"
+            "with phases.phase('load_weights', 'loading'): pass\nprint('result')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "result\n" and '"event": "model_phase"' in r.stderr

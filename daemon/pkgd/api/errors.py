@@ -2,8 +2,9 @@
 "code"}}`` with a fitting status, and never takes the server down.
 
 Status by cause: invalid body or values 400, missing/wrong API key 401, unknown model or
-route 404, wrong method 405, body over ``frontend.max_request_body_bytes`` 413, no engine
-core available 503, a failure inside pkgd 500.
+route 404, wrong method 405, an admin call the engine cannot take now (requests still
+running) 409, body over ``frontend.max_request_body_bytes`` 413, no engine core available or
+an engine asleep 503, a failure inside pkgd 500.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
@@ -84,7 +86,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if not loc:
-        return (msg if msg != "Field required" else "the request body is missing"), None
+        if msg == "Field required":
+            return "the request body is missing", None
+        head = msg.split(":", 1)[0]  # model-level checks start with the field they concern
+        return msg, head if head.isidentifier() and head != msg else None
     field = ".".join(loc)
     got = err.get("input")
     suffix = f" (got {json.dumps(got)})" if isinstance(got, int | float | str | bool) else ""

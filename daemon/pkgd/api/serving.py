@@ -13,11 +13,13 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import structlog
 from starlette.requests import Request
 
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
+from pkgd.api.structured import Constraint, request_constraint
 from pkgd.sampling_params import RequestOutputKind, SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 
@@ -57,6 +59,8 @@ def sampling_params(
     ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits."""
     gen = state.config.model.generation
     max_logprobs = state.config.frontend.max_logprobs
+    if body.user is not None:  # OpenAI's end-user id: on this request's log lines
+        structlog.contextvars.bind_contextvars(user=body.user)
     for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
         if value is not None and value > max_logprobs:
             raise APIError(400, f"{name} must be at most {max_logprobs} (frontend.max_logprobs), got {value}", param=name)
@@ -94,6 +98,41 @@ def sampling_params(
     except ValueError as exc:
         raise from_value_error(exc) from None
     return params
+
+
+def require_runner(state: ServerState, runner: str, api: str) -> None:
+    """Raise a 400 (as vLLM) when the served model's runner is not ``runner``
+    (``generate`` or ``pooling``); ``api`` names the endpoint family in the message."""
+    hs = state.llm.handshake
+    actual = hs.runner if hs is not None else state.config.model.runner_type
+    if actual == runner:
+        return
+    how = ("as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
+           if actual == "pooling" else
+           "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner pooling)")
+    raise APIError(400, f"this model does not support the {api}: it is served {how}")
+
+
+async def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
+    """``params`` with the request's structured-output constraint (`pkgd.api.structured`),
+    checked off the event loop by ``state.constraints``. Raises `APIError` 400 naming the
+    field and the reason for a bad, unenforceable or unsatisfiable constraint."""
+    try:
+        constraint = request_constraint(body)
+        if constraint is None:
+            return params, None
+        await state.constraints.check(constraint.params, constraint.field)
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError(400, message, param=message.split(":", 1)[0].split(" ", 1)[0]) from None
+    return msgspec.structs.replace(params, structured_outputs=constraint.params), constraint
+
+
+def continuous_usage(body: SamplingFields) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: the usage so far on every chunk
+    (vLLM also needs ``include_usage``; pkgd does what is asked either way)."""
+    opts = body.stream_options
+    return opts is not None and opts.continuous_usage_stats
 
 
 def _first(*values: Any) -> Any:

@@ -1,12 +1,19 @@
 """``POST /v1/completions``: text or token-id prompts (one or a batch), ``n``, ``echo``,
-``logprobs``, ``stop``, ``seed``, streaming with ``stream_options.include_usage``.
+``logprobs``, ``stop``, ``seed``, structured outputs (``structured_outputs``, ``guided_*``),
+streaming with ``stream_options.include_usage`` (and ``continuous_usage_stats``).
 
 Choice ``index`` is ``prompt_index * n + completion_index``, as OpenAI numbers a batch.
+
+``echo`` with ``max_tokens: 0`` scores the prompt (what evaluation harnesses send for
+log-likelihoods): the engine computes the prompt's logprobs while generating one token, which
+is dropped; the choice is the prompt with its logprobs, ``completion_tokens`` 0 and
+``finish_reason`` "length", as vLLM answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -28,9 +35,13 @@ if TYPE_CHECKING:
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
     state.check_ready()
     model = state.resolve_model(body.model)
-    params = serving.sampling_params(body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream)
+    serving.require_runner(state, "generate", "Completions API")
+    score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
+    params = serving.sampling_params(body, state, max_tokens=1 if score_only else body.max_tokens,
+                                     logprobs=body.logprobs, stream=body.stream)
     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
         params = _with_prompt_logprobs(params, body.logprobs)
+    params, _constraint = await serving.with_constraint(state, body, params)
     rid = serving.request_id("cmpl", request)
     prompts = body.prompts()
     processed = [
@@ -40,7 +51,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         ))
         for i, p in enumerate(prompts)
     ]
-    fmt = _Formatter(state, body, rid, model, processed)
+    fmt = _Formatter(state, body, rid, model, processed, score_only=score_only)
     if body.stream:
         return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
 
@@ -61,8 +72,10 @@ def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
 class _Formatter:
     """Builds the OpenAI objects for one completion request."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, model: str, processed: list[ProcessedRequest]) -> None:
+    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, model: str, processed: list[ProcessedRequest],
+                 *, score_only: bool = False) -> None:
         self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
+        self.score_only = score_only
         self.created = int(time.time())
         self.tokenizer = state.llm.tokenizer
 
@@ -78,6 +91,7 @@ class _Formatter:
         for i, (p, ro) in enumerate(zip(self.processed, outputs, strict=True)):
             prefix = self._prompt_text(p) if self.body.echo else ""
             for c in sorted(ro.outputs, key=lambda c: c.index):
+                c = self._scored(c)
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if self.body.logprobs is not None:
@@ -89,6 +103,13 @@ class _Formatter:
         prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
                                   usage=serving.usage(prompt_tokens, completion_tokens))
+
+    def _scored(self, c: CompletionOutput) -> CompletionOutput:
+        """With ``max_tokens: 0`` the one generated token is dropped (only the prompt counts)."""
+        if not self.score_only:
+            return c
+        return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   finish_reason="length" if c.finish_reason else None, stop_reason=None)
 
     def _logprobs(self, sample: list[dict[int, Logprob]], offset: int, echo_of: RequestOutput | None) -> CompletionLogprobs:
         out = CompletionLogprobs()
@@ -122,9 +143,12 @@ class _Formatter:
         started: set[int] = set()
         offsets: dict[int, int] = {}
         completion_tokens = 0
+        prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
+        continuous = serving.continuous_usage(body)
         async for i, ro in serving.merge_streams(gens):
             choices = []
             for c in ro.outputs:
+                c = self._scored(c)
                 index = i * n + c.index
                 completion_tokens += len(c.token_ids)
                 prefix = ""
@@ -133,9 +157,9 @@ class _Formatter:
                 started.add(index)
                 choices.append(self._stream_choice(index, prefix, c, ro, offsets))
             if choices:
-                yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices).model_dump_json()
+                usage = serving.usage(prompt_tokens, completion_tokens) if continuous else None
+                yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
         if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
             yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
                                      usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()
 

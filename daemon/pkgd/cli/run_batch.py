@@ -8,6 +8,10 @@ where ``body`` is the completion / chat completion object the HTTP API would ret
 line (malformed JSON, unsupported URL, invalid field, prompt too long) gets status 400 and an
 OpenAI-shaped error, and the rest of the batch still runs. ``-i``/``-o`` accept ``-`` for
 stdin/stdout.
+
+Each body is validated by the same request models as the HTTP API (`pkgd.api.protocol`), so
+structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) and a forced
+``tool_choice`` work as they do over HTTP, and a field the API would refuse is refused here.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 import time
 import uuid
 from typing import Any
+
+import msgspec
 
 from pkgd.cli.base import CLISubcommand
 from pkgd.sampling_params import SamplingParams
@@ -96,6 +102,7 @@ class _Item:
         self.url = ""
         self.body: dict[str, Any] = {}
         self.processed: list[Any] = []
+        self.constraint: Any = None  # pkgd.api.structured.Constraint
 
 
 def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
@@ -113,11 +120,13 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
         if item.body.get("model") not in (None, model_name):
             raise BadRequest(f"the model {item.body['model']!r} does not exist; this batch runs {model_name!r}")
         proc = llm.input_processor
+        if item.url in ("/v1/completions", "/v1/chat/completions"):
+            item.constraint = _constraint(item.body, chat=item.url == "/v1/chat/completions")
         if item.url == "/v1/completions":
-            params = sampling_params_from_body(item.body, chat=False)
+            params = _constrained(sampling_params_from_body(item.body, chat=False), item.constraint)
             item.processed = [proc.process(f"{item.request_id}-{i}", p, params) for i, p in enumerate(_completion_prompts(item.body))]
         elif item.url == "/v1/chat/completions":
-            params = sampling_params_from_body(item.body, chat=True)
+            params = _constrained(sampling_params_from_body(item.body, chat=True), item.constraint)
             messages = item.body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list")
@@ -128,6 +137,31 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
         item.error = str(exc)
         item.processed = []
     return item
+
+
+def _constraint(body: dict[str, Any], *, chat: bool) -> Any:
+    """The body checked by the API's request model, and its structured-output constraint
+    (checked like the API checks it); raises `BadRequest` with the field and the reason."""
+    import pydantic
+
+    from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest
+    from pkgd.api.structured import request_constraint
+    from pkgd.frontend.structured_outputs import check
+
+    try:
+        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise BadRequest(f"{where + ': ' if where else ''}{str(err.get('msg', 'invalid value')).removeprefix('Value error, ')}") from None
+    constraint = request_constraint(req)
+    if constraint is not None:
+        check(constraint.params, constraint.field)
+    return constraint
+
+
+def _constrained(params: SamplingParams, constraint: Any) -> SamplingParams:
+    return params if constraint is None else msgspec.structs.replace(params, structured_outputs=constraint.params)
 
 
 def _completion_logprobs(c: Any) -> dict[str, Any] | None:
@@ -159,6 +193,17 @@ def _chat_logprobs(c: Any, top_k: int) -> dict[str, Any] | None:
     return {"content": content}
 
 
+def _forced_calls(item: _Item, c: Any, choice: dict[str, Any]) -> None:
+    """A forced tool choice's output as ``tool_calls`` (as the chat route answers it)."""
+    from pkgd.api.structured import tool_calls_of
+
+    calls = tool_calls_of(item.constraint, c.text)[: None if item.body.get("parallel_tool_calls", True) else 1]
+    if calls:
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        if item.constraint.tool_mode == "required" and c.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
+
+
 def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str, Any]:
     chat = item.url == "/v1/chat/completions"
     choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -170,6 +215,8 @@ def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str
             choice: dict[str, Any] = {"index": len(choices), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
+                if item.constraint is not None and item.constraint.tool_mode:
+                    _forced_calls(item, c, choice)
                 choice["logprobs"] = _chat_logprobs(c, int(item.body.get("top_logprobs") or 0))
             else:
                 choice["text"] = (ro.prompt or "") + c.text if echo else c.text

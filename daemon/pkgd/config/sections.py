@@ -37,6 +37,24 @@ class GenerationDefaults(Section):
     repetition_penalty: float | None = field(None, "Default repetition penalty (1.0 = none).", gt=0.0, le=2.0, reload=L)
 
 
+class PoolerConfig(Section):
+    """How a pooling model (``model.runner: pooling``) turns a prompt's hidden states into one
+    vector (vLLM's ``--pooler-config``)."""
+
+    pooling_type: Literal["auto", "last", "mean", "cls"] = field(
+        "auto",
+        "last: the last prompt token's hidden state (decoder embedding models such as "
+        "Qwen3-Embedding); mean: the average over the prompt; cls: the first token's. auto = "
+        "the sentence-transformers 1_Pooling/config.json of the model directory, else last.",
+    )
+    normalize: bool = field(True, "L2-normalise pooled vectors unless a request says otherwise (vLLM's default for embeddings).")
+    matryoshka: bool | None = field(
+        None,
+        "Accept a request's dimensions (Matryoshka truncation of the vector); null = as the "
+        "model's config.json says (is_matryoshka, or the list matryoshka_dimensions).",
+    )
+
+
 class ModelConfig(Section):
     """What to serve and how to load it."""
 
@@ -68,6 +86,33 @@ class ModelConfig(Section):
         aliases=("--download-dir",),
     )
     generation: GenerationDefaults = section(GenerationDefaults, "Sampling defaults for requests.")
+    runner: Literal["auto", "generate", "pooling"] = field(
+        "auto",
+        "generate: text generation (/v1/completions, /v1/chat/completions, /v1/responses); "
+        "pooling: prefill-only requests whose output is one pooled hidden state "
+        "(/v1/embeddings, LLM.embed). auto = pooling when model.convert is embed, else generate.",
+        aliases=("--runner",),
+    )
+    convert: Literal["auto", "none", "embed"] = field(
+        "auto",
+        "embed: serve a decoder checkpoint (a *ForCausalLM) as an embedding model, i.e. "
+        "model.runner: pooling (vLLM's --convert embed). auto and none change nothing.",
+        aliases=("--convert",),
+    )
+    pooler: PoolerConfig = section(PoolerConfig, "Pooling of a pooling model.")
+    enable_sleep_mode: bool = field(
+        False,
+        "Allow POST /sleep and /wake_up (with frontend.server_dev_mode) to release and restore "
+        "the engine's KV cache and weights memory.",
+        aliases=("--enable-sleep-mode",),
+    )
+
+    @property
+    def runner_type(self) -> Literal["generate", "pooling"]:
+        """The effective runner: ``runner``, with ``auto`` resolved through ``convert``."""
+        if self.runner != "auto":
+            return self.runner
+        return "pooling" if self.convert == "embed" else "generate"
 
 
 class ParallelConfig(Section):
@@ -164,6 +209,27 @@ class FrontendConfig(Section):
     max_logprobs: int = field(20, "Largest logprobs / top_logprobs a request may ask for.", aliases=("--max-logprobs",), reload=A, ge=0, le=1000)
     keep_alive_timeout: float = field(5.0, "HTTP keep-alive timeout in seconds.", aliases=("--timeout-keep-alive",), reload=A, gt=0)
     request_timeout: float | None = field(None, "Seconds a request may run before it is aborted with an error; null = no limit.", aliases=("--request-timeout",), reload=A, gt=0)
+    enable_tokenizer_info_endpoint: bool = field(
+        False,
+        "Serve GET /tokenizer_info: the tokenizer's configuration and chat template, as vLLM "
+        "(lm-eval's tokenizer_backend=remote reads it).",
+        aliases=("--enable-tokenizer-info-endpoint",),
+        reload=L,
+    )
+    server_dev_mode: bool = field(
+        False,
+        "Serve vLLM's development routes (vLLM's VLLM_SERVER_DEV_MODE=1): /server_info, "
+        "/reset_prefix_cache, /sleep, /wake_up, /is_sleeping. Not for production.",
+        reload=L,
+    )
+    responses_store_size: int = field(
+        0,
+        "Responses each API server keeps in memory for previous_response_id and GET "
+        "/v1/responses/{id} (the oldest dropped first); 0 = none, and store: true is answered "
+        "with store: false.",
+        reload=A,
+        ge=0,
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
+from pkgd.engine.structured_output import StructuredOutputManager
 from pkgd.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
@@ -47,6 +48,17 @@ class ModelRunnerLike(Protocol):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is in sleep mode (`EngineCore.sleep`): it takes no request until woken."""
+
+
+class EngineBusyError(ValueError):
+    """A utility call that needs an idle engine came while requests run (an HTTP 409)."""
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 # (config) -> (ModelFiles with .name and .model_dir, a loaded runner)
@@ -174,17 +186,45 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len)
         self.kv_cache_bytes = bytes_per_block * self.num_kv_blocks
+        self.runner_type: str = getattr(info, "runner", "generate")
+        self.hidden_size: int = getattr(info, "hidden_size", 0)
+        self.pooling_type: str = getattr(info, "pooling_type", "last")
+        self.matryoshka: bool = getattr(info, "matryoshka", False)
+        dims = getattr(info, "matryoshka_dimensions", None)
+        self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
+        self.sleep_level = 0  # 0 = awake
+        self.asleep: set[str] = set()  # of SLEEP_TAGS, released and not yet restored
+        self.structured_output = StructuredOutputManager(
+            getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer, self.vocab_size,
+            tuple(getattr(info, "eos_token_ids", None) or ([] if self.eos_token_id is None else [self.eos_token_id])),
+        )
+        # Constrained requests whose grammar is still compiling: outside the scheduler, so
+        # nothing waits for a compile (pkgd.engine.structured_output).
+        self.awaiting_grammar: dict[str, Request] = {}
+        # (request id, reason) of requests refused after add_request returned (a constraint
+        # that failed to compile); the caller reports them (core_proc, LLM).
+        self.failed_requests: list[tuple[str, str]] = []
 
     # ---- requests -------------------------------------------------------------------------
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise `ValueError` (changing nothing) for a request that can never run."""
+        """Raise `ValueError` (changing nothing) for a request that can never run, or
+        `EngineSleepingError` while the engine sleeps."""
+        if self.asleep:
+            raise EngineSleepingError(f"engine core {self.engine_index} is in sleep mode; wake it with POST /wake_up")
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if (request.sampling_params is None) == (request.pooling_params is None):
+            raise ValueError("a request needs exactly one of sampling_params and pooling_params")
+        if request.pooling_params is not None:
+            self._validate_pooling(request)
+            return
+        if self.runner_type == "pooling":
+            raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
         request.sampling_params.verify(max_logprobs=self.vocab_size)
         # The frontend validates the prompt and max_tokens against max_model_len with the
         # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
@@ -199,19 +239,62 @@ class EngineCore:
                 f"{len(prompt) + max_tokens} exceeds max_model_len {self.max_model_len}"
             )
 
+    def _validate_pooling(self, request: EngineCoreRequest) -> None:
+        if self.runner_type != "pooling":
+            raise ValueError("this model is served for generation (model.runner: generate); embeddings need model.runner: pooling")
+        request.pooling_params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka,
+                                      matryoshka_dimensions=self.matryoshka_dimensions)
+        if len(request.prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}")
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request; raises `ValueError` (changing nothing) when it can never
         run: empty prompt, token ids outside the vocabulary, prompt + max_tokens beyond
-        ``max_model_len``, invalid sampling parameters, or an id already live."""
+        ``max_model_len``, invalid sampling or pooling parameters, a generation request to a
+        pooling model or the reverse, or an id already live. Raises `EngineSleepingError`
+        while the engine sleeps."""
         self.validate_request(request)
-        req = Request.from_engine_core_request(request, max_model_len=self.max_model_len)
+        # Mean and CLS pooling read every prompt position, so they take no prefix-cache hits.
+        skip = request.pooling_params is not None and self.pooling_type != "last"
+        req = Request.from_engine_core_request(request, max_model_len=self.max_model_len, skip_prefix_cache=skip)
         if req.arrival_time == 0.0:
             req.arrival_time = time.time()
-        self.scheduler.add_request(req)
+        if req.request_id in self.awaiting_grammar:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params is None or req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.structured_output.add_request(req)
+        self.awaiting_grammar[req.request_id] = req
+        self._admit_compiled()
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar finished compiling into the scheduler (or to
+        ``failed_requests`` when it failed)."""
+        for rid, req in list(self.awaiting_grammar.items()):
+            if not req.structured_output.ready():
+                continue
+            del self.awaiting_grammar[rid]
+            error = req.structured_output.error()
+            if error is not None:
+                self.failed_requests.append((rid, f"structured_outputs: {error}"))
+                continue
+            self.structured_output.start_matcher(req)
+            self.scheduler.add_request(req)
+
+    def pop_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, reason) of requests refused since the last call; they are gone."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End these requests now and free their blocks; unknown ids are ignored. No output
         is produced for them (the frontend ends its side itself)."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self.awaiting_grammar.pop(rid, None)
         self.scheduler.finish_requests(request_ids)
 
     # ---- stepping ---------------------------------------------------------------------------
@@ -219,9 +302,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one schedule → execute → update step; returns the outputs of requests that got
         tokens (finished ones carry ``finish_reason``). Empty when there is nothing to do."""
+        if self.awaiting_grammar:
+            self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                # Only compiles pending: wait a little for one instead of spinning.
+                self.structured_output.wait_any(list(self.awaiting_grammar.values()), timeout=0.005)
+                self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing fits (cannot happen while the cache holds a max_model_len sequence);
             # keep the finished ids for the next step the runner sees.
@@ -231,18 +321,63 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.awaiting_grammar) or bool(self.failed_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + len(self.awaiting_grammar)
 
     def stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage and cumulative prefix-cache and preemption counters."""
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached prefixes; False while requests hold blocks."""
+        """Drop all cached prefixes (True); False, changing nothing, while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- sleep mode (vLLM's, behind model.enable_sleep_mode) ---------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and the weights' memory (`ModelRunner.sleep` says where the
+        weights go at each level); the prefix cache is emptied with the KV cache.
+
+        Raises:
+            ValueError: sleep mode is off, ``level`` is not 1 or 2, or requests are running
+                (the engine must be idle; nothing changes).
+        """
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.asleep:
+            return
+        if self.scheduler.has_unfinished_requests():
+            n = self.scheduler.get_num_unfinished_requests()
+            raise EngineBusyError(f"{n} requests are still running on engine core {self.engine_index}; sleep when it is idle")
+        self.kv_cache_manager.reset_prefix_cache()
+        self.model_runner.sleep(level)
+        self.sleep_level, self.asleep = level, set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` released: ``tags`` of ``("weights", "kv_cache")``, default
+        both; the engine serves again once both are back. Raises `ValueError` for an unknown
+        tag or with sleep mode off."""
+        self._check_sleep_mode()
+        tags = list(SLEEP_TAGS) if not tags else list(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}; expected some of {list(SLEEP_TAGS)}")
+        wanted = [t for t in tags if t in self.asleep]
+        if wanted:
+            self.model_runner.wake_up(wanted)
+            self.asleep -= set(wanted)
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off; start the engine with model.enable_sleep_mode: true (--enable-sleep-mode)")
 
     def handshake_info(self) -> dict[str, Any]:
         """The fields of ``ipc.messages.Handshake`` for this engine."""
@@ -256,11 +391,18 @@ class EngineCore:
             "eos_token_id": self.eos_token_id,
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
+            "runner": self.runner_type,
+            "hidden_size": self.hidden_size,
+            "matryoshka": self.matryoshka,
+            "matryoshka_dimensions": self.matryoshka_dimensions,
+            "enable_sleep_mode": self.config.model.enable_sleep_mode,
         }
 
     def shutdown(self) -> None:
         """Abort everything and release the runner (idempotent)."""
         self.scheduler.finish_requests(list(self.scheduler.requests))
+        self.awaiting_grammar.clear()
+        self.structured_output.shutdown()
         close = getattr(self.model_runner, "shutdown", None)
         if close is not None:
             close()
@@ -276,4 +418,4 @@ def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
     return free
 
 
-__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]

@@ -26,8 +26,12 @@ on the runner's contract: in every layer the KV of all of a step's tokens is wri
 cache before any attention of that layer reads it.
 
 `update_from_output` appends the runner's sampled tokens, applies the stop rules
-(`Request.check_stop`), frees finished requests at once (their blocks stay cached) and
-returns one `EngineCoreOutput` per request that produced tokens. Torch-free.
+(`Request.check_stop`; a constrained request also stops when its grammar is complete, after
+its matcher accepted the token: `pkgd.engine.structured_output`), frees finished requests at once (their blocks stay cached) and
+returns one `EngineCoreOutput` per request that produced tokens. A pooling request is a
+prefill that samples nothing: it is scheduled like any prompt (chunked, batched with the
+others) and finishes on the step that computes its last prompt token, with the runner's
+pooled vector as its one output; its blocks are freed in that same update. Torch-free.
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                pooling_params=r.pooling_params,
             )
             for r in step.new
         ]
@@ -267,6 +272,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if request.is_pooling:
+                pooled = runner_output.pooler_output.get(req_id)
+                if pooled is not None:  # its whole prompt is computed: done, blocks freed now
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    stopped.append(request)
+                    outputs.append(self._make_output(request, [], None, pooling_output=pooled))
+                continue
             prompt_lps = runner_output.prompt_logprobs.get(req_id)
             if prompt_lps and not request.sent_first_output:
                 request.prompt_logprobs.extend(prompt_lps)
@@ -277,7 +289,7 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
                 new_ids.append(token_id)
-                if request.check_stop(self.max_model_len):
+                if request.check_stop(self.max_model_len) or self._grammar_done(request, token_id):
                     stopped.append(request)
                     break
             outputs.append(self._make_output(request, new_ids, logprobs[i] if logprobs else None))
@@ -288,18 +300,33 @@ class Scheduler:
                 self._free(request)
         return outputs
 
-    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None) -> EngineCoreOutput:
+    @staticmethod
+    def _grammar_done(request: Request, token_id: int) -> bool:
+        """Advance a constrained request's matcher by its new token; True (status set to
+        stopped) when the grammar is complete, or when it rejected the token (only possible
+        if no token was allowed, e.g. ``min_tokens`` banned the only stop token)."""
+        so = request.structured_output
+        if so is None:
+            return False
+        if so.accept(token_id) and not so.is_terminated():
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+
+    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None, *,
+                     pooling_output: bytes | None = None) -> EngineCoreOutput:
         out = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
             new_logprobs=logprobs[: len(new_ids)] if logprobs else None,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            pooling_output=pooling_output,
         )
         if not request.sent_first_output:
             request.sent_first_output = True
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
-            if request.sampling_params.prompt_logprobs is not None:
+            if request.wants_prompt_logprobs:
                 out.new_prompt_logprobs = request.prompt_logprobs
         return out
 

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from pkgd import log
 from pkgd.ipc.client import EngineClient, EngineRequestError
-from pkgd.ipc.messages import EngineOutputs, Handshake
+from pkgd.frontend.pooling import pooling_request_output
+from pkgd.ipc.messages import EngineCoreOutput, EngineOutputs, Handshake
+from pkgd.outputs import PoolingRequestOutput
 
 if TYPE_CHECKING:
     from pkgd.frontend.metrics import Metrics
@@ -37,12 +39,14 @@ ALL_CORES_WAIT_S = 10.0  # how long start() waits for every core before it goes 
 
 
 class RequestStream:
-    """Outputs of one client request, in order; an error ends it."""
+    """Outputs of one client request, in order; an error ends it. ``processed`` is kept for a
+    pooling request, whose one output bypasses the `OutputProcessor`."""
 
-    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens", "finished")
+    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens",
+                 "finished", "pooling")
 
-    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int) -> None:
-        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int, pooling: ProcessedRequest | None = None) -> None:
+        self._items: collections.deque[Any] = collections.deque()
         self._event = asyncio.Event()
         self.request_id = request_id
         self.engine_ids = engine_ids
@@ -51,12 +55,13 @@ class RequestStream:
         self.t_last: float | None = None
         self.num_tokens = 0
         self.finished = False
+        self.pooling = pooling
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | PoolingRequestOutput | BaseException) -> None:
         self._items.append(item)
         self._event.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> Any:
         while not self._items:
             self._event.clear()
             await self._event.wait()
@@ -121,6 +126,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
             eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.max_logprobs,
+            hidden_size=hs.hidden_size or None, matryoshka=hs.matryoshka, matryoshka_dimensions=hs.matryoshka_dimensions,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -143,12 +149,25 @@ class AsyncLLM:
             pkgd.ipc.client.EngineRequestError: the core refused or failed the request.
             TimeoutError: ``timeout`` seconds passed (the request is aborted).
         """
+        async for out in self._run(processed, timeout):
+            yield out
+
+    async def encode(self, processed: ProcessedRequest, *, timeout: float | None = None) -> PoolingRequestOutput:
+        """Run pooling request ``processed`` (`InputProcessor.process_pooling`) to its
+        `PoolingRequestOutput`. Raises as `generate` does."""
+        async for out in self._run(processed, timeout):
+            return out
+        raise EngineRequestError("the engine ended a pooling request without its vector")
+
+    async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncIterator[Any]:
         rid = processed.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         engine_ids = [r.request_id for r in processed.engine_requests]
-        stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids))
-        self.output_processor.add_request(processed)
+        pooling = processed if processed.pooling_params is not None else None
+        stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids), pooling)
+        if pooling is None:
+            self.output_processor.add_request(processed)
         self._streams[rid] = stream
         for eid in engine_ids:
             self._client_of[eid] = rid
@@ -184,7 +203,7 @@ class AsyncLLM:
             return
         for eid in stream.engine_ids:
             self._client_of.pop(eid, None)
-        engine_ids = self.output_processor.abort_requests([rid])
+        engine_ids = self.output_processor.abort_requests([rid]) if stream.pooling is None else stream.engine_ids
         if abort and engine_ids:
             self.client.abort_requests(engine_ids)
 
@@ -193,7 +212,10 @@ class AsyncLLM:
     def on_outputs(self, msg: EngineOutputs) -> None:
         now = time.monotonic()
         for out in msg.outputs:
-            self._count_tokens(out.request_id, len(out.new_token_ids), now)
+            if out.pooling_output is not None:
+                self._pooled(out)
+            else:
+                self._count_tokens(out.request_id, len(out.new_token_ids), now)
         result = self.output_processor.process_outputs(msg.outputs)
         if result.reqs_to_abort:
             self.client.abort_requests(result.reqs_to_abort)
@@ -205,6 +227,18 @@ class AsyncLLM:
                 stream.finished = True
                 self._finished(stream, _finish_reason(ro))
             stream.put(ro)
+
+    def _pooled(self, out: EngineCoreOutput) -> None:
+        stream = self._streams.get(self._client_of.get(out.request_id, ""))
+        if stream is None or stream.pooling is None:
+            return
+        try:
+            item: Any = pooling_request_output(stream.pooling, out)
+        except ValueError as exc:
+            item = EngineRequestError(str(exc))
+        stream.finished = True
+        self._finished(stream, "stop")
+        stream.put(item)
 
     def on_request_error(self, request_ids: list[str], error: EngineRequestError) -> None:
         for rid in {self._client_of[eid] for eid in request_ids if eid in self._client_of}:
@@ -248,8 +282,11 @@ def _import_frontend() -> tuple[type, type]:
 
     from pkgd.frontend.input_processor import InputProcessor
     from pkgd.frontend.output_processor import OutputProcessor
+    from pkgd.frontend.structured_outputs import load_xgrammar
     from pkgd.frontend.tokenizer import load_tokenizer  # noqa: F401
     from pkgd.model_files.resolve import resolve_model  # noqa: F401
+
+    load_xgrammar()  # the constraint checker's grammar builder (torch-free)
 
     return InputProcessor, OutputProcessor
 

@@ -6,8 +6,9 @@ dispatches by type through a table. ``PROTOCOL_VERSION`` is checked in the hands
 client speaking another version is refused with a clear error.
 
 Directions:
-    API server -> engine core: `Hello`, `AddRequest`, `AbortRequests`, `Shutdown`.
-    engine core -> API server: `Handshake`, `EngineOutputs`, `EngineError`.
+    API server -> engine core: `Hello`, `AddRequest`, `AbortRequests`, `UtilityRequest`,
+        `Shutdown`.
+    engine core -> API server: `Handshake`, `EngineOutputs`, `EngineError`, `UtilityResult`.
     child -> supervisor (ready pipe, one frame then close): `Handshake` (engine core) or
         `ApiServerReady` (API server) once serving, or `ChildFailed` when start-up failed.
 """
@@ -18,10 +19,15 @@ import enum
 
 import msgspec
 
+from typing import Any, Literal
+
 from pkgd.logprobs import TokenLogprobs
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+# 2: SamplingParams.structured_outputs (an engine speaking 1 would ignore the constraint).
+# 3: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
+PROTOCOL_VERSION = 3
 
 
 class FinishReason(enum.IntEnum):
@@ -53,13 +59,15 @@ class Hello(Message, tag="hello"):
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A tokenized request. ``eos_token_id`` None means the model has none.
 
-    ``arrival_time`` is Unix time in seconds; lower ``priority`` runs first under
-    ``scheduler.policy: priority``.
+    Exactly one of ``sampling_params`` (generate) and ``pooling_params`` (a prefill-only
+    pooling request, ``model.runner: pooling``) is set. ``arrival_time`` is Unix time in
+    seconds; lower ``priority`` runs first under ``scheduler.policy: priority``.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
@@ -73,6 +81,19 @@ class AbortRequests(Message, tag="abort"):
     """Abort these requests (client gone, stop string hit, timeout); unknown ids are ignored."""
 
     request_ids: list[str]
+
+
+UtilityMethod = Literal["reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+
+
+class UtilityRequest(Message, tag="utility"):
+    """Call an `EngineCore` method between steps; the core answers `UtilityResult` with the
+    same ``call_id``. ``args`` are the method's keyword arguments (``sleep``: ``level``;
+    ``wake_up``: ``tags``)."""
+
+    call_id: int
+    method: UtilityMethod
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class Shutdown(Message, tag="shutdown"):
@@ -98,6 +119,11 @@ class Handshake(Message, tag="handshake"):
     eos_token_id: int | None
     num_kv_blocks: int
     block_size: int
+    runner: Literal["generate", "pooling"] = "generate"
+    hidden_size: int = 0
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+    enable_sleep_mode: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -105,7 +131,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     ``stop_reason`` is the stop token id that ended it, None for EOS/length.
     ``num_cached_tokens`` (prompt tokens hit in the prefix cache) is sent with the first
-    output.
+    output. A pooling request has one output, its last, with ``pooling_output``: the pooled
+    vector as little-endian float32 bytes (4 x its dimensions) and no tokens.
     """
 
     request_id: str
@@ -115,6 +142,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    pooling_output: bytes | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -160,6 +188,18 @@ class EngineError(Message, tag="error"):
     rejected: bool = False
 
 
+class UtilityResult(Message, tag="utility_result"):
+    """The answer to `UtilityRequest` ``call_id``: ``result`` (JSON-able), or ``error`` when
+    the core refused the call (``error_status``: 400 bad arguments, 409 not now, e.g. requests
+    still running)."""
+
+    call_id: int
+    engine_index: int
+    result: Any = None
+    error: str | None = None
+    error_status: int = 0
+
+
 class ApiServerReady(Message, tag="api_ready"):
     """An API server is accepting connections on its inherited socket(s)."""
 
@@ -174,8 +214,8 @@ class ChildFailed(Message, tag="failed"):
     message: str
 
 
-ClientMessage = Hello | AddRequest | AbortRequests | Shutdown
-EngineMessage = Handshake | EngineOutputs | EngineError
+ClientMessage = Hello | AddRequest | AbortRequests | UtilityRequest | Shutdown
+EngineMessage = Handshake | EngineOutputs | EngineError | UtilityResult
 ReadyMessage = Handshake | ApiServerReady | ChildFailed
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,10 +1,15 @@
 """`LLM`: offline batch inference on an in-process `EngineCore` (vLLM's ``vllm.LLM``).
 
-    from pkgd import LLM, SamplingParams
+    from pkgd import LLM, SamplingParams, StructuredOutputsParams
     llm = LLM()                                  # the embedded SmolLM2-135M-Instruct
     llm = LLM("/models/Qwen3-0.6B", max_model_len=4096, num_blocks=512)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    llm.generate(["A person:"], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+
+    emb = LLM(runner="pooling")                  # an embedding model (vLLM's --runner pooling)
+    print(len(emb.embed(["Hello"])[0].outputs.embedding))   # 576: SmolLM2's hidden size
 
 All requests go to the engine at once, so they are batched continuously; outputs come back
 in input order. The frontend half is the same `InputProcessor` / `OutputProcessor` the API
@@ -21,14 +26,18 @@ from typing import Any
 
 import msgspec
 
+from pkgd import log
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.engine.core import EngineCore, RunnerFactory
 from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
-from pkgd.outputs import Logprob, RequestOutput
+from pkgd.frontend.pooling import pooling_request_output
+from pkgd.frontend.structured_outputs import check as check_constraint
+from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
 from pkgd.offline.progress import ProgressBar, UseTqdm
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
@@ -55,6 +64,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: VllmConfig | None = None,
                  runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
         self.config = build_llm_config(model, config=config, **kwargs)
+        log.ensure_configured(role="offline")  # start-up lines (model_phase …) on stderr
         self.engine = EngineCore(self.config, runner_factory=runner_factory)
         self.tokenizer = _load_tokenizer(self.config, self.engine.model_files)
         self.input_processor = InputProcessor(
@@ -63,6 +73,9 @@ class LLM:
             vocab_size=self.engine.vocab_size,
             eos_token_id=self.engine.eos_token_id,
             max_logprobs=self.config.frontend.max_logprobs,
+            hidden_size=self.engine.hidden_size or None,
+            matryoshka=self.engine.matryoshka,
+            matryoshka_dimensions=self.engine.matryoshka_dimensions,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -158,6 +171,89 @@ class LLM:
                     seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return results
 
+    # ---- pooling (model.runner: pooling) ----------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt's hidden states (``model.pooler``); one `PoolingRequestOutput`
+        per prompt, in order, whose ``outputs.data`` is a float32 ``torch.Tensor [D]``.
+
+        Prompts are as for `generate`; ``pooling_params`` one for all or one per prompt.
+        Raises `ValueError` (nothing runs) for bad input or when the model is not served
+        with ``model.runner: pooling``.
+        """
+        if self.engine.runner_type != "pooling":
+            raise ValueError("LLM.encode/embed need a pooling model: LLM(..., runner='pooling') (vLLM's --runner pooling)")
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"{len(params)} pooling params for {len(prompt_list)} prompts")
+        processed = [
+            self.input_processor.process_pooling(self.next_request_id(), _prompt_of(p), pp, truncate_prompt_tokens=truncate_prompt_tokens)
+            for p, pp in zip(prompt_list, params, strict=True)
+        ]
+        return self._run_pooling(processed, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """`encode` as lists of floats: ``outputs.embedding`` per prompt (vLLM's ``embed``)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def _run_pooling(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm) -> list[PoolingRequestOutput]:
+        import torch
+
+        by_id = {p.request_id: (i, p) for i, p in enumerate(processed)}
+        results: list[PoolingRequestOutput | None] = [None] * len(processed)
+        added: list[str] = []
+        try:
+            for p in processed:
+                self.engine.add_request(p.engine_requests[0])
+                added.append(p.request_id)
+            with ProgressBar(len(processed), use_tqdm=use_tqdm) as bar:
+                remaining = len(processed)
+                while remaining:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError("the engine finished while requests were still open")
+                    for out in self.engine.step():
+                        if out.pooling_output is None or out.request_id not in by_id:
+                            continue
+                        i, p = by_id[out.request_id]
+                        ro = pooling_request_output(p, out)
+                        ro.outputs.data = torch.from_numpy(ro.outputs.data.copy())
+                        results[i] = ro
+                        remaining -= 1
+                        bar.update(ro)
+        except BaseException:
+            self.engine.abort_requests(added)
+            raise
+        return results  # type: ignore[return-value]
+
+    # ---- sleep mode (model.enable_sleep_mode) -----------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and weights' memory until `wake_up` (`EngineCore.sleep`)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` released (``tags``: ``"weights"``, ``"kv_cache"``; default both)."""
+        self.engine.wake_up(tags)
+
     # ---- the loop ---------------------------------------------------------------------------
 
     def run_processed(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm = True) -> list[RequestOutput]:
@@ -181,6 +277,9 @@ class LLM:
                     if not self.engine.has_unfinished_requests():
                         raise RuntimeError("the engine finished while requests were still open")
                     result = self.output_processor.process_outputs(self.engine.step())
+                    failed = self.engine.pop_failed_requests()
+                    if failed:
+                        raise ValueError(f"request {failed[0][0]}: {failed[0][1]}")
                     if result.reqs_to_abort:
                         self.engine.abort_requests(result.reqs_to_abort)
                     for ro in result.request_outputs:
@@ -194,13 +293,19 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        """One `SamplingParams` per prompt; structured-output constraints are checked here,
+        so a bad one is a `ValueError` ("structured_outputs: reason") before anything runs."""
         if sampling_params is None:
             return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        for sp in {id(p): p for p in params}.values():
+            if sp.structured_outputs is not None:
+                check_constraint(sp.structured_outputs)
         return params
 
     def next_request_id(self) -> str:
