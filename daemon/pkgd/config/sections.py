@@ -70,8 +70,9 @@ class ModelConfig(Section):
     tokenizer: str | None = field(None, "Tokenizer directory or .gguf file; null = the model source.", aliases=("--tokenizer",))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto",
-        "Weight and activation dtype. 'auto' is float32 on CPUs without native bf16 (bf16 GEMM "
-        "is ~200x slower on AVX2) and the checkpoint dtype on CUDA.",
+        "Weight and activation dtype. 'auto': on CUDA the checkpoint dtype; on CPU bfloat16 when "
+        "the CPU has AMX or AVX512-BF16 and a start-up measurement on the model's shapes finds "
+        "bf16 faster (logged as dtype_choice), else float32 (bf16 GEMM is ~200x slower on AVX2).",
         aliases=("--dtype",),
     )
     max_model_len: int | None = field(

@@ -35,7 +35,7 @@ from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
-from pkgd.runner.loader.dtype import resolve_dtype
+from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
@@ -45,6 +45,8 @@ from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 
 logger = log.get_logger("pkgd.runner")
+
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # broadcast between TP ranks by index
 
 # Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
 PROMPT_LOGPROBS_SLICE = 256
@@ -124,13 +126,14 @@ class ModelRunner:
         self.device = device or resolve_device(config.parallel.device)
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
-        self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
                 self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+        self.dtype_choice = self._choose_dtype()
+        self.dtype = self.dtype_choice.dtype
         self.runner_type = config.model.runner_type
         pooler_cfg = config.model.pooler
         self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
@@ -155,6 +158,20 @@ class ModelRunner:
     def _load_model(self, progress: Any = None) -> torch.nn.Module:
         return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
                           progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
+
+    def _choose_dtype(self) -> DtypeChoice:
+        """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
+        broadcast, so every rank of a TP group runs one dtype; logged as ``dtype_choice``."""
+        first = self.tp.rank == 0
+        choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
+                              shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
+        if self.tp.size > 1:
+            codes = list(_DTYPE_CODES)
+            agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]
+            if agreed != choice.dtype or not first:
+                choice = dataclasses.replace(choice, dtype=agreed, reason="rank 0's choice")
+        logger.info("dtype_choice", **choice.as_dict())
+        return choice
 
     @staticmethod
     def _load_cpu_kernels(cache_dir):
