@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from pkgd import host, log, phases
-from pkgd.engine.core import EngineBusyError, EngineSleepingError
+from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,
