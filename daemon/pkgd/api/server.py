@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -198,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if server is not None and server.start_cancelled:  # hypercorn wraps the lifespan's error
             logger.info("start_cancelled")
-            return 0
+            # Nothing was served; don't let the interpreter join a tokenizer load still running
+            # in an executor thread (seconds on a busy host): SIGTERM during start exits now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         cause = server.startup_error if server is not None and server.startup_error else _root_cause(exc)
         message = f"API server {args.server_index} failed to start: {type(cause).__name__}: {cause}"
         logger.error("api_server_failed", error=message)

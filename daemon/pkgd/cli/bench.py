@@ -65,6 +65,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
                    help="input and output tokens of the single-stream run")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
+    p.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="comma-separated model.dtype values (auto, float32, bfloat16, float16): one engine each in this "
+                        "process, the workload (and single stream) through each in turn, --repeats times in alternating "
+                        "order; prints each one's output and single-stream tokens/s as ratios against the first")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
                         "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
@@ -74,13 +78,14 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     plot.add_plot_args(p)
 
 
-def offline_llm(args: argparse.Namespace) -> Any:
+def offline_llm(args: argparse.Namespace, dtype: str | None = None) -> Any:
     """The offline `LLM` of a CLI command.
 
     Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
     tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
     run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
-    way the engine uses every core unless ``parallel.cpu_threads`` is set.
+    way the engine uses every core unless ``parallel.cpu_threads`` is set. ``dtype`` replaces
+    ``model.dtype``.
     """
     from pkgd.offline.llm import LLM
 
@@ -88,13 +93,18 @@ def offline_llm(args: argparse.Namespace) -> Any:
     if request is not None:
         from pkgd.config.compose import compose
 
-        return LLM(config=compose(request).config)
+        config = compose(request).config
+        if dtype is not None:
+            config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": dtype})})
+        return LLM(config=config)
     kwargs: dict[str, Any] = {}
     for item in getattr(args, "overrides", None) or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"{item!r}: expected KEY=VALUE")
         kwargs[key.strip()] = yaml.safe_load(value)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     return LLM(**kwargs)
 
 
@@ -103,6 +113,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from pkgd.benchmarks import hardware, throughput
 
+    if args.dtypes:
+        return run_dtype_comparison(args)
     llm = offline_llm(args)
     engine = llm.engine
     torch.set_num_threads(llm.config.parallel.cpu_threads)
@@ -171,6 +183,48 @@ def run_throughput(args: argparse.Namespace) -> int:
         runs.append(plot.series_from_figures(fig, "HF generate()", prefix="hf_"))
     plot.report(runs + args.previous_runs, args.plot, title=f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts, "
                 f"{args.input_len} in / {args.output_len} out, {fig['threads']} threads")
+    return 0
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def run_dtype_comparison(args: argparse.Namespace) -> int:
+    """``--dtypes``: one engine per dtype, compared in one run (`pkgd.benchmarks.dtype_compare`)."""
+    import torch
+
+    from pkgd.benchmarks import dtype_compare, throughput
+
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in names if d not in DTYPES]
+    if bad or len(set(names)) != len(names) or not names:
+        raise SystemExit(f"--dtypes: each of {', '.join(DTYPES)} at most once, got {args.dtypes!r}")
+    llms = {d: offline_llm(args, d) for d in names}
+    first = llms[names[0]]
+    torch.set_num_threads(first.config.parallel.cpu_threads)
+    engine, tok = first.engine, first.get_tokenizer()
+    workload = throughput.make_workload(
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
+        prompt_kind=args.prompts, tokenizer=tok, seed=first.config.model.seed,
+    )
+    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    for llm in llms.values():
+        throughput.run_pkgd(llm, warm, ignore_eos=True)
+    rows = dtype_compare.compare_dtypes(
+        llms, workload, repeats=args.repeats, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        single_stream_len=None if args.skip_single_stream else args.single_stream_len, vocab_size=engine.vocab_size,
+        progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else (lambda _: None))
+    print(f"pkgd bench throughput --dtypes: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
+          f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, {torch.get_num_threads()} threads, "
+          f"fastest of {args.repeats} alternating run(s) each")
+    print("\n".join(dtype_compare.format_rows(rows)))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump({"dtypes": rows}, f, indent=2)
+    for llm in llms.values():
+        llm.shutdown()
     return 0
 
 
@@ -267,8 +321,8 @@ class BenchSubcommand(CLISubcommand):
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
         from pkgd.cli import bench_latency  # light: argparse only until it runs
 
-        lat = sub.add_parser("latency", help="Latency of one batch (vllm bench latency).", description=bench_latency.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        lat = sub.add_parser("latency", help="latency of one batch (vllm bench latency)",
+                             description=bench_latency.DESCRIPTION, epilog=bench_latency.EXAMPLES)
         bench_latency.add_latency_args(lat)
         lat.set_defaults(bench_dispatch=lambda a: bench_latency.run_latency(a, offline_llm))
         return parser

@@ -16,6 +16,19 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+DESCRIPTION = """\
+Latency of one batch, as vllm bench latency measures it: --batch-size prompts of --input-len
+random tokens, exactly --output-len new tokens each (--n samples per prompt), generated
+--num-iters-warmup times untimed, then --num-iters times. Prints the mean and the
+10/25/50/75/90/99th percentile latency of an iteration; --baseline hf times the same batch
+through Hugging Face generate() in the same run and prints the ratio. The configuration
+(model, --max-num-seqs, cache.* ...) is composed from every layer."""
+
+EXAMPLES = """\
+examples:
+  pkgd bench latency --batch-size 8 --input-len 32 --output-len 128
+  pkgd bench latency --baseline hf --output-json latency.json"""
+
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")

@@ -22,13 +22,21 @@ from typing import Any
 
 from pkgd.cli.base import CLISubcommand
 
+DESCRIPTION = """\
+What a bug report needs about this host and this configuration (as vllm collect-env): versions
+of pkgd, Python, torch (and its CUDA build), Triton and the serving libraries; the OS; the CPU
+(model, usable cores, AVX2 / AVX-512 / BF16 / VNNI / AMX); memory and huge pages; GPUs; the
+kernels the engine would use here and the dtype auto resolves to; and the composed
+configuration's digest, chosen group options and which keys each layer set. No configuration
+value is printed (API keys stay private)."""
+
 LIBRARIES = ("pkgd", "torch", "triton", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "fastapi",
              "starlette", "hypercorn", "pydantic", "hydra-core", "pyzmq", "msgspec", "prometheus_client", "xgrammar",
              "openai")
 X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")
 ARM_FLAGS = ("asimd", "sve", "bf16", "i8mm")
-ENV_SHOWN = ("PKGD_CPU_KERNELS", "PKGD_KERNEL_CACHE", "PKGD_HUGEPAGES", "THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS",
+ENV_SHOWN = ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS",
              "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "CC", "PROMETHEUS_MULTIPROC_DIR")
 
 
@@ -174,8 +182,7 @@ class CollectEnvSubcommand(CLISubcommand):
     help = "print the versions, hardware, kernels and configuration digest a bug report needs"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help=self.help, description=__doc__,
-                                       formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = subparsers.add_parser(self.name, help=self.help, description=DESCRIPTION)
         parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
         return parser
 

@@ -77,6 +77,20 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+RENDER_DESCRIPTION = """\
+Print the prompt a chat request becomes, without an engine (vllm launch render): reads an
+OpenAI chat-completions body (a JSON file, - for stdin, or --message ROLE:TEXT), validates it
+as /v1/chat/completions does, applies the served model's chat template with the request's
+tools, add_generation_prompt, continue_final_message and chat_template_kwargs, and prints the
+prompt text (--json: the text, its token ids and their count). Only the tokenizer is loaded;
+the configuration is composed from every layer, as for pkgd serve."""
+
+RENDER_EXAMPLES = """\
+examples:
+  pkgd launch render --message "user:What is the capital of France?"
+  echo '{"messages": [{"role": "user", "content": "Hi"}]}' | pkgd launch render --json"""
+
+
 class LaunchSubcommand(CLISubcommand):
     """``pkgd launch COMPONENT``; one component so far: ``render``."""
 
@@ -87,7 +101,7 @@ class LaunchSubcommand(CLISubcommand):
         parser = subparsers.add_parser(self.name, help=self.help, description="Launch one component of pkgd on its own.")
         components = parser.add_subparsers(dest="launch_component", required=True, metavar="{render}")
         r = components.add_parser("render", help="print the prompt a chat request becomes (chat template, tokens)",
-                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                  description=RENDER_DESCRIPTION, epilog=RENDER_EXAMPLES)
         r.add_argument("model_tag", nargs="?", metavar="MODEL", help="model whose tokenizer and template to use (sets model.source)")
         r.add_argument("--request", default="-", metavar="FILE", help="chat completions request body as JSON; - = stdin")
         r.add_argument("--message", action="append", metavar="ROLE:TEXT", help="a message instead of --request (repeatable)")

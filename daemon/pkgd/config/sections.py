@@ -70,8 +70,9 @@ class ModelConfig(Section):
     tokenizer: str | None = field(None, "Tokenizer directory or .gguf file; null = the model source.", aliases=("--tokenizer",))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto",
-        "Weight and activation dtype. 'auto' is float32 on CPUs without native bf16 (bf16 GEMM "
-        "is ~200x slower on AVX2) and the checkpoint dtype on CUDA.",
+        "Weight and activation dtype. 'auto': on CUDA the checkpoint dtype; on CPU bfloat16 when "
+        "the CPU has AMX or AVX512-BF16 and a start-up measurement on the model's shapes finds "
+        "bf16 faster (logged as dtype_choice), else float32 (bf16 GEMM is ~200x slower on AVX2).",
         aliases=("--dtype",),
     )
     max_model_len: int | None = field(
@@ -170,6 +171,25 @@ class ParallelConfig(Section):
         "API servers (they need a few percent of one); set this to leave cores to other work.",
         aliases=("--cpu-threads",),
         ge=1,
+    )
+    cpu_kernels: bool = field(
+        True,
+        "On CPU, build (once per host, then cached) and use pkgd's C kernels for decode; false = "
+        "the PyTorch forms of the same ops only (slower).",
+        reload=E,
+    )
+    cpu_kernel_cache: str | None = field(
+        None,
+        "Directory the built C kernels are cached in (each library beside its .sha256; a cache "
+        "filled in advance needs no compiler); null = KERNELS under model.cache_dir's default.",
+        reload=E,
+        min_length=1,
+    )
+    cpu_huge_pages: bool = field(
+        True,
+        "On Linux CPU hosts, put the weights and the KV cache on 2 MiB transparent huge pages "
+        "(decode streams them from memory every token); false = 4 KiB pages.",
+        reload=E,
     )
     enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel", "-ep"))
     enable_elastic_ep: bool = field(False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",))

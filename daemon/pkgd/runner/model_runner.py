@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from pkgd.runner.allocator import collapse_to_huge_pages, lazy_zeroed_buffers, t
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
-from pkgd.runner.loader.dtype import resolve_dtype
+from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
@@ -45,6 +46,8 @@ from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 
 logger = log.get_logger("pkgd.runner")
+
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # broadcast between TP ranks by index
 
 # Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
 PROMPT_LOGPROBS_SLICE = 256
@@ -124,13 +127,14 @@ class ModelRunner:
         self.device = device or resolve_device(config.parallel.device)
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
-        self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
-                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+                self.cpu_kernels = self._load_cpu_kernels(config)
+        self.dtype_choice = self._choose_dtype()
+        self.dtype = self.dtype_choice.dtype
         self.runner_type = config.model.runner_type
         pooler_cfg = config.model.pooler
         self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
@@ -156,14 +160,33 @@ class ModelRunner:
         return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
                           progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
 
+    def _choose_dtype(self) -> DtypeChoice:
+        """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
+        broadcast, so every rank of a TP group runs one dtype; logged as ``dtype_choice``."""
+        first = self.tp.rank == 0
+        choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
+                              shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
+        if self.tp.size > 1:
+            codes = list(_DTYPE_CODES)
+            agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]
+            if agreed != choice.dtype or not first:
+                choice = dataclasses.replace(choice, dtype=agreed, reason="rank 0's choice")
+        logger.info("dtype_choice", **choice.as_dict())
+        return choice
+
     @staticmethod
-    def _load_cpu_kernels(cache_dir):
+    def _load_cpu_kernels(config: VllmConfig):
         """The C kernels (`pkgd_kernels.cpu.CpuKernels`) for the model, or None (logged with
-        the reason; the ops' PyTorch forms then run)."""
+        the reason; the ops' PyTorch forms then run): from ``parallel.cpu_kernel_cache``, else
+        ``kernels/`` under the model cache; none with ``parallel.cpu_kernels: false``."""
         from pkgd_kernels import cpu
 
+        if not config.parallel.cpu_kernels:
+            logger.info("cpu_kernels_unavailable", reason="disabled by parallel.cpu_kernels: false", fallback="pytorch")
+            return None
+        cache = config.parallel.cpu_kernel_cache
         try:
-            return cpu.load(cache_dir)
+            return cpu.load(Path(cache) if cache else default_cache_dir(config.model.cache_dir) / "kernels")
         except cpu.CpuKernelsUnavailable as e:
             logger.warning("cpu_kernels_unavailable", reason=str(e), fallback="pytorch")
             return None
@@ -219,7 +242,8 @@ class ModelRunner:
             self.kv_caches = []
             if self.device.type == "cpu":
                 nbytes = num_blocks * self.kv_cache_bytes_per_block(block_size) // (2 * layers)
-                bufs = [b.view(self.kv_dtype).view(shape) for b in lazy_zeroed_buffers([nbytes] * (2 * layers))]
+                raw = lazy_zeroed_buffers([nbytes] * (2 * layers), huge_pages=self.config.parallel.cpu_huge_pages)
+                bufs = [b.view(self.kv_dtype).view(shape) for b in raw]
                 self.kv_caches = list(zip(bufs[0::2], bufs[1::2]))
                 p.advance(layers)
             else:
@@ -267,9 +291,11 @@ class ModelRunner:
         if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
             self.initialize_kv_cache(self.num_blocks, self.block_size)
 
-    @staticmethod
-    def _to_huge_pages(what: str, spans: list[tuple[int, int]]) -> None:
-        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and log it."""
+    def _to_huge_pages(self, what: str, spans: list[tuple[int, int]]) -> None:
+        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and
+        log it; nothing with ``parallel.cpu_huge_pages: false``."""
+        if not self.config.parallel.cpu_huge_pages:
+            return
         t0 = time.perf_counter()
         done = collapse_to_huge_pages(spans)
         logger.info("huge_pages", memory=what, bytes=done, of_bytes=sum(n for _, n in spans),
