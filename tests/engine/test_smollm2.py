@@ -1,6 +1,6 @@
 """The engine on the real SmolLM2-135M-Instruct: what a user of `LLM` would notice.
 
-One `LLM()` (no arguments: the embedded default model) is shared by the module; the
+One `LLM(dtype="float32")` (the embedded default model) is shared by the module; the
 preemption test builds a second engine with a KV cache of a few blocks.
 """
 
@@ -30,7 +30,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM()
+    # float32: compared token for token with transformers' float32 forward (auto may pick bf16)
+    engine = LLM(dtype="float32")
     yield engine
     engine.shutdown()
 
@@ -118,7 +119,7 @@ def test_16_requests_on_a_few_blocks_match_a_large_cache(llm):
     prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS * 2)]
     sp = SamplingParams(temperature=0.0, max_tokens=20)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    tiny = LLM(num_blocks=8, block_size=16, max_model_len=128)  # 128 token slots for 16 requests
+    tiny = LLM(num_blocks=8, block_size=16, max_model_len=128, dtype="float32")  # 128 token slots for 16 requests
     tiny.engine.scheduler.admission_lookahead = 0  # vLLM's admission: the blocks run out mid-way
     try:
         got = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
