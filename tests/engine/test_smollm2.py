@@ -1,8 +1,7 @@
 """The engine on the real SmolLM2-135M-Instruct: what a user of `LLM` would notice.
 
-One `LLM(dtype="float32")` (the embedded default model; float32 so that greedy output can match
-transformers' float32 token for token, where ``auto`` may pick bfloat16 on this host) is shared
-by the module; the preemption test builds a second engine with a KV cache of a few blocks.
+One `LLM(dtype="float32")` (the embedded default model) is shared by the module; the
+preemption test builds a second engine with a KV cache of a few blocks.
 """
 
 import gc
@@ -31,6 +30,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 @pytest.fixture(scope="module")
 def llm():
+    # float32: compared token for token with transformers' float32 forward (auto may pick bf16)
     engine = LLM(dtype="float32")
     yield engine
     engine.shutdown()

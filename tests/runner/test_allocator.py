@@ -103,7 +103,7 @@ def _smaps_kib(addr: int, nbytes: int, field: str) -> int:
 def test_the_runner_puts_weights_on_huge_pages_and_the_kv_cache_in_lazy_zero_memory(tiny_dirs):
     from structlog.testing import capture_logs
 
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("llama")
     with capture_logs() as logs:
@@ -131,7 +131,7 @@ def test_the_runner_puts_weights_on_huge_pages_and_the_kv_cache_in_lazy_zero_mem
 def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkeypatch):
     from pkgd.runner import model_runner
 
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
 
     calls, lazy = [], []
     monkeypatch.setattr(model_runner, "collapse_to_huge_pages", lambda spans: calls.append(spans) or 0)
