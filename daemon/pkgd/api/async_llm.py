@@ -111,7 +111,7 @@ class AsyncLLM:
             self.tokenizer = await asyncio.to_thread(load_frontend_tokenizer, self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
-            eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.max_logprobs,
+            eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.limits.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 

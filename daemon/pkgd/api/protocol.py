@@ -1,7 +1,7 @@
 """OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Requests validate ranges here, so a bad value is a 400 naming the field before anything
-reaches the engine (limits that depend on the config, such as ``frontend.max_logprobs`` and
+reaches the engine (limits that depend on the config, such as ``frontend.limits.max_logprobs`` and
 ``model.max_model_len``, are checked when the request is converted). Unknown request fields
 are ignored, as OpenAI's API does. Responses mirror the shapes the official ``openai`` client
 parses (``openai.types.completion``, ``openai.types.chat``).

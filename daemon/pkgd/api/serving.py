@@ -56,10 +56,10 @@ def sampling_params(
     defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
     ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits."""
     gen = state.config.model.generation
-    max_logprobs = state.config.frontend.max_logprobs
+    max_logprobs = state.config.frontend.limits.max_logprobs
     for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
         if value is not None and value > max_logprobs:
-            raise APIError(400, f"{name} must be at most {max_logprobs} (frontend.max_logprobs), got {value}", param=name)
+            raise APIError(400, f"{name} must be at most {max_logprobs} (frontend.limits.max_logprobs), got {value}", param=name)
     bias = None
     if body.logit_bias:
         try:

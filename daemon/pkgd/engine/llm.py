@@ -62,7 +62,7 @@ class LLM:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size,
             eos_token_id=self.engine.eos_token_id,
-            max_logprobs=self.config.frontend.max_logprobs,
+            max_logprobs=self.config.frontend.limits.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
