@@ -182,10 +182,21 @@ class AsyncLLM:
     # ---- OutputSink (called by the EngineClient) ---------------------------------------------
 
     def on_outputs(self, msg: EngineOutputs) -> None:
+        """Turn one step's outputs into `RequestOutput`s. Each output is processed on its own,
+        so a failure (a bug in detokenizing or a parser) ends that request with the error,
+        never the others nor the reader delivering them."""
         now = time.monotonic()
         for out in msg.outputs:
             self._count_tokens(out.request_id, len(out.new_token_ids), now)
-        result = self.output_processor.process_outputs(msg.outputs)
+            try:
+                result = self.output_processor.process_outputs([out])
+            except Exception as exc:
+                logger.exception("output_processing_failed", engine_request_id=out.request_id)
+                self._fail(out.request_id, exc)
+                continue
+            self._deliver(result)
+
+    def _deliver(self, result: Any) -> None:
         if result.reqs_to_abort:
             self.client.abort_requests(result.reqs_to_abort)
         for ro in result.request_outputs:
@@ -196,6 +207,13 @@ class AsyncLLM:
                 stream.finished = True
                 self._finished(stream, _finish_reason(ro))
             stream.put(ro)
+
+    def _fail(self, engine_request_id: str, error: BaseException) -> None:
+        rid = self._client_of.get(engine_request_id)
+        stream = self._streams.get(rid) if rid is not None else None
+        if stream is not None:
+            stream.put(error)
+            self._forget(stream.request_id, abort=True)
 
     def on_request_error(self, request_ids: list[str], error: EngineRequestError) -> None:
         for rid in {self._client_of[eid] for eid in request_ids if eid in self._client_of}:

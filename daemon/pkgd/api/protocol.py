@@ -5,6 +5,10 @@ reaches the engine (limits that depend on the config, such as ``frontend.limits.
 ``model.max_model_len``, are checked when the request is converted). Unknown request fields
 are ignored, as OpenAI's API does. Responses mirror the shapes the official ``openai`` client
 parses (``openai.types.completion``, ``openai.types.chat``).
+
+Every integer a request carries is bounded to int64 (``INT64``), the range of the engine's
+wire format: a larger JSON integer is a 400 naming the field, never an encoding failure (500)
+on the way to the engine. Token ids are checked against the vocabulary by the input processor.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 # ---- shared ---------------------------------------------------------------------------
 
@@ -30,7 +37,7 @@ class SamplingFields(OpenAIModel):
     """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=INT64_MAX)  # frontend.limits.max_n is the real bound
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -42,17 +49,17 @@ class SamplingFields(OpenAIModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)
-    priority: int = 0
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -81,16 +88,16 @@ class ErrorResponse(BaseModel):
 
 # ---- /v1/completions --------------------------------------------------------------------
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[int] | list[list[int]]  # token ids: range-checked by the input processor
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -207,10 +214,10 @@ class NamedToolChoice(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -330,7 +337,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

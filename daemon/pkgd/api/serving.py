@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 from starlette.requests import Request
 
+from pkgd import log
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
 from pkgd.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from pkgd.engine.outputs import RequestOutput
 
 T = TypeVar("T")
+logger = log.get_logger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
@@ -54,12 +56,9 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's `SamplingParams`, unset fields from ``model.generation`` then vLLM's
     defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
-    ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits."""
+    ``top_logprobs``). Raises `APIError` 400 for invalid values."""
     gen = state.config.model.generation
-    max_logprobs = state.config.frontend.limits.max_logprobs
-    for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
-        if value is not None and value > max_logprobs:
-            raise APIError(400, f"{name} must be at most {max_logprobs} (frontend.limits.max_logprobs), got {value}", param=name)
+    max_logprobs = state.config.frontend.limits.max_logprobs  # counts over the limits: `parse_body`
     bias = None
     if body.logit_bias:
         try:
@@ -185,8 +184,12 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
 
 
 async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """``data:`` events from already-serialized JSON chunks, an error event if the engine
-    fails mid-stream, and the closing ``data: [DONE]``."""
+    """``data:`` events from already-serialized JSON chunks and the closing ``data: [DONE]``.
+
+    Whatever ends the chunks early (the engine failing, a timeout, a bug) ends the stream
+    with one OpenAI-shaped error event and then ``[DONE]``, so a client never sees a stream
+    cut without a reason. Only cancellation (the client went away) propagates.
+    """
     try:
         async for chunk in chunks:
             yield f"data: {chunk}\n\n"
@@ -197,6 +200,9 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield sse_error(err.status, err.message)
     except TimeoutError:
         yield sse_error(503, "the request ran longer than frontend.request_timeout and was aborted")
+    except Exception as exc:
+        logger.exception("stream_failed")
+        yield sse_error(500, f"internal error: {type(exc).__name__}: {exc}")
     yield DONE
 
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -40,8 +41,24 @@ if TYPE_CHECKING:
     from pkgd.engine.outputs import CompletionOutput, Logprob
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Any:
+async def create_chat_completion(request: Request, state: ServerState) -> Any:
+    """Answer one chat request; the body is parsed, templated and tokenized on the
+    `Preprocessor`, never on the event loop."""
     state.check_ready()
+    rid = serving.request_id("chatcmpl", request)
+    chat = await state.preprocess.run(_prepare, state, await request.body(), rid)
+    if chat.body.stream:
+        return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+    try:
+        out = await serving.run_until_disconnected(request, serving.final_output(state, chat.processed))
+    except serving.ClientDisconnected:
+        return Response(status_code=499)
+    return await state.preprocess.run(lambda: JSONResponse(chat.response(out.outputs).model_dump()))
+
+
+def _prepare(state: ServerState, raw: bytes, rid: str) -> _Chat:
+    """Parse, check and template a chat request (on the `Preprocessor`)."""
+    body = parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     use_tools = _use_tool_parser(body, state)
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -52,20 +69,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    rid = serving.request_id("chatcmpl", request)
     processed = serving.process(state, lambda ip: ip.process_chat(
         rid, messages, params, priority=body.priority, tools=tools,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,
     ))
-    chat = _Chat(state, body, rid, model, processed, use_tools)
-    if body.stream:
-        return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
-    try:
-        out = await serving.run_until_disconnected(request, serving.final_output(state, processed))
-    except serving.ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(chat.response(out.outputs).model_dump())
+    return _Chat(state, body, rid, model, processed, use_tools)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:

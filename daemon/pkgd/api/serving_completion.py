@@ -16,6 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
+from pkgd.api.errors import APIError
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from pkgd.engine.sampling_params import SamplingParams
 
@@ -25,33 +27,45 @@ if TYPE_CHECKING:
     from pkgd.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
-async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
+async def create_completion(request: Request, state: ServerState) -> Any:
+    """Answer one completion request (a prompt or a batch); parsing and tokenization run on
+    the `Preprocessor`, never on the event loop."""
     state.check_ready()
-    model = state.resolve_model(body.model)
-    params = serving.sampling_params(body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream)
-    if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
-        params = _with_prompt_logprobs(params, body.logprobs)
     rid = serving.request_id("cmpl", request)
-    prompts = body.prompts()
-    processed = [
-        serving.process(state, lambda ip, i=i, p=p: ip.process(
-            f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
-            add_special_tokens=body.add_special_tokens, priority=body.priority,
-        ))
-        for i, p in enumerate(prompts)
-    ]
-    fmt = _Formatter(state, body, rid, model, processed)
-    if body.stream:
+    fmt = await state.preprocess.run(_prepare, state, await request.body(), rid)
+    if fmt.body.stream:
         return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
 
     async def run_all() -> list[RequestOutput]:
-        return list(await asyncio.gather(*(serving.final_output(state, p) for p in processed)))
+        return list(await asyncio.gather(*(serving.final_output(state, p) for p in fmt.processed)))
 
     try:
         outputs = await serving.run_until_disconnected(request, run_all())
     except serving.ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-    return JSONResponse(fmt.response(outputs).model_dump(exclude_none=False))
+    return await state.preprocess.run(lambda: JSONResponse(fmt.response(outputs).model_dump(exclude_none=False)))
+
+
+def _prepare(state: ServerState, raw: bytes, rid: str) -> _Formatter:
+    """Parse, check and tokenize a completion request (on the `Preprocessor`)."""
+    body = parse_body(raw, CompletionRequest, state.config.frontend.limits)
+    model = state.resolve_model(body.model)
+    params = serving.sampling_params(body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream)
+    if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
+        params = _with_prompt_logprobs(params, body.logprobs)
+    prompts = body.prompts()
+    processed = []
+    for i, p in enumerate(prompts):
+        try:
+            processed.append(serving.process(state, lambda ip, i=i, p=p: ip.process(
+                f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
+                add_special_tokens=body.add_special_tokens, priority=body.priority,
+            )))
+        except APIError as exc:
+            if len(prompts) == 1:
+                raise
+            raise APIError(exc.status, f"prompt[{i}]: {exc.message}", param="prompt") from None
+    return _Formatter(state, body, rid, model, processed)
 
 
 def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:

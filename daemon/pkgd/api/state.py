@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pkgd.api.errors import APIError
 from pkgd.api.parsers import load_parser
+from pkgd.api.preprocess import Preprocessor
 
 if TYPE_CHECKING:
     from pkgd.api.async_llm import AsyncLLM
@@ -26,6 +27,7 @@ class ServerState:
         self.server_index = server_index
         self.draining = False
         f = config.frontend
+        self.preprocess = Preprocessor(f.preprocess_threads)
         self.tool_parser: type | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
         self.reasoning_parser: type | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
 

@@ -200,7 +200,7 @@ class EngineCore:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
-        request.sampling_params.verify(max_logprobs=self.vocab_size)
+        request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
         max_tokens = request.sampling_params.max_tokens
         if len(prompt) >= self.max_model_len:
             raise ValueError(

@@ -91,17 +91,22 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or
         ``prompt_token_ids`` (vLLM's TextPrompt / TokensPrompt). ``sampling_params`` is one
-        for all or one per prompt. Raises `ValueError` for bad input before anything runs.
+        for all or one per prompt. Raises `ValueError` for bad input before anything runs; with
+        several prompts the message starts with the index of the bad one (``prompt 3: ...``).
         """
         prompt_list = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prios) != len(prompt_list):
             raise ValueError(f"{len(prios)} priorities for {len(prompt_list)} prompts")
-        processed = [
-            self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr)
-            for p, sp, pr in zip(prompt_list, params, prios, strict=True)
-        ]
+        processed = []
+        for i, (p, sp, pr) in enumerate(zip(prompt_list, params, prios, strict=True)):
+            try:
+                processed.append(self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr))
+            except ValueError as exc:
+                if len(prompt_list) == 1:
+                    raise
+                raise ValueError(f"prompt {i}: {exc}") from None
         return self.run_processed(processed, use_tqdm)
 
     def chat(
@@ -123,10 +128,14 @@ class LLM:
         kw = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, tools=tools,
                   chat_template_kwargs=chat_template_kwargs)
-        processed = [
-            self.input_processor.process_chat(self.next_request_id(), conv, sp, **kw)
-            for conv, sp in zip(conversations, params, strict=True)
-        ]
+        processed = []
+        for i, (conv, sp) in enumerate(zip(conversations, params, strict=True)):
+            try:
+                processed.append(self.input_processor.process_chat(self.next_request_id(), conv, sp, **kw))
+            except ValueError as exc:
+                if len(conversations) == 1:
+                    raise
+                raise ValueError(f"conversation {i}: {exc}") from None
         return self.run_processed(processed, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
