@@ -11,12 +11,12 @@ load the tokenizer, then write `ApiServerReady` on the ready pipe (or `ChildFail
 1).
 
 Signals (handlers only set state; tasks do the work):
-- SIGTERM/SIGINT: drain. Stop accepting at once (new connections go to the other API
-  servers sharing the socket), answer ``/health`` with 503, and for ``DRAIN_GRACE_S`` keep
-  serving what still arrives on open keep-alive connections, with ``Connection: close`` (so
-  a client racing the shutdown gets an answer, not a reset, and reconnects elsewhere); then
-  hypercorn closes idle connections, requests in flight may finish for up to
-  ``supervisor.drain_timeout`` seconds, and the rest fail with an error; exit 0.
+- SIGTERM/SIGINT: drain (`pkgd.api.http_server`). Accept what is queued on the socket, close
+  this process's copy of it at once (new connections go to the other API servers sharing it,
+  or are refused when none is left), answer ``/health`` with 503, and keep serving requests
+  that arrive on open connections, each answered with ``Connection: close``, until those
+  connections close, for at most ``supervisor.drain_timeout`` seconds; requests still in
+  flight then fail with an error; exit 0. SIGTERM before the server is ready exits at once.
 - SIGHUP: re-read the config file and apply its live fields (API keys, CORS, served model
   names, generation defaults, log level).
 
@@ -31,15 +31,16 @@ import contextlib
 import logging
 import os
 import signal
-import time
+import socket
+import sys
 from collections.abc import AsyncIterator
 
-from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
 from pkgd import log
 from pkgd.api.app import build_app
 from pkgd.api.async_llm import AsyncLLM
+from pkgd.api.http_server import HttpServer
 from pkgd.api.metrics import Metrics
 from pkgd.api.state import ServerState
 from pkgd.config.vllm_config import VllmConfig
@@ -47,16 +48,8 @@ from pkgd.ipc import child
 from pkgd.ipc.messages import ApiServerReady
 
 ROLE = "api-server"
-DRAIN_POLL_S = 0.05
-DRAIN_GRACE_S = 0.5  # answer keep-alive stragglers before hypercorn closes idle connections
-# hypercorn's own wait for connections beyond our drain: time for aborted requests to answer
-GRACE_AFTER_DRAIN_S = 2.0
 
 logger = log.get_logger("pkgd.api.server")  # also when run as __main__
-
-
-class StartupCancelled(Exception):
-    """SIGTERM arrived before the server was ready."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,6 +75,7 @@ class ApiServer:
         self.reload = asyncio.Event()
         self.start_cancelled = False
         self.startup_error: BaseException | None = None  # hypercorn hides it in a string
+        self.http: HttpServer | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: object) -> AsyncIterator[None]:
@@ -90,16 +84,19 @@ class ApiServer:
         stopped = asyncio.ensure_future(self.stop.wait())
         await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():
-            start.cancel()
+            # SIGTERM before ready: nothing to drain. Exit now, abandoning the threads that
+            # import the tokenizer stack (waiting for them took seconds on a busy host).
             self.start_cancelled = True
-            raise StartupCancelled
+            logger.info("start_cancelled")
+            sys.stderr.flush()
+            os._exit(0)
         stopped.cancel()
         if start.exception() is not None:  # TimeoutError, TokenizerError, ModelSourceError
             self.startup_error = start.exception()
             raise self.startup_error
         metrics = Metrics(self.state.served_model_names()[0])
         self.llm.metrics = self.state.metrics = metrics
-        tasks = [asyncio.create_task(self._drain_on_stop()), asyncio.create_task(self._reload_loop())]
+        tasks = [asyncio.create_task(self._reload_loop())]
         self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
         hs = self.llm.handshake
         logger.info("api_server_ready", server_index=self.args.server_index, model=hs.model_name if hs else None,
@@ -112,15 +109,9 @@ class ApiServer:
             await self.llm.close()
             Metrics.mark_process_dead()
 
-    async def _drain_on_stop(self) -> None:
-        await self.stop.wait()
-        deadline = time.monotonic() + self.state.config.supervisor.drain_timeout
-        logger.info("draining", inflight=self.llm.num_inflight())
-        while self.llm.num_inflight() and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_POLL_S)
-        if self.llm.num_inflight():
-            logger.warning("drain_timeout", aborted=self.llm.num_inflight())
-            self.llm.abort_all("the server is shutting down (supervisor.drain_timeout passed)")
+    def _abort_inflight(self) -> None:
+        logger.warning("drain_timeout", aborted=self.llm.num_inflight())
+        self.llm.abort_all("the server is shutting down (supervisor.drain_timeout passed)")
 
     async def _reload_loop(self) -> None:
         while True:
@@ -139,13 +130,10 @@ class ApiServer:
         if self.state.draining:
             return
         self.state.draining = True
-        loop = asyncio.get_running_loop()
-        # Stop accepting now: hypercorn's server reads the inherited listener's fd number.
-        loop.remove_reader(self.args.listen_fd)
-        if self.llm.input_processor is None:  # still starting: nothing to drain
-            self.stop.set()
-        else:
-            loop.call_later(DRAIN_GRACE_S, self.stop.set)
+        logger.info("draining", inflight=self.llm.num_inflight())
+        if self.http is not None:
+            self.http.close_listener()  # at once: later connections are refused, never reset
+        self.stop.set()
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -154,14 +142,15 @@ class ApiServer:
         loop.add_signal_handler(signal.SIGHUP, self.reload.set)
         cfg = self.state.config
         hc = HypercornConfig()
-        hc.bind = [f"fd://{self.args.listen_fd}"]
         hc.keep_alive_timeout = cfg.frontend.keep_alive_timeout
-        hc.graceful_timeout = cfg.supervisor.drain_timeout + GRACE_AFTER_DRAIN_S
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
-        hc.backlog = 2048
-        app = build_app(self.state, lifespan=self.lifespan)
-        await hypercorn_serve(app, hc, shutdown_trigger=self.stop.wait)
+        sock = socket.socket(fileno=self.args.listen_fd)
+        self.http = HttpServer(
+            build_app(self.state, lifespan=self.lifespan), hc, sock, lambda: self.state.config.frontend,
+            shared=cfg.serve_plan().api_server_count > 1, on_drain_timeout=self._abort_inflight,
+        )
+        await self.http.serve(self.stop, drain_timeout=lambda: self.state.config.supervisor.drain_timeout)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -192,9 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         server = ApiServer(config, args, ready)
         asyncio.run(server.serve())
     except Exception as exc:
-        if server is not None and server.start_cancelled:  # hypercorn wraps the lifespan's error
-            logger.info("start_cancelled")
-            return 0
         cause = server.startup_error if server is not None and server.startup_error else _root_cause(exc)
         message = f"API server {args.server_index} failed to start: {type(cause).__name__}: {cause}"
         logger.error("api_server_failed", error=message)
