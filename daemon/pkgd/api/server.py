@@ -2,8 +2,10 @@
 
 Started by the supervisor as::
 
-    python -m pkgd.api.server --config-file PATH --ready-fd R --listen-fd F --server-index J \\
+    python -m pkgd.api.server --config-fd C --ready-fd R --listen-fd F --server-index J \\
         --engine-address A [--engine-address A2 ...]
+
+(``--config-file PATH`` instead of ``--config-fd`` for a server started by hand.)
 
 The listening socket is inherited (``fd://F``), so restarting API servers never closes the
 port and several API servers share it. Start-up: connect to the engine cores and handshake,
@@ -17,8 +19,8 @@ Signals (handlers only set state; tasks do the work):
   that arrive on open connections, each answered with ``Connection: close``, until those
   connections close, for at most ``supervisor.drain_timeout`` seconds; requests still in
   flight then fail with an error; exit 0. SIGTERM before the server is ready exits at once.
-- SIGHUP: re-read the config file and apply its live fields (API keys, CORS, served model
-  names, generation defaults, log level).
+- A new configuration on the config pipe (or SIGHUP with ``--config-file``): apply its live
+  fields (API keys, CORS, served model names, generation defaults, limits, log level).
 
 Never imports torch.
 """
@@ -54,7 +56,7 @@ logger = log.get_logger("pkgd.api.server")  # also when run as __main__
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pkgd.api.server", description="pkgd API-server process")
-    p.add_argument("--config-file", required=True, help="config.json written by the supervisor")
+    child.add_config_args(p)
     p.add_argument("--ready-fd", type=int, default=None, help="pipe for the one ready/failed frame")
     p.add_argument("--listen-fd", type=int, required=True, help="inherited listening socket")
     p.add_argument("--server-index", type=int, default=0, help="index of this API server")
@@ -66,8 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class ApiServer:
     """One API-server process's life: start, serve, reload, drain."""
 
-    def __init__(self, config: VllmConfig, args: argparse.Namespace, ready: child.ReadyPipe) -> None:
+    def __init__(self, config: VllmConfig, args: argparse.Namespace, ready: child.ReadyPipe, source: child.ConfigSource) -> None:
         self.args = args
+        self.source = source
         self.ready = ready
         self.llm = AsyncLLM(config, args.engine_address, client_id=f"api{args.server_index}-{os.getpid()}")
         self.state = ServerState(config, self.llm, None, server_index=args.server_index)
@@ -114,17 +117,30 @@ class ApiServer:
         self.llm.abort_all("the server is shutting down (supervisor.drain_timeout passed)")
 
     async def _reload_loop(self) -> None:
-        while True:
-            await self.reload.wait()
-            self.reload.clear()
-            try:
-                new = child.load_config(self.args.config_file)
-            except (OSError, ValueError) as exc:
-                logger.error("reload_failed", error=str(exc))
-                continue
-            self.state.config = self.llm.config = new
-            log.set_level(new.logging.level)
-            logger.info("reloaded", config=new.digest())
+        loop = asyncio.get_running_loop()
+        if self.source.fd is not None:
+            loop.add_reader(self.source.fd, self.reload.set)
+        try:
+            while True:
+                await self.reload.wait()
+                self.reload.clear()
+                try:
+                    configs = self.source.updates()
+                except (OSError, ValueError) as exc:
+                    logger.error("reload_failed", error=str(exc))
+                    continue
+                if self.source.closed and self.source.fd is not None:
+                    loop.remove_reader(self.source.fd)  # the supervisor is gone; PDEATHSIG follows
+                if configs:
+                    self._apply(configs[-1])
+        finally:
+            if self.source.fd is not None and not self.source.closed:
+                loop.remove_reader(self.source.fd)
+
+    def _apply(self, new: VllmConfig) -> None:
+        self.state.config = self.llm.config = new
+        log.set_level(new.logging.level)
+        logger.info("reloaded", config=new.digest())
 
     def on_stop_signal(self) -> None:
         if self.state.draining:
@@ -139,7 +155,10 @@ class ApiServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_stop_signal)
-        loop.add_signal_handler(signal.SIGHUP, self.reload.set)
+        if self.source.fd is None:
+            loop.add_signal_handler(signal.SIGHUP, self.reload.set)
+        else:
+            loop.add_signal_handler(signal.SIGHUP, lambda: None)  # configurations come on the pipe
         cfg = self.state.config
         hc = HypercornConfig()
         hc.keep_alive_timeout = cfg.frontend.keep_alive_timeout
@@ -170,15 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     child.die_with_parent(args.parent_pid)
     child.set_process_name(f"pkgd-api{args.server_index}")
     ready = child.ReadyPipe(args.ready_fd)
+    source = child.ConfigSource(args.config_fd, args.config_file)
     try:
-        config = child.load_config(args.config_file)
-    except (OSError, ValueError) as exc:
-        ready.failed(ROLE, f"cannot read config {args.config_file}: {exc}")
+        config = source.initial()
+    except (OSError, ValueError, EOFError, TimeoutError) as exc:
+        ready.failed(ROLE, f"cannot read config {source.describe()}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE)
     server: ApiServer | None = None
     try:
-        server = ApiServer(config, args, ready)
+        server = ApiServer(config, args, ready, source)
         asyncio.run(server.serve())
     except Exception as exc:
         cause = server.startup_error if server is not None and server.startup_error else _root_cause(exc)
