@@ -48,3 +48,12 @@ def test_completions_and_chat_lines_with_errors_in_between(llm):
     assert chat["choices"][0]["message"]["role"] == "assistant"
     assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_streaming_line_is_a_per_line_error(llm):
+    res = process_batch(llm, [
+        line("s", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        line("ok", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ])
+    assert res[0]["response"]["status_code"] == 400 and "stream: true is not supported" in res[0]["error"]["message"]
+    assert res[1]["response"]["status_code"] == 200

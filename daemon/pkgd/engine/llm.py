@@ -156,13 +156,10 @@ class LLM:
             outs = self.run_processed([proc.process(self.next_request_id(), s, sp) for s in seqs], use_tqdm=False)
             return [o.outputs[0].logprobs[0] for o in outs]
 
-        results = beam_search(token_prompts, params, next_token_logprobs,
-                              eos_token_id=self.engine.eos_token_id, max_model_len=self.engine.max_model_len)
-        if self.tokenizer is not None:
-            for out in results:
-                for seq in out.sequences:
-                    seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return results
+        tok = self.tokenizer
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        return beam_search(token_prompts, params, next_token_logprobs, eos_token_id=self.engine.eos_token_id,
+                           max_model_len=self.engine.max_model_len, decode=decode)
 
     # ---- the loop ---------------------------------------------------------------------------
 

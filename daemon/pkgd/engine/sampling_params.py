@@ -125,7 +125,9 @@ class BeamSearchParams(msgspec.Struct, kw_only=True):
     """Parameters of `LLM.beam_search` (offline only, as in vLLM).
 
     ``length_penalty`` divides a beam's cumulative logprob by ``len ** length_penalty``
-    when ranking finished beams (Wu et al., 2016, GNMT).
+    when ranking finished beams (Wu et al., 2016, GNMT). A beam whose generated text contains
+    one of ``stop`` is finished there (``finish_reason`` "stop", ``stop_reason`` the string);
+    its text ends before the stop string unless ``include_stop_str_in_output``.
     """
 
     beam_width: int
@@ -133,3 +135,5 @@ class BeamSearchParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    stop: list[str] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
