@@ -270,3 +270,21 @@ def test_cores_are_reachable_over_tcp(engines, runtime):
         asyncio.run(main())
     finally:
         e.stop()
+
+
+def test_an_engine_still_loading_is_no_warning(tmp_path, capsys):
+    """A cold start takes longer than the client's first wait: that is logged at info, not
+    as a warning (the caller's own deadline, supervisor.engine_ready_timeout, is the fault)."""
+    from pkgd import log
+    from pkgd.config.sections import LoggingConfig
+
+    log.configure(LoggingConfig(format="json"), role="test")
+
+    async def main():
+        client = EngineClient([transport.ipc_address(tmp_path, 0)], Sink())  # nothing there yet
+        assert not await client.start(0.2)
+        await client.close()
+
+    asyncio.run(main())
+    err = capsys.readouterr().err
+    assert "engine_handshake_pending" in err and '"level": "warning"' not in err

@@ -183,9 +183,25 @@ def _root_cause(exc: BaseException) -> BaseException:
             return exc
 
 
+def raise_open_files_limit() -> None:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (as vLLM's API server does): each
+    client connection holds a descriptor, and the common soft default of 1024 is below
+    ``frontend.max_connections`` plus what the process itself needs."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # the connection cap and accept's EMFILE back-off still hold
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of the API-server process; returns the exit status."""
     args = parse_args(argv)
+    raise_open_files_limit()
     child.die_with_parent(args.parent_pid)
     child.set_process_name(f"pkgd-api{args.server_index}")
     ready = child.ReadyPipe(args.ready_fd)
