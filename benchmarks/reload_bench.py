@@ -137,8 +137,11 @@ def client_factory(args: argparse.Namespace, url: str):
 
 
 def set_key(config: dict, dotted: str, value) -> None:
-    section, key = dotted.split(".")
-    config.setdefault(section, {})[key] = value
+    *sections, key = dotted.split(".")
+    node = config
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[key] = value
 
 
 def main() -> int:

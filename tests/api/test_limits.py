@@ -218,3 +218,4 @@ async def test_a_body_that_does_not_arrive_in_time_is_408_and_closes(tokenizer):
         assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
         assert "frontend.body_timeout" in json.loads(sent[1]["body"])["error"]["message"]
         assert fake.added == []
+

@@ -75,7 +75,8 @@ class GuardMiddleware:
         limit = f.max_request_body_bytes
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _send_json(send, 413, _error(413, f"request body of {length} bytes exceeds frontend.max_request_body_bytes ({limit})"))
+            await _send_json(send, 413, _error(413, f"request body of {length} bytes exceeds frontend.max_request_body_bytes ({limit})"),
+                             [(b"connection", b"close")])  # the body is not read: the connection cannot go on
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             try:

@@ -10,7 +10,9 @@ limit) having cost one decode.
 
 A worker thread still shares the GIL with the loop: Python code (the Jinja template, pydantic's
 callbacks, our checks) yields it every switch interval, and the tokenizer's Rust code releases
-it, but one C call that holds it (decoding a body) stalls the loop for its duration. That is
+it (`InputProcessor.tokenize` uses the batch encoder, which does), but one C call that holds
+it (decoding a body, validating a long list) stalls the loop for its duration. So does a full
+collection of Python's cyclic GC, which is why the API server freezes its start-up heap. That is
 why the body is decoded with msgspec (the fastest of the JSON decoders at hand, and strict:
 a lone UTF-16 surrogate is malformed JSON, a 400) and why ``frontend.max_request_body_bytes``
 bounds that step, while the limits bound every step after it.

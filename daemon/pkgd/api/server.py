@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -100,6 +101,12 @@ class ApiServer:
         metrics = Metrics(self.state.served_model_names()[0])
         self.llm.metrics = self.state.metrics = metrics
         tasks = [asyncio.create_task(self._reload_loop())]
+        # What start-up loaded (the tokenizer stack: millions of objects) lives as long as the
+        # process: move it out of the cyclic collector's reach, or every full collection,
+        # which a large request's garbage triggers, walks it and stalls the event loop for
+        # hundreds of milliseconds (Python's gc.freeze, as servers pre-forking workers use it).
+        gc.collect()
+        gc.freeze()
         self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
         hs = self.llm.handshake
         logger.info("api_server_ready", server_index=self.args.server_index, model=hs.model_name if hs else None,

@@ -88,7 +88,15 @@ class InputProcessor:
         return self.tokenizer
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of ``text``. With a fast tokenizer this calls the ``tokenizers`` library's
+        batch encoder, which releases the GIL while it works (its single-text ``encode`` holds
+        it throughout: seconds for a long prompt, during which an API server's event loop
+        would stand still); the ids are the same."""
+        tok = self._need_tokenizer()
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None and not getattr(tok, "split_special_tokens", False):
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
         self,
