@@ -40,7 +40,7 @@ def daemon(fault_dir, tiny_model):
     work.mkdir()
     d = Daemon(work, fault_config(tiny_model), real=True)
     try:
-        d.wait_ready(120)
+        d.wait_ready(600)
         yield d
     finally:
         d.cleanup()

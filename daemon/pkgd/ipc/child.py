@@ -107,7 +107,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config(path: str | os.PathLike[str]) -> VllmConfig:
-    """Read and validate the ``config.json`` the supervisor wrote.
+    """Read and validate a ``config.json`` (a child started by hand).
 
     Raises:
         OSError: the file cannot be read.

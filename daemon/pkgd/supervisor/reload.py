@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from typing import TYPE_CHECKING, Any
 
