@@ -135,7 +135,7 @@ def loop_lag(repeats: int = 3) -> list[dict]:
 
     from api.fakes import FakeEngineClient
     from pkgd.api import serving_chat, serving_completion
-    from pkgd.api.async_llm import AsyncLLM, load_frontend_tokenizer
+    from pkgd.frontend.async_llm import AsyncLLM, load_frontend_tokenizer
     from pkgd.api.state import ServerState
 
     async def window(work) -> float:

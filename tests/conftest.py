@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def pytest_configure(config):
     """Import Triton once with its CPU interpreter on, before any test imports it.
@@ -27,3 +29,12 @@ def pytest_configure(config):
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The embedded SmolLM2's tokenizer, read from its GGUF (no engine, no torch)."""
+    from pkgd.frontend.tokenizer import load_tokenizer
+    from tests.smollm2 import smollm2_gguf
+
+    return load_tokenizer(None, tokenizer=str(smollm2_gguf()))

@@ -12,15 +12,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "pkgd.engine.llm",
-    "SamplingParams": "pkgd.engine.sampling_params",
-    "BeamSearchParams": "pkgd.engine.sampling_params",
-    "RequestOutputKind": "pkgd.engine.sampling_params",
-    "RequestOutput": "pkgd.engine.outputs",
-    "CompletionOutput": "pkgd.engine.outputs",
-    "Logprob": "pkgd.engine.outputs",
-    "BeamSearchOutput": "pkgd.engine.beam_search",
-    "BeamSearchSequence": "pkgd.engine.beam_search",
+    "LLM": "pkgd.offline.llm",
+    "SamplingParams": "pkgd.sampling_params",
+    "BeamSearchParams": "pkgd.sampling_params",
+    "RequestOutputKind": "pkgd.sampling_params",
+    "PoolingParams": "pkgd.pooling_params",
+    "StructuredOutputsParams": "pkgd.sampling_params",
+    "RequestOutput": "pkgd.outputs",
+    "PoolingOutput": "pkgd.outputs",
+    "PoolingRequestOutput": "pkgd.outputs",
+    "EmbeddingOutput": "pkgd.outputs",
+    "EmbeddingRequestOutput": "pkgd.outputs",
+    "CompletionOutput": "pkgd.outputs",
+    "Logprob": "pkgd.outputs",
+    "BeamSearchOutput": "pkgd.offline.beam_search",
+    "BeamSearchSequence": "pkgd.offline.beam_search",
     "VllmConfig": "pkgd.config.vllm_config",
 }
 
@@ -28,10 +34,19 @@ __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
     from pkgd.config.vllm_config import VllmConfig
-    from pkgd.engine.beam_search import BeamSearchOutput, BeamSearchSequence
-    from pkgd.engine.llm import LLM
-    from pkgd.engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from pkgd.engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from pkgd.offline.beam_search import BeamSearchOutput, BeamSearchSequence
+    from pkgd.offline.llm import LLM
+    from pkgd.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from pkgd.pooling_params import PoolingParams
+    from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -25,6 +25,8 @@ import structlog
 if TYPE_CHECKING:
     from pkgd.config.sections import LoggingConfig
 
+_console: bool | None = None  # what the last configure() chose; None: not configured yet
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -47,11 +49,14 @@ def configure(
     role: str,
     dp_rank: int | None = None,
     stream: Any = None,
+    stdlib: bool = True,
 ) -> None:
-    """Configure structlog (and stdlib logging, so library logs share the format).
+    """Configure structlog (and, with ``stdlib``, stdlib logging, so library logs share the
+    format).
 
     Call once per process, as early as possible; call again to change the level live.
     """
+    global _console
     level_name = cfg.level if cfg is not None else "info"
     fmt = cfg.format if cfg is not None else "auto"
     level = _LEVELS[level_name]
@@ -67,6 +72,7 @@ def configure(
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: Any
+    _console = not wants_json(fmt) and stream.isatty()
     if wants_json(fmt):
         shared.append(structlog.processors.format_exc_info)
         renderer = structlog.processors.JSONRenderer()
@@ -83,6 +89,8 @@ def configure(
         logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+    if not stdlib:
+        return
     # Library logs (hypercorn, asyncio …) go through the same renderer, so a JSON journal
     # never gets a plain-text line; StreamHandler also writes each line in one call.
     handler = logging.StreamHandler(stream)
@@ -95,6 +103,10 @@ def configure(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
+    # The HTTP server's own lines (vLLM's --uvicorn-log-level); "trace" is uvicorn's level
+    # below debug, which hypercorn does not have.
+    http_level = cfg.http_server_level if cfg is not None else "warning"
+    logging.getLogger("hypercorn").setLevel(_LEVELS.get(http_level, logging.DEBUG))
 
 
 class _CurrentStderr:
@@ -109,6 +121,23 @@ class _CurrentStderr:
 
     def isatty(self) -> bool:
         return sys.stderr.isatty()
+
+
+def ensure_configured(role: str) -> None:
+    """`configure` structlog with the defaults unless it is set up already (by pkgd or by
+    the program embedding it), leaving stdlib logging to that program: the offline `LLM`
+    logs its start-up to stderr, never into stdout."""
+    if _console is None and not structlog.is_configured():
+        configure(None, role=role, stdlib=False)
+
+
+def is_console() -> bool:
+    """Whether this process logs readable lines to a terminal (then progress bars and the
+    ready headline are shown); before `configure`, whether stderr is a terminal outside
+    systemd's journal."""
+    if _console is None:
+        return not wants_json("auto")
+    return _console
 
 
 def set_level(level_name: str) -> None:

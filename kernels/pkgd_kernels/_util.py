@@ -70,11 +70,16 @@ def check_shape(op: str, name: str, tensor: torch.Tensor, shape: Sequence[int | 
     Raises:
         ValueError: rank or a size differs.
     """
+    # Dispatchers run this on every call: no work beyond the comparison unless it fails.
+    sizes = tensor.shape
+    if len(sizes) == len(shape):
+        for s, got in zip(shape, sizes):
+            if s is not None and s != got:
+                break
+        else:
+            return
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    if tensor.dim() != len(shape) or any(
-        s is not None and s != got for s, got in zip(shape, tensor.shape)
-    ):
-        raise ValueError(f"{op}: {name} must have shape {want}, got {list(tensor.shape)}")
+    raise ValueError(f"{op}: {name} must have shape {want}, got {list(sizes)}")
 
 
 def check_dtype(op: str, name: str, tensor: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:

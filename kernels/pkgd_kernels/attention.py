@@ -19,10 +19,18 @@ the references gather the keys densely and take an ordinary softmax. A sequence 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
+from pkgd_kernels.attention_cpu import (
+    DecodeChunk,
+    PrefillSeq,
+    paged_attention_decode_cpu,
+    paged_attention_prefill_cpu,
+)
 from pkgd_kernels._util import (
+    FLOAT_DTYPES,
     check_dtype,
     check_kv_cache,
     check_same,
@@ -45,10 +53,15 @@ def _check_common(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    mixed_cache: bool = False,
 ) -> None:
     _, _, num_kv_heads, head_dim = check_kv_cache(op, key_cache, value_cache)
     check_shape(op, "query", query, [None, None, head_dim])
-    check_same(op, {"query": query, "key_cache": key_cache})
+    if mixed_cache:  # the CPU forms also take a 16-bit cache under float32 queries
+        check_dtype(op, "query", query, FLOAT_DTYPES)
+        check_same(op, {"query": query, "key_cache": key_cache}, dtype=False)
+    else:
+        check_same(op, {"query": query, "key_cache": key_cache})
     if query.shape[1] == 0 or query.shape[1] % num_kv_heads != 0:
         raise ValueError(
             f"{op}: query heads ({query.shape[1]}) must be a positive multiple of the cache's "
@@ -64,15 +77,16 @@ def _check_common(
         raise ValueError(f"{op}: scale must be finite, got {scale}")
 
 
-def _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale) -> None:
-    _check_common(_DECODE, query, key_cache, value_cache, block_tables, seq_lens, scale)
+def _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache=False) -> None:
+    _check_common(_DECODE, query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache)
     check_shape(_DECODE, "seq_lens", seq_lens, [query.shape[0]])
 
 
 def _check_prefill(
-    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+    query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, mixed_cache=False
 ) -> None:
-    _check_common(_PREFILL, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    _check_common(_PREFILL, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                  mixed_cache)
     check_shape(_PREFILL, "query_start_loc", query_start_loc, [seq_lens.shape[0] + 1])
     check_dtype(_PREFILL, "query_start_loc", query_start_loc, [torch.int32])
     check_same(_PREFILL, {"query": query, "query_start_loc": query_start_loc}, dtype=False)
@@ -327,14 +341,24 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    kernels=None,
+    plan: list[DecodeChunk] | Callable[[], list[DecodeChunk]] | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged KV cache: :func:`paged_attention_decode_triton` on CUDA
-    tensors, :func:`paged_attention_decode_ref` otherwise (see it for shapes and errors)."""
+    tensors; on CPU the C form when ``kernels`` (a `pkgd_kernels.cpu.CpuKernels`) takes the
+    tensors, else `paged_attention_decode_cpu` with ``plan`` (see
+    :func:`paged_attention_decode_ref` for shapes and errors; on CPU the cache may also be
+    16-bit under float32 queries)."""
     if use_triton(query):
         return paged_attention_decode_triton(
             query, key_cache, value_cache, block_tables, seq_lens, scale
         )
-    return paged_attention_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache=True)
+    if kernels is not None and kernels.takes_paged_attention_decode(query, key_cache):
+        return kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                      plan=plan)
 
 
 def paged_attention_prefill(
@@ -345,11 +369,15 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    plan: list[PrefillSeq] | Callable[[], list[PrefillSeq]] | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged KV cache: :func:`paged_attention_prefill_triton`
-    on CUDA tensors, :func:`paged_attention_prefill_ref` otherwise (see it for shapes and
-    errors)."""
+    on CUDA tensors, `paged_attention_prefill_cpu` with ``plan`` otherwise (see
+    :func:`paged_attention_prefill_ref` for shapes and errors; on CPU the cache may also be
+    16-bit under float32 queries)."""
     args = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
     if use_triton(query):
         return paged_attention_prefill_triton(*args)
-    return paged_attention_prefill_ref(*args)
+    _check_prefill(*args, mixed_cache=True)
+    return paged_attention_prefill_cpu(*args, plan=plan)

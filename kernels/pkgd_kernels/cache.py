@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pkgd_kernels._util import (
+    FLOAT_DTYPES,
     check_dtype,
     check_kv_cache,
     check_same,
@@ -33,13 +34,19 @@ def _check(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    mixed_cache: bool = False,
 ) -> None:
     _, _, num_kv_heads, head_dim = check_kv_cache(_OP, key_cache, value_cache)
     check_shape(_OP, "key", key, [None, num_kv_heads, head_dim])
     check_shape(_OP, "value", value, list(key.shape))
     check_shape(_OP, "slot_mapping", slot_mapping, [key.shape[0]])
     check_dtype(_OP, "slot_mapping", slot_mapping, [torch.int64])
-    check_same(_OP, {"key_cache": key_cache, "key": key, "value": value})
+    if mixed_cache:  # the CPU form also writes float32 K/V into a 16-bit cache, rounding
+        check_dtype(_OP, "key", key, FLOAT_DTYPES)
+        check_same(_OP, {"key": key, "value": value})
+        check_same(_OP, {"key_cache": key_cache, "key": key}, dtype=False)
+    else:
+        check_same(_OP, {"key_cache": key_cache, "key": key, "value": value})
     check_same(_OP, {"key_cache": key_cache, "slot_mapping": slot_mapping}, dtype=False)
 
 
@@ -103,6 +110,30 @@ def reshape_and_cache_triton(
                                          block_d=block_d)
 
 
+def reshape_and_cache_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """CPU form of :func:`reshape_and_cache_ref` (same arguments; unchecked): one
+    ``index_copy_`` per contiguous cache over its ``[slots, Hkv, D]`` view (the reference's
+    two-index assignment for other strides); float32 K/V written into a 16-bit cache are
+    rounded to it."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    nb, bs, h, d = key_cache.shape
+    if key.dtype != key_cache.dtype:
+        key, value = key.to(key_cache.dtype), value.to(key_cache.dtype)
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        if cache.is_contiguous():
+            cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, rows)
+        else:
+            cache[slot_mapping // bs, slot_mapping % bs] = rows
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -112,10 +143,12 @@ def reshape_and_cache(
 ) -> None:
     """Write this step's keys and values into the paged KV cache, in place.
 
-    Runs :func:`reshape_and_cache_triton` on CUDA tensors and :func:`reshape_and_cache_ref`
-    otherwise; see the latter for shapes and errors.
+    Runs :func:`reshape_and_cache_triton` on CUDA tensors, :func:`reshape_and_cache_cpu`
+    otherwise. See :func:`reshape_and_cache_ref` for shapes and errors; on CPU the cache may
+    also be 16-bit under float32 K/V.
     """
     if use_triton(key):
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        return
+    _check(key, value, key_cache, value_cache, slot_mapping, mixed_cache=True)
+    reshape_and_cache_cpu(key, value, key_cache, value_cache, slot_mapping)

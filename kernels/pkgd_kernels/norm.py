@@ -10,6 +10,7 @@ Inputs are ``[T, H]`` (more leading dims are accepted and kept).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pkgd_kernels._util import (
     FLOAT_DTYPES,
@@ -131,19 +132,47 @@ def fused_add_rms_norm_triton(
     return out, new_residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm: :func:`rms_norm_triton` on CUDA tensors, :func:`rms_norm_ref` otherwise."""
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """CPU form of :func:`rms_norm_ref` (same arguments and result; arguments unchecked, as
+    the dispatcher checks them): float32 rows through ``F.rms_norm`` (one fused ATen op),
+    16-bit ones normalised in float32 and rounded before the weight multiplies them."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def fused_add_rms_norm_cpu(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU form of :func:`fused_add_rms_norm_ref` (same arguments and results; unchecked)."""
+    new_residual = x + residual
+    return rms_norm_cpu(new_residual, weight, eps), new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, kernels=None) -> torch.Tensor:
+    """RMSNorm: :func:`rms_norm_triton` on CUDA tensors; on CPU the C form when ``kernels`` (a
+    `pkgd_kernels.cpu.CpuKernels`) takes the tensors, else :func:`rms_norm_cpu` (arguments and
+    errors as :func:`rms_norm_ref`)."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+    _check("rms_norm", x, weight, eps)
+    if kernels is not None and kernels.takes_rms_norm(x, weight):
+        return kernels.rms_norm(x, weight, eps)
+    return rms_norm_cpu(x, weight, eps)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, kernels=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``new_residual = x + residual; out = rms_norm(new_residual)``:
-    :func:`fused_add_rms_norm_triton` on CUDA tensors, :func:`fused_add_rms_norm_ref` otherwise.
+    :func:`fused_add_rms_norm_triton` on CUDA tensors; on CPU the C form when ``kernels`` takes
+    the tensors, else :func:`fused_add_rms_norm_cpu` (arguments and errors as
+    :func:`fused_add_rms_norm_ref`).
     """
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    _check("fused_add_rms_norm", x, weight, eps)
+    _check_residual("fused_add_rms_norm", x, residual)
+    if kernels is not None and kernels.takes_rms_norm(x, weight) and residual.dtype == torch.float32:
+        return kernels.fused_add_rms_norm(x, residual, weight, eps)
+    return fused_add_rms_norm_cpu(x, residual, weight, eps)

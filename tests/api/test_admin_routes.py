@@ -45,6 +45,20 @@ async def test_health_version_docs(tokenizer):
         assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/metrics"} <= set(paths)
 
 
+async def test_index_names_the_server_and_links_onwards(tokenizer):
+    async with served(tokenizer) as (http, _s, _f):
+        r = await http.get("/")
+        assert r.status_code == 200
+        body = r.json()
+        assert body["name"] == "pkgd" and body["version"] and body["models"] == ["SmolLM2-135M-Instruct"]
+        for link in body["links"].values():
+            assert (await http.get(link)).status_code == 200, link
+    keys = VllmConfig.model_validate({"frontend": {"api_keys": ["k1"]}})
+    async with served(tokenizer, config=keys) as (http, _s, _f):
+        body = (await http.get("/")).json()  # open, but says no more than /health does
+        assert "models" not in body and "Bearer" in body["authentication"]
+
+
 async def test_metrics_use_vllm_names_and_count_requests(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
         await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4})
@@ -54,8 +68,8 @@ async def test_metrics_use_vllm_names_and_count_requests(tokenizer):
                      "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                      "vllm:request_success_total"):
             assert name in text, name
-        assert 'vllm:generation_tokens_total{model_name="SmolLM2-135M-Instruct"} 4.0' in text
-        assert 'vllm:request_success_total{finished_reason="length",model_name="SmolLM2-135M-Instruct"} 1.0' in text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="SmolLM2-135M-Instruct"} 4.0' in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="SmolLM2-135M-Instruct"} 1.0' in text
         assert 'vllm:kv_cache_usage_perc{engine="0",model_name="SmolLM2-135M-Instruct"} 0.25' in text
 
 
@@ -90,10 +104,10 @@ async def test_cors_follows_the_config(tokenizer):
 def test_api_modules_never_import_torch():
     import importlib.util
 
-    frontend = "import pkgd.api.async_llm as a; a._import_frontend();" if importlib.util.find_spec("pkgd.engine.input_processor") else ""
+    frontend = "import pkgd.frontend.async_llm as a; a._import_frontend();" if importlib.util.find_spec("pkgd.frontend.input_processor") else ""
     code = (
-        "import sys; import pkgd.api.server, pkgd.api.app, pkgd.api.async_llm, pkgd.ipc.client;"
-        "import pkgd.api.parsers.hermes, pkgd.api.parsers.reasoning;" + frontend +
+        "import sys; import pkgd.api.server, pkgd.api.app, pkgd.frontend.async_llm, pkgd.ipc.client;"
+        "import pkgd.parsers.hermes, pkgd.parsers.reasoning;" + frontend +
         "bad = [m for m in ('torch', 'hydra') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

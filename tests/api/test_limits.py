@@ -169,7 +169,7 @@ async def test_503_says_when_to_retry(tokenizer):
 async def test_parsing_templating_and_tokenizing_run_off_the_event_loop(tokenizer, monkeypatch):
     """The request's CPU work runs on the preprocess pool's threads, never the loop's."""
     from pkgd.api import preprocess
-    from pkgd.engine.input_processor import InputProcessor
+    from pkgd.frontend.input_processor import InputProcessor
 
     seen: dict[str, set[str]] = {"parse": set(), "template": set(), "tokenize": set()}
     for name, owner, attr in (("parse", preprocess, "parse_body"), ("template", InputProcessor, "render_chat"),

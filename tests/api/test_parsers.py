@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from pkgd.api.parsers import load_parser, registered_names
-from pkgd.api.parsers.hermes import HermesToolParser
-from pkgd.api.parsers.reasoning import ThinkTagReasoningParser
+from pkgd.parsers import load_parser, registered_names
+from pkgd.parsers.hermes import HermesToolParser
+from pkgd.parsers.reasoning import ThinkTagReasoningParser
 from pkgd.config.vllm_config import VllmConfig
 
 from .conftest import answer_script, served
@@ -47,8 +47,23 @@ def test_hermes_streaming_gives_the_same_result_at_every_split(cut):
     p = HermesToolParser()
     parts = _stream(p, text, cut)
     content = "".join(c for c, _ in parts) + p.flush()
-    calls = [call for _, cs in parts for call in cs]
-    assert content == "Hi  bye" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    deltas = [d for _, ds in parts for d in ds]
+    assert content == "Hi  bye" and [d.name for d in deltas if d.name] == ["get_weather"]
+    assert {d.index for d in deltas} == {0}
+    assert json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris"}
+
+
+def test_hermes_streams_arguments_as_they_are_written():
+    p = HermesToolParser()
+    text = "<tool_call>" + CALL.removeprefix("<tool_call>").removesuffix("</tool_call>") * 1 + "</tool_call>" + CALL
+    deltas = [d for i in range(len(text)) for d in p.feed(text[i])[1]]
+    assert [d.index for d in deltas if d.name] == [0, 1]
+    assert sum(1 for d in deltas if d.arguments) > 5  # pieces, not one delta at the end
+    first = "".join(d.arguments for d in deltas if d.index == 0)
+    assert json.loads(first) == {"city": "Paris"}
+    p = HermesToolParser()
+    content, deltas = p.feed("<tool_call>not json</tool_call>")
+    assert deltas == [] and content == "<tool_call>not json</tool_call>"
 
 
 @pytest.mark.parametrize("cut", range(0, len("<think>hmm</think>\n\nParis") + 1))
@@ -96,7 +111,9 @@ async def test_chat_route_returns_tool_calls_and_reasoning_when_configured(token
             calls += d.tool_calls or []
             reasoning += (d.model_extra or {}).get("reasoning_content") or ""
             finish = chunk.choices[0].finish_reason or finish
-        assert [tc.function.name for tc in calls] == ["get_weather"] and reasoning == "User wants weather."
+        assert [tc.function.name for tc in calls if tc.function.name] == ["get_weather"] and reasoning == "User wants weather."
+        assert calls[0].id and all(tc.index == 0 for tc in calls) and len(calls) > 2  # arguments in pieces
+        assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Paris"}
         assert finish == "tool_calls"
         r = await c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=TOOLS, tool_choice="none")
         assert CALL.split("\n")[1] in r.choices[0].message.content and not r.choices[0].message.tool_calls

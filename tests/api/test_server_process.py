@@ -22,8 +22,8 @@ FAKE_ENV = {"FAKE_VOCAB": "49152", "FAKE_MAX_MODEL_LEN": "8192"}
 
 @pytest.fixture
 def tokenizer_ready():
-    pytest.importorskip("pkgd.engine.tokenizer", reason="the engine's frontend is not merged yet")
-    pytest.importorskip("pkgd.runner.loader.resolve", reason="the runner's model resolver is not merged yet")
+    pytest.importorskip("pkgd.frontend.tokenizer", reason="the engine's frontend is not merged yet")
+    pytest.importorskip("pkgd.model_files.resolve", reason="the runner's model resolver is not merged yet")
 
 
 @pytest.fixture
@@ -78,11 +78,24 @@ def test_ready_frame_then_sighup_reloads_live_fields(tmp_path, procs, tokenizer_
     assert api.proc.wait(10) == 0
 
 
+def _wait_until_catching(pid: int, signum: int, timeout: float = 60.0) -> None:
+    """Wait until process ``pid`` has a handler for ``signum`` (``SigCgt`` in /proc/PID/status)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        if caught >> (signum - 1) & 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} installed no handler for signal {signum} within {timeout} s")
+
+
 def test_sigterm_while_waiting_for_the_engine_exits_promptly(tmp_path, procs, tokenizer_ready):
     cfg = write_config(tmp_path)
     sock = listen_socket()
     procs.append(api := spawn_api_server(cfg, sock, [transport.ipc_address(tmp_path, 0)]))  # nothing there
-    time.sleep(2.0)
+    _wait_until_catching(api.proc.pid, signal.SIGTERM)  # its handler is in place (a busy host starts slowly)
+    time.sleep(0.5)
     t0 = time.monotonic()
     api.proc.send_signal(signal.SIGTERM)
     assert api.proc.wait(5) == 0 and time.monotonic() - t0 < 2
@@ -119,6 +132,13 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
     assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
     fig = json.loads(out.read_text())
     assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0
+    png = tmp_path / "serve.png"
+    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", url, "--num-prompts", "4",
+                        "--input-len", "8", "--output-len", "5", "--compare", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{url} / fig: requests/s " in r.stdout and f"plot: {png}" in r.stdout  # this run against the first
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_serves_an_inherited_unix_socket(tmp_path, procs, tokenizer_ready):

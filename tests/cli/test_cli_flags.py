@@ -2,7 +2,8 @@
 
 import pytest
 
-from pkgd.cli.flags import config_keys_help, is_override, split_argv
+from pkgd.cli.flags import is_override, split_argv
+from pkgd.cli.keys import keys_text
 from pkgd.config.errors import ConfigError
 
 
@@ -46,7 +47,7 @@ def test_is_override(token, expected):
 
 
 def test_keys_help_mentions_types_defaults_aliases():
-    text = config_keys_help(width=100)
+    text = keys_text(width=100)
     assert "  parallel.tp: int = 1   --tensor-parallel-size, -tp" in text
     assert "  lb.mode: internal|external|hybrid = internal   --data-parallel-external-lb (sets external)" in text
     assert "  frontend.api_keys: list[str] = []   --api-key" in text

@@ -21,7 +21,7 @@ def fake_daemon(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(serve, "SUPERVISOR_MODULE", "fake_pkgd_daemon")
     # The presets' and these tests' model paths do not exist here; that check has its own test.
-    monkeypatch.setattr("pkgd.runner.loader.resolve.model_source_problems", lambda model: [])
+    monkeypatch.setattr("pkgd.model_files.resolve.model_source_problems", lambda model: [])
     yield __import__("fake_pkgd_daemon")
     sys.modules.pop("fake_pkgd_daemon", None)
 

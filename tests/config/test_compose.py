@@ -46,7 +46,11 @@ def _packaged_options():
 def test_every_packaged_option_composes_and_sets_its_section(group, option):
     c = run(f"{group}={option}")
     assert c.choices[group] == option
-    set_keys = [k for k, layer in c.sources.items() if layer == "packaged" and k.startswith(group + ".")]
+    # A group option sets keys of its section; a profile (`# @package _global_`) of any section.
+    prefix = "" if group == "profile" else group + "."
+    set_keys = [k for k, layer in c.sources.items() if layer == "packaged" and k.startswith(prefix)]
+    if group == "profile":
+        set_keys.remove("model.source")  # the packaged default model, set by model/smollm2.yaml
     assert set_keys, f"{group}/{option}.yaml sets nothing under {group}"
 
 
@@ -255,3 +259,14 @@ def test_compose_leaves_no_state_behind(tmp_path, monkeypatch, tree):
     second = run("model=mine", config_dir=str(root))
     assert (first.config.frontend.port, second.config.frontend.port) == (1, 2)
 
+
+
+def test_profiles_overlay_any_section_and_stay_below_the_system_tree(tree):
+    dev = run("profile=dev")
+    assert (dev.config.logging.format, dev.config.logging.log_requests) == ("console", True)
+    assert dev.sources["logging.format"] == "packaged" and dev.choices["profile"] == "dev"
+    root = tree({"pkgd.yaml": "defaults:\n  - profile: prod\nlogging:\n  level: warning\n"})
+    prod = run(config_dir=str(root))
+    assert (prod.config.logging.format, prod.config.logging.level) == ("json", "warning")
+    assert prod.config.supervisor.drain_timeout == 30.0
+    assert prod.sources["logging.level"] == "system:pkgd.yaml"

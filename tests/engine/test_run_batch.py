@@ -7,7 +7,7 @@ import pytest
 from pkgd import LLM
 from pkgd.cli.run_batch import process_batch
 
-from .conftest import smollm2_gguf
+from tests.smollm2 import smollm2_gguf
 from .fake_runner import fake_factory
 
 
@@ -57,3 +57,28 @@ def test_a_streaming_line_is_a_per_line_error(llm):
     ])
     assert res[0]["response"]["status_code"] == 400 and "stream: true is not supported" in res[0]["error"]["message"]
     assert res[1]["response"]["status_code"] == 200
+
+
+def test_structured_outputs_and_bad_constraints_in_a_batch(llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    lines = [
+        line("json", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+                                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        line("choice", "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_choice": ["yes", "no"]}),
+        line("bad-regex", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}),
+        line("unknown", "/v1/completions", {"prompt": "x", "frobnicate": True}),
+        line("tool", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+                                              "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                                              "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    ]
+    res = {r["custom_id"]: r for r in process_batch(llm, lines)}
+    assert res["bad-regex"]["response"]["status_code"] == 400 and "Unclosed" in res["bad-regex"]["error"]["message"]
+    assert "frobnicate" in res["unknown"]["error"]["message"]
+    choice = res["choice"]["response"]["body"]["choices"][0]
+    assert choice["text"] in ("yes", "no") and choice["finish_reason"] == "stop"
+    msg = res["json"]["response"]["body"]["choices"][0]
+    if msg["finish_reason"] == "stop":
+        assert isinstance(json.loads(msg["message"]["content"])["a"], int)
+    tool = res["tool"]["response"]["body"]["choices"][0]
+    if tool["finish_reason"] == "stop":
+        assert tool["message"]["tool_calls"][0]["function"]["name"] == "f"

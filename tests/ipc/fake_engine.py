@@ -19,7 +19,8 @@ import os
 import sys
 import time
 
-from pkgd.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, TokenLogprobs
+from pkgd.logprobs import TokenLogprobs
+from pkgd.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
 
 VOCAB = int(os.environ.get("FAKE_VOCAB", "1000"))
 MAX_MODEL_LEN = int(os.environ.get("FAKE_MAX_MODEL_LEN", "256"))
@@ -87,6 +88,20 @@ class FakeEngineCore:
             if finish is not None:
                 del self.requests[rid]
         return outputs
+
+    # utility calls (the real core's names and refusals)
+    def reset_prefix_cache(self) -> bool:
+        return not self.requests
+
+    def sleep(self, level: int = 1) -> None:
+        from pkgd.engine.core import EngineBusyError
+
+        if self.requests:
+            raise EngineBusyError(f"{len(self.requests)} requests are still running")
+        self.sleeping = level
+
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self, "sleeping", 0))
 
     def shutdown(self) -> None:
         pass

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from pkgd.engine.core_proc import EngineCoreProc
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,

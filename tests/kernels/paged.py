@@ -81,6 +81,15 @@ def make_batch(
     )
 
 
+def zero_padding(batch: PagedBatch) -> PagedBatch:
+    """``batch`` with its never-written slots zeroed, as a runner allocates its caches: the CPU
+    forms read whole blocks (every ``p * V`` of a masked slot must be finite), the references
+    and Triton kernels only a sequence's own positions."""
+    batch.key_cache.nan_to_num_(0.0)
+    batch.value_cache.nan_to_num_(0.0)
+    return batch
+
+
 def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
     """Textbook attention per sequence and head in float64 from the unpaged K/V:
     ``softmax(scale * Q K^T + causal mask) V``, query row i at position seq_len - q_len + i."""

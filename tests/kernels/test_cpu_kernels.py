@@ -1,5 +1,6 @@
-"""``pkgd_kernels.cpu``: the C kernels the host compiler builds, against PyTorch references,
-and how the build behaves (cached, atomic, a clear reason when it cannot happen)."""
+"""``pkgd_kernels.cpu``: the C forms of the ops, built by the host compiler, against the ops'
+PyTorch references; how the build behaves (cached, atomic, a clear reason when it cannot
+happen); and the ABI check at load."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import sys
 import pytest
 import torch
 
+import pkgd_kernels as pk
 from pkgd_kernels import cpu
 from pkgd_kernels.attention import paged_attention_decode_ref
+from pkgd_kernels.cpu import build
+
+
+def _build(cache_dir):
+    return build.build(cpu.KERNELS, cache_dir)
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -28,22 +35,36 @@ def kernels():
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_reads_the_onednn_packing(kernels, n, k, m, bias):
+    from pkgd.runner.layers.linear import packed_view
+
     g = torch.Generator().manual_seed(n + k + m)
     w = torch.randn(n, k, generator=g)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-    assert torch.ops.mkldnn._nbytes(packed) == n * k * 4
+    view = packed_view(packed, n, k)
+    assert view is not None  # oneDNN's fp32 packing here is [N/64][K][64]
     x = torch.randn(m, k + 8, generator=g)[:, :k]  # rows with a stride: a view, not a copy
     b = torch.randn(n, generator=g) if bias else None
-    y = kernels.gemv_packed64(x, torch.ops.mkldnn.data_ptr(packed), b, n, k)
-    want = x @ w.t() + (b if bias else 0)
-    torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-4)
+    y = kernels.gemv_packed(x, view, b)
+    torch.testing.assert_close(y, pk.gemv_packed_ref(x, view, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, x @ w.t() + (b if bias else 0), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pk.gemv_packed(x, view, b, kernels=kernels), y)
+
+
+@pytest.mark.parametrize("t", [1, 5, 40])  # 40: rows split across threads
+def test_gather_matches_the_reference(kernels, t):
+    g = torch.Generator().manual_seed(t)
+    w = torch.randn(4, 48, 64, generator=g)
+    ids = torch.randint(0, 256, (t,), generator=g)
+    torch.testing.assert_close(kernels.gather_packed(w, ids), pk.gather_packed_ref(w, ids), atol=0, rtol=0)
+    with pytest.raises(IndexError):
+        kernels.gather_packed(w, torch.tensor([3, 256]))
 
 
 def test_gemv_refuses_what_it_cannot_read(kernels):
-    with pytest.raises(ValueError, match="N % 64"):
-        kernels.gemv_packed64(torch.randn(1, 8), 0, None, 96, 8)
     with pytest.raises(ValueError, match="float32"):
-        kernels.gemv_packed64(torch.randn(1, 8, dtype=torch.float64), 0, None, 64, 8)
+        kernels.gemv_packed(torch.randn(1, 8), torch.zeros(1, 8, 32), None)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.gemv_packed(torch.randn(1, 8, dtype=torch.float64), torch.zeros(1, 8, 64), None)
 
 
 def _paged(num_seqs, hkv, d, bs, dtype, seed):
@@ -69,6 +90,7 @@ def test_decode_attention_matches_the_reference(kernels, dtype, hq, hkv, d, num_
     out = kernels.paged_attention_decode(q, kc, vc, tables, lens, d**-0.5)
     want = paged_attention_decode_ref(q.contiguous(), kc.float(), vc.float(), tables, lens, d**-0.5)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pk.paged_attention_decode(q, kc, vc, tables, lens, d**-0.5, kernels=kernels), out)
 
 
 def test_decode_attention_is_exact_softmax_for_long_contexts(kernels):
@@ -84,13 +106,17 @@ def test_decode_attention_is_exact_softmax_for_long_contexts(kernels):
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
 
 
-def test_supports_decode_says_no_to_layouts_the_kernel_does_not_take():
+def test_takes_says_no_to_layouts_the_kernel_does_not_take():
+    takes = cpu.CpuKernels.takes_paged_attention_decode
     kc = torch.zeros(4, 16, 2, 64)
-    assert cpu.supports_decode(torch.zeros(3, 4, 64), kc)
-    assert not cpu.supports_decode(torch.zeros(3, 4, 64, dtype=torch.bfloat16), kc)  # bf16 queries
-    assert not cpu.supports_decode(torch.zeros(3, 4, 24), torch.zeros(4, 16, 2, 24))  # D % 16
-    assert not cpu.supports_decode(torch.zeros(3, 3, 64), kc)  # Hq % Hkv
-    assert not cpu.supports_decode(torch.zeros(3, 64, 4).transpose(1, 2), kc)  # heads strided
+    assert takes(torch.zeros(3, 4, 64), kc)
+    assert takes(torch.zeros(3, 4, 64, dtype=torch.bfloat16), kc)  # bf16 queries: widened
+    assert not takes(torch.zeros(3, 4, 64, dtype=torch.float64), kc)
+    assert not takes(torch.zeros(3, 4, 24), torch.zeros(4, 16, 2, 24))  # D % 16
+    assert not takes(torch.zeros(3, 3, 64), kc)  # Hq % Hkv
+    assert not takes(torch.zeros(3, 64, 4).transpose(1, 2), kc)  # heads strided
+    assert not cpu.CpuKernels.takes_rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8))
+    assert not cpu.CpuKernels.takes_gemv_packed(torch.zeros(2, 8), torch.zeros(1, 8, 64).transpose(0, 1))
 
 
 def test_kernels_use_torchs_thread_count(kernels):
@@ -106,38 +132,38 @@ def test_kernels_use_torchs_thread_count(kernels):
 
 def test_build_is_cached_per_source_and_leaves_no_partial_files(tmp_path):
     try:
-        first = cpu._build(tmp_path)
+        first = _build(tmp_path)
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
     stamp = first.stat().st_mtime_ns
-    assert cpu._build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert _build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]  # no .build-* left
 
 
 def test_no_compiler_is_a_clear_reason_unless_the_library_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(cpu.CpuKernelsUnavailable, match="no C compiler"):
-        cpu._build(tmp_path / "empty")
+        _build(tmp_path / "empty")
     monkeypatch.delenv("CC")
     try:
-        built = cpu._build(tmp_path / "filled")
+        built = _build(tmp_path / "filled")
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert cpu._build(tmp_path / "filled") == built  # filled in advance: no compiler needed
+    assert _build(tmp_path / "filled") == built  # filled in advance: no compiler needed
 
 
 def test_cc_with_arguments_damaged_cache_and_old_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "gcc -Wall")  # a command with arguments, like "ccache gcc"
     (tmp_path / "cpu-kernels-0123456789abcdef.so").write_bytes(b"an earlier source's build")
     try:
-        path = cpu._build(tmp_path)
+        path = _build(tmp_path)
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".sha256"]  # the earlier build is gone
     path.write_bytes(b"truncated")  # damaged: rebuilt once on load
-    kernels = cpu._load.__wrapped__(tmp_path)
-    assert kernels.num_threads() >= 1 and path.stat().st_size > 1000
+    lib, _ = build.open_library.__wrapped__(cpu.KERNELS, tmp_path)
+    assert lib.pkgd_abi_version() == cpu.KERNELS.abi_version and path.stat().st_size > 1000
 
 
 @pytest.mark.parametrize("damage", ["cut-short", "no-digest"])
@@ -146,7 +172,7 @@ def test_a_cut_short_library_is_rebuilt_not_loaded(tmp_path, damage):
     process with SIGBUS inside dlopen; it must be caught by its digest and rebuilt. Loaded in a
     child process, so a regression fails this test instead of crashing the run."""
     try:
-        path = cpu._build(tmp_path)
+        path = _build(tmp_path)
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
     whole = path.read_bytes()
@@ -154,7 +180,7 @@ def test_a_cut_short_library_is_rebuilt_not_loaded(tmp_path, damage):
         path.write_bytes(whole[: len(whole) // 3])
     else:
         (tmp_path / (path.name + ".sha256")).unlink()
-    code = "import sys; from pathlib import Path; from pkgd_kernels import cpu; print(cpu._load(Path(sys.argv[1])).num_threads())"
+    code = "import sys; from pathlib import Path; from pkgd_kernels import cpu; print(cpu.load(Path(sys.argv[1])).num_threads())"
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert path.read_bytes() == whole or len(path.read_bytes()) > len(whole) // 2
@@ -176,7 +202,7 @@ def test_a_failed_build_says_why_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(script))
     out = tmp_path / "cache"
     with pytest.raises(cpu.CpuKernelsUnavailable, match="error: nope"):
-        cpu._build(out)
+        _build(out)
     assert list(out.iterdir()) == []
 
 
@@ -193,13 +219,98 @@ def test_rms_norm_matches_the_reference(kernels, t, h, with_residual):
     x = torch.randn(t, h + 5, generator=g)[:, :h]  # strided rows
     w = 1 + 0.1 * torch.randn(h, generator=g)
     res = torch.randn(t, h, generator=g) if with_residual else None
-    out, res_out = kernels.rms_norm(x, w, 1e-5, res)
-    r = x + res if with_residual else x
-    want = w * (r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     if with_residual:
-        assert torch.equal(res_out, r)
+        out, res_out = kernels.fused_add_rms_norm(x, res, w, 1e-5)
+        want, want_res = pk.fused_add_rms_norm_ref(x, res, w, 1e-5)
+        assert torch.equal(res_out, want_res)
     else:
-        assert res_out is None
+        out, want = kernels.rms_norm(x, w, 1e-5), pk.rms_norm_ref(x, w, 1e-5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="float32"):
         kernels.rms_norm(x.double(), w, 1e-5)
+
+
+def test_a_library_of_another_abi_is_rebuilt_and_one_that_disagrees_is_refused(tmp_path):
+    """The loader asks the library for its ABI version and struct layouts: a stale library in
+    the cache (another version) is built again; one whose struct layout disagrees with the
+    ctypes binding even when fresh is refused with both layouts in the message."""
+    import ctypes
+    import dataclasses
+
+    try:
+        path = _build(tmp_path)
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(str(e))
+    stale = dataclasses.replace(cpu.KERNELS, abi_version=cpu.KERNELS.abi_version + 1)
+    with pytest.raises(cpu.CpuKernelsUnavailable, match=rf"has ABI {cpu.KERNELS.abi_version}, its bindings expect {cpu.KERNELS.abi_version + 1}"):
+        build.open_library.__wrapped__(stale, tmp_path)
+    assert path.exists()  # the wrong one was removed and built again (then still refused)
+
+    class Unknown(ctypes.Structure):
+        _c_name_ = "no_such_struct"
+        _fields_ = [("a", ctypes.c_int64)]
+
+    with pytest.raises(cpu.CpuKernelsUnavailable, match=r"struct no_such_struct is .* unknown in C but \[8, 0\]"):
+        build.open_library.__wrapped__(dataclasses.replace(cpu.KERNELS, structs=(Unknown,)), tmp_path)
+    assert build.struct_layout(Unknown) == [8, 0]
+
+
+def _bf16_impls(kernels):
+    return ["widen"] + (["dpbf16"] if kernels.bf16_native else [])
+
+
+@pytest.fixture
+def bf16_impl(kernels, request):
+    """Run with each bf16 dot product this CPU can execute; restores the handle's choice."""
+    before = kernels.bf16_impl
+    yield kernels
+    kernels.use_bf16_impl(before)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_gemv_reads_the_onednn_packing_by_each_path(bf16_impl, n, k, m, x_dtype):
+    from pkgd.runner.layers.linear import packed_view
+
+    kernels = bf16_impl
+    g = torch.Generator().manual_seed(n + k + m)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    view = packed_view(packed, n, k)
+    assert view is not None and view.shape == (n // 32, k // 2, 32, 2)
+    x = torch.randn(m, k + 6, generator=g)[:, :k].to(x_dtype)
+    b = torch.randn(n, generator=g)
+    want = pk.gemv_packed_ref(x, view, b)
+    dense = (x.to(torch.bfloat16).float() @ w.float().t() + b).to(x_dtype)
+    rounded = 1e-3 if x_dtype == torch.float32 else 1e-2  # a bf16 result: one ulp apart at most
+    torch.testing.assert_close(want.float(), dense.float(), atol=rounded, rtol=rounded)
+    outs = {}
+    for impl in _bf16_impls(kernels):
+        kernels.use_bf16_impl(impl)
+        outs[impl] = kernels.gemv_packed(x, view, b)
+        assert outs[impl].dtype == x_dtype
+        tol = 1e-4 * k**0.5 if x_dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(outs[impl].float(), want.float(), atol=tol, rtol=tol)
+    ids = torch.randint(0, n, (9,), generator=g)
+    assert torch.equal(kernels.gather_packed(view, ids), w[ids]) and torch.equal(pk.gather_packed_ref(view, ids), w[ids])
+
+
+def test_the_bf16_path_is_chosen_by_the_cpu_and_a_missing_one_refused(kernels):
+    assert kernels.bf16_impl == ("dpbf16" if kernels.bf16_native else "widen")
+    if not kernels.bf16_native:
+        with pytest.raises(ValueError, match="not available here"):
+            kernels.use_bf16_impl("dpbf16")
+    with pytest.raises(ValueError, match="not available here"):
+        kernels.use_bf16_impl("amx")
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_takes_16_bit_queries(kernels, q_dtype):
+    kc, vc, tables, lens = _paged(5, 2, 64, 16, q_dtype, seed=3)
+    q = torch.randn(5, 8, 64).to(q_dtype)
+    out = kernels.paged_attention_decode(q, kc, vc, tables, lens, 0.125)
+    assert out.dtype == q_dtype
+    want = paged_attention_decode_ref(q.float(), kc.float(), vc.float(), tables, lens, 0.125)
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)

@@ -1,4 +1,5 @@
-"""The package surface: every op in three forms with one signature, and a Triton-free import."""
+"""The package surface: every op's forms with one signature (dispatchers add keyword-only
+options), C forms on the kernels handle, and a Triton-free import."""
 
 from __future__ import annotations
 
@@ -11,12 +12,33 @@ import pytest
 import pkgd_kernels
 
 
-def test_every_op_has_reference_triton_and_dispatcher_with_one_signature():
-    for op in pkgd_kernels.OPS:
-        forms = [getattr(pkgd_kernels, op + suffix) for suffix in ("", "_ref", "_triton")]
-        signatures = {str(inspect.signature(f)) for f in forms}
+def _positional(f) -> list[str]:
+    """Names of ``f``'s parameters that are not keyword-only (``self`` dropped)."""
+    params = inspect.signature(f).parameters.values()
+    return [p.name for p in params if p.kind != p.KEYWORD_ONLY and p.name != "self"]
+
+
+def test_every_op_has_its_forms_with_one_signature():
+    for op, suffixes in [*((op, ("", "_ref", "_cpu", "_triton")) for op in pkgd_kernels.OPS),
+                         *((op, ("", "_ref")) for op in pkgd_kernels.CPU_OPS)]:
+        forms = [getattr(pkgd_kernels, op + suffix) for suffix in suffixes]
+        signatures = {tuple(_positional(f)) for f in forms}
         assert len(signatures) == 1, f"{op}: {signatures}"
         assert all(f.__doc__ for f in forms), op
+        # only the dispatcher adds options, all keyword-only with defaults
+        for f in forms[1:]:
+            assert not any(p.kind == p.KEYWORD_ONLY for p in inspect.signature(f).parameters.values()) or f.__name__.endswith("_cpu"), f
+
+
+def test_every_c_form_is_a_method_of_the_kernels_handle_with_the_ops_signature():
+    from pkgd_kernels.cpu import CpuKernels
+
+    for op in pkgd_kernels.C_OPS:
+        method = getattr(CpuKernels, op)
+        assert _positional(method) == _positional(getattr(pkgd_kernels, op)), op
+        assert method.__doc__ and "kernels" in inspect.signature(getattr(pkgd_kernels, op)).parameters, op
+        predicate = "takes_rms_norm" if op == "fused_add_rms_norm" else f"takes_{op}"
+        assert hasattr(CpuKernels, predicate) or op == "gather_packed", op
 
 
 def test_import_does_not_load_triton():
@@ -62,7 +84,7 @@ def _empty_calls(ops):
     ]
 
 
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", "cpu", "triton"])
 def test_zero_sized_inputs(request, impl):
     if impl == "triton":
         request.getfixturevalue("triton_interpreter")

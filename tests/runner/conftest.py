@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.runner.loader.resolve import resolve_model
+from pkgd.model_files.resolve import resolve_model
 from tests.runner.tiny_models import build_tiny
 
 
@@ -44,33 +44,27 @@ class LogitsRecorder:
         runner.model.compute_logits = record
 
 
-@pytest.fixture(autouse=True)
-def _restore_cpu_kernels():
-    """A runner enables the C kernels process-wide (`pkgd.runner.ops`); each test starts from
-    and returns to the state before it, so a test's path does not depend on test order."""
-    from pkgd.runner import ops
+@pytest.fixture(scope="session")
+def c_kernels():
+    """The C kernels (`pkgd_kernels.cpu.CpuKernels`), loaded once; skips where they cannot be
+    built."""
+    from pkgd_kernels import cpu
 
-    before = ops.cpu_kernels()
-    ops.disable_cpu_kernels()
-    yield
-    ops._cpu_kernels = before
+    try:
+        return cpu.load(cpu.default_cache_dir())
+    except cpu.CpuKernelsUnavailable as e:
+        pytest.skip(f"C kernels unavailable: {e}")
 
 
 @pytest.fixture(params=["c-kernels", "pytorch"])
 def cpu_path(request, monkeypatch):
-    """Run a test on both CPU paths: the C kernels (enabled; skipped where they cannot be
-    built) and plain PyTorch (``PKGD_CPU_KERNELS=0``, so a runner built in the test keeps it)."""
-    from pkgd.runner import ops
-
+    """Run a test on both CPU paths: the C kernels (skipped where they cannot be built) and
+    plain PyTorch (``PKGD_CPU_KERNELS=0``, so a runner built in the test loads none). Returns
+    the kernels handle for layers a test builds itself (None on the PyTorch path)."""
     if request.param == "pytorch":
         monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
-    else:
-        from pkgd_kernels import cpu
-
-        why_not = ops.enable_cpu_kernels(cpu.default_cache_dir())
-        if why_not:
-            pytest.skip(f"C kernels unavailable: {why_not}")
-    return request.param
+        return None
+    return request.getfixturevalue("c_kernels")
 
 
 @pytest.fixture(autouse=True)

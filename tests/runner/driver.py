@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""The one-call CPU decode step (`pkgd.runner.models.cpu_decode`) against the per-layer forward.
+"""The one-call CPU decode step (`pkgd.runner.models.llama_cpu_decode`) against its reference,
+the model's per-layer forward.
 
 Both run on the same model, the same random KV cache contents and the same step; the final
 hidden states and every layer's cache after the step must agree. Thread counts 2 and 3 make
@@ -11,24 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.runner import ops
+from pkgd.sampling_params import SamplingParams
 from pkgd.runner.attention import AttentionMetadata
-from pkgd.runner.models.cpu_decode import CpuDecodeStep
+from pkgd.runner.models.llama_cpu_decode import LLAMA_DECODE, CpuDecodeStep, DecoderDims
 from tests.runner.conftest import make_runner
 from tests.runner.driver import Driver
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]
 BLOCK = 4
-
-
-@pytest.fixture
-def c_kernels():
-    from pkgd_kernels import cpu
-
-    why_not = ops.enable_cpu_kernels(cpu.default_cache_dir())
-    if why_not:
-        pytest.skip(f"C kernels unavailable: {why_not}")
 
 
 def _random_step(runner, seq_lens: list[int], seed: int):
@@ -110,14 +101,9 @@ def test_steps_it_does_not_serve_fall_back_to_the_per_layer_forward(tiny_dirs, c
     ids, positions, meta = _random_step(runner, [3, 5], seed=2)
     meta.num_decodes = 1
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
-    # a float16 KV cache
+    # K and V caches of two dtypes
     ids, positions, meta = _random_step(runner, [3, 5], seed=3)
-    runner.kv_caches = [(k.half(), v.half()) for k, v in runner.kv_caches]
-    assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
-    # C kernels switched off after loading
-    runner.initialize_kv_cache(8, BLOCK)
-    ops.disable_cpu_kernels()
-    ids, positions, meta = _random_step(runner, [3, 5], seed=4)
+    runner.kv_caches = [(k.half(), v) for k, v in runner.kv_caches]
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
 
 
@@ -147,5 +133,105 @@ def test_the_log_says_the_kernels_and_the_one_call_step_are_in_use(tiny_dirs, c_
     with capture_logs() as logs:
         runner = make_runner(model_dir)
     (loaded,) = [e for e in logs if e["event"] == "cpu_kernels_loaded"]
-    assert loaded["one_call_decode"] is True and loaded["library"] == str(ops.cpu_kernels().path)
-    assert runner.model.cpu_decode is not None
+    assert loaded["one_call_decode"] is True and loaded["library"] == str(runner.cpu_kernels.path)
+    assert runner.model.cpu_decode is not None and runner.model.kernels is runner.cpu_kernels
+
+
+def test_the_per_layer_reference_needs_no_c_kernels(tiny_dirs, c_kernels, monkeypatch):
+    """The one-call step against the per-layer forward of a runner built without any C kernel
+    (every op in its PyTorch form), on the same weights, caches and step."""
+    model_dir, _ = tiny_dirs("qwen3")
+    fused = make_runner(model_dir)
+    monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+    plain = make_runner(model_dir)
+    assert plain.cpu_kernels is None and plain.model.cpu_decode is None
+    ids, positions, meta = _random_step(fused, [5, 13, 2], seed=5)
+    plain.kv_caches = [(k.clone(), v.clone()) for k, v in fused.kv_caches]
+    ref, _ = _forward(plain.model, ids, positions, plain.kv_caches, meta, fused=False)
+    got, calls = _forward(fused.model, ids, positions, fused.kv_caches, meta, fused=True)
+    assert calls == [True]
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    for (k, v), (rk, rv) in zip(fused.kv_caches, plain.kv_caches):
+        torch.testing.assert_close(k, rk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, rv, atol=1e-5, rtol=1e-5)
+
+
+def test_a_library_that_disagrees_with_its_structs_is_refused_not_called(tiny_dirs, c_kernels, tmp_path, monkeypatch):
+    """The C side reports its struct layouts; a ctypes struct edited apart from the C one makes
+    the loader refuse the library (logged), and the per-layer forward serves the steps."""
+    import ctypes
+    import dataclasses
+
+    from structlog.testing import capture_logs
+
+    from pkgd.runner.models import llama_cpu_decode as lcd
+
+    class Shorter(ctypes.Structure):  # a field dropped on the Python side only
+        _c_name_ = "pkgd_decoder_dims"
+        _fields_ = DecoderDims._fields_[:-1]
+
+    monkeypatch.setattr(lcd, "LLAMA_DECODE", dataclasses.replace(LLAMA_DECODE, structs=(Shorter,)))
+    model_dir, _ = tiny_dirs("llama")
+    with capture_logs() as logs:
+        runner = make_runner(model_dir)
+    assert runner.model.cpu_decode is None
+    (refused,) = [e for e in logs if e["event"] == "one_call_decode_unavailable"]
+    assert "struct pkgd_decoder_dims" in refused["reason"] and "in C but" in refused["reason"]
+
+
+def _compare(runner, seq_lens, seed):
+    """(max |one-call - per-layer| / max |per-layer| of the hidden states, same for the caches)."""
+    model = runner.model
+    ids, positions, meta = _random_step(runner, seq_lens, seed=seed)
+    base = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    ref, _ = _forward(model, ids, positions, base, meta, fused=False)
+    got, calls = _forward(model, ids, positions, runner.kv_caches, meta, fused=True)
+    assert calls == [True] and got.dtype == ref.dtype == model.dtype
+    hidden = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    cache = max(((c.float() - rc.float()).abs().max() / rc.float().abs().max()).item()
+                for kv, rkv in zip(runner.kv_caches, base) for c, rc in zip(kv, rkv))
+    return hidden, cache
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
+def test_16_bit_caches_under_a_float32_model(tiny_dirs, c_kernels, cache_dtype):
+    model_dir, _ = tiny_dirs("qwen2")
+    runner = make_runner(model_dir)
+    runner.config = runner.config.model_copy(update={"cache": runner.config.cache.model_copy(update={"cache_dtype": cache_dtype})})
+    runner.kv_dtype = getattr(torch, cache_dtype)
+    hidden, cache = _compare(runner, [5, 13, 2], seed=11)
+    assert hidden <= 1e-5 and cache <= 1e-2  # the new K/V rounded to 16 bits on both paths
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("impl", ["dpbf16", "widen"])
+@pytest.mark.parametrize("seq_lens", [[9], [61, 3], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x9", "61+3", "8"])
+def test_bf16_step_matches_the_per_layer_bf16_forward(tiny_dirs, c_kernels, arch, impl, seq_lens):
+    """bf16 weights and KV cache: the one-call step keeps its residual stream in float32 and
+    rounds only GEMV inputs and cache writes, the per-layer forward rounds after every op, so
+    they agree to bf16 rounding (measured here: <= 1.1e-2 of the largest value), not to float32's."""
+    if impl == "dpbf16" and not c_kernels.bf16_native:
+        pytest.skip("this CPU has no AVX512-BF16")
+    model_dir, _ = tiny_dirs(arch)
+    runner = make_runner(model_dir, dtype="bfloat16")
+    assert isinstance(runner.model.cpu_decode, CpuDecodeStep) and runner.kv_caches == []
+    runner.cpu_kernels.use_bf16_impl(impl)
+    torch.set_num_threads(2)
+    hidden, cache = _compare(runner, seq_lens, seed=len(seq_lens) + len(impl))
+    assert hidden <= 3e-2 and cache <= 3e-2, (hidden, cache)
+
+
+def test_bf16_dot_product_paths_agree(tiny_dirs, c_kernels):
+    """vdpbf16ps and the widening path compute the same sums of the same rounded inputs, up to
+    their order."""
+    if not c_kernels.bf16_native:
+        pytest.skip("this CPU has no AVX512-BF16")
+    model_dir, _ = tiny_dirs("llama-untied")
+    runner = make_runner(model_dir, dtype="bfloat16")
+    model = runner.model
+    outs = []
+    for impl in ("dpbf16", "widen"):
+        runner.cpu_kernels.use_bf16_impl(impl)
+        ids, positions, meta = _random_step(runner, [5, 13, 2], seed=3)
+        outs.append(_forward(model, ids, positions, runner.kv_caches, meta, fused=True)[0].float())
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * outs[1].abs().max().item()  # one bf16 ulp of the output

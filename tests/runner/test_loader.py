@@ -14,9 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from pkgd.config.sections import ModelConfig
-from pkgd.runner.loader import resolve as R
-from pkgd.runner.loader.dtype import cpu_has_native_bf16, resolve_dtype
-from pkgd.runner.loader.resolve import ModelSourceError, resolve_model
+from pkgd.model_files import resolve as R
+from pkgd.model_files.resolve import ModelSourceError, resolve_model
 from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +61,7 @@ def test_gguf_conversion_matches_transformers_gguf_loading(tiny_gguf, tmp_path, 
 def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_path, arch):
     """Un-permutation (llama) and head_dim / QK-norm mapping (qwen3, whose GGUF transformers'
     own loader misreads) must be right for the logits."""
-    from pkgd.engine.sampling_params import SamplingParams
+    from pkgd.sampling_params import SamplingParams
     from tests.runner.conftest import make_runner
     from tests.runner.driver import Driver
 
@@ -85,7 +84,7 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
 def test_second_resolve_reuses_cache_without_parsing(tiny_gguf, tmp_path, monkeypatch):
     path, _ = tiny_gguf["llama"]
     first = _resolve(path, tmp_path)
-    import pkgd.runner.loader.gguf_convert as conv
+    import pkgd.model_files.gguf_convert as conv
 
     monkeypatch.setattr(conv, "convert_gguf", lambda *a: pytest.fail("converted twice"))
     monkeypatch.setattr("gguf.GGUFReader", lambda *a, **k: pytest.fail("GGUF parsed again"))
@@ -99,10 +98,10 @@ def test_interrupted_conversion_leaves_no_usable_dir(tiny_gguf, tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys
-        import pkgd.runner.loader.gguf_convert as conv
+        import pkgd.model_files.gguf_convert as conv
         conv._write_tokenizer = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
         from pkgd.config.sections import ModelConfig
-        from pkgd.runner.loader.resolve import resolve_model
+        from pkgd.model_files.resolve import resolve_model
         resolve_model(ModelConfig(source={str(path)!r}, cache_dir={str(tmp_path)!r}))
         """
     )
@@ -174,29 +173,13 @@ def test_resolve_is_torch_free(tiny_dirs):
     model_dir, _ = tiny_dirs("llama")
     code = (
         "import sys; from pkgd.config.sections import ModelConfig; "
-        "from pkgd.runner.loader.resolve import resolve_model; "
+        "from pkgd.model_files.resolve import resolve_model; "
         f"print(resolve_model(ModelConfig(source={str(model_dir)!r})).name); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
-
-def test_dtype_auto_resolution():
-    avx2 = {"avx", "avx2", "fma"}
-    bf16 = avx2 | {"avx512f", "avx512_bf16"}
-    assert not cpu_has_native_bf16(avx2) and cpu_has_native_bf16(bf16) and cpu_has_native_bf16({"amx_bf16"})
-    assert resolve_dtype("auto", "bfloat16", "cpu", flags=avx2) == torch.float32
-    assert resolve_dtype("auto", "float16", "cpu", flags=avx2) == torch.float32
-    assert resolve_dtype("auto", "bfloat16", "cpu", flags=bf16) == torch.bfloat16
-    assert resolve_dtype("auto", "float16", "cpu", flags=bf16) == torch.bfloat16
-    assert resolve_dtype("auto", "float32", "cpu", flags=bf16) == torch.float32
-    assert resolve_dtype("auto", None, "cpu", flags=bf16) == torch.float32
-    assert resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
-    assert resolve_dtype("auto", "float16", "cuda") == torch.float16
-    assert resolve_dtype("float16", "float32", "cpu", flags=avx2) == torch.float16
-    with pytest.raises(ValueError, match="model.dtype"):
-        resolve_dtype("int8", None, "cpu")
 
 
 def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.runner import ops
+from pkgd.sampling_params import SamplingParams
 from tests.runner.conftest import LogitsRecorder, make_runner
 from tests.runner.driver import Driver
 
@@ -39,7 +38,7 @@ def _check(hf, prompt, outputs, logits_seq):
 def test_prompt_and_five_decodes_match_transformers(tiny_dirs, arch, chunk, cpu_path):
     model_dir, hf = tiny_dirs(arch)
     runner = make_runner(model_dir)
-    assert (ops.cpu_kernels() is not None) == (cpu_path == "c-kernels")
+    assert (runner.cpu_kernels is not None) == (cpu_path is not None)
     rec = LogitsRecorder(runner)
     drv = Driver(runner, num_blocks=32, block_size=4)
     prompt = _prompt(1, 23)
@@ -84,7 +83,7 @@ def test_two_requests_batched_with_mixed_prefill_and_decode(tiny_dirs, arch, cpu
 def test_prefix_cache_hit_reads_shared_blocks(tiny_dirs):
     """A new request whose first blocks are already cached (num_computed_tokens > 0, block
     ids shared with another request) computes only its tail and matches transformers."""
-    from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+    from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
     model_dir, hf = tiny_dirs("qwen3")
     runner = make_runner(model_dir)

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.engine.scheduler_output import CachedRequestData, SchedulerOutput
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import CachedRequestData, SchedulerOutput
 from pkgd.runner.models import UnsupportedArchitectureError
 from tests.runner.conftest import make_runner
 from tests.runner.driver import Driver
@@ -145,7 +145,7 @@ def test_unsupported_architecture_lists_supported(llama, tmp_path):
 @pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
 def test_a_16_bit_kv_cache_halves_the_bytes_and_keeps_the_logits_close(llama, cache_dtype):
     from pkgd.config.vllm_config import VllmConfig
-    from pkgd.runner.loader.resolve import resolve_model
+    from pkgd.model_files.resolve import resolve_model
     from pkgd.runner.model_runner import ModelRunner
     from tests.runner.conftest import LogitsRecorder
 

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.runner.sampler import Sampler, SamplingRow, step_seed, top_k_top_p_mask
+from pkgd.runner.sampler import Sampler, SamplingRow, step_seed
+from pkgd.sampling_params import SamplingParams
+from pkgd_kernels import top_k_top_p_mask
 
 EOS = 7
 V = 16

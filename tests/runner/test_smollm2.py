@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.runner.loader.resolve import resolve_model
+from pkgd.sampling_params import SamplingParams
+from pkgd.model_files.resolve import resolve_model
 from tests.runner.driver import Driver
 
 pytestmark = pytest.mark.slow

@@ -58,11 +58,13 @@ def test_killed_api_server_is_restarted_while_the_other_keeps_serving(start_daem
     mark = d.mark()
     os.kill(pids["api-server-0"], signal.SIGKILL)
     d.wait_event("child_died", after=mark)
-    answers = [d.get("/generate") for _ in range(20)]  # during the 2 s backoff
+    answers = [d.get("/generate") for _ in range(20)]  # during the 2 s backoff (on a busy host, past it)
     assert all(r.status_code == 200 for r in answers)
-    assert {r.json()["api_pid"] for r in answers} == {pids["api-server-1"]}
     restarted = d.wait_event("child_restarted", after=mark)
     assert restarted["child"] == "api-server-0"
+    served_by = [r.json()["api_pid"] for r in answers]
+    assert served_by[0] == pids["api-server-1"]  # the survivor answers at once
+    assert set(served_by) <= {pids["api-server-1"], restarted["child_pid"]}  # never the killed one
     now = d.child_pids()
     assert now["api-server-1"] == pids["api-server-1"] and now["engine-core-0"] == pids["engine-core-0"]
     seen = wait_for(lambda: {d.get("/whoami").json()["pid"] for _ in range(30)} >= {now["api-server-0"]}, 10)

@@ -160,7 +160,7 @@ def test_swap_strategy_auto_follows_memory_and_mode(monkeypatch):
 
     cpu = VllmConfig.model_validate({"parallel": {"device": "cpu"}})
     assert rl.can_overlap(sup(), cpu, cpu.serve_plan())[0]  # this test process is small
-    monkeypatch.setattr(rl, "mem_available_bytes", lambda: 1)
+    monkeypatch.setattr(rl.host, "mem_available_bytes", lambda: 1)
     ok, why = rl.can_overlap(sup(), cpu, cpu.serve_plan())
     assert not ok and "GiB available" in why
     forced = VllmConfig.model_validate({"parallel": {"device": "cpu"}, "supervisor": {"engine_swap": "overlap"}})

@@ -2,9 +2,10 @@
 "code"}}`` with a fitting status, and never takes the server down.
 
 Status by cause: invalid body or values 400, missing/wrong API key 401, unknown model or
-route 404, wrong method 405, body over ``frontend.max_request_body_bytes`` or text over
-``frontend.limits.max_input_chars`` 413, no engine core available 503 (with ``Retry-After``),
-a failure inside pkgd 500.
+route 404, wrong method 405, body not received within ``frontend.body_timeout`` 408, an admin
+call the engine cannot take now (requests still running) 409, body over
+``frontend.max_request_body_bytes`` or text over ``frontend.limits.max_input_chars`` 413, no
+engine core available or an engine asleep 503 (with ``Retry-After``), a failure inside pkgd 500.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from pkgd import log
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 
 logger = log.get_logger(__name__)
@@ -30,6 +31,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     431: "invalid_request_error",
     500: "server_error",
@@ -94,7 +96,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if not loc:
-        return (msg if msg != "Field required" else "the request body is missing"), None
+        if msg == "Field required":
+            return "the request body is missing", None
+        head = msg.split(":", 1)[0]  # model-level checks start with the field they concern
+        return msg, head if head.isidentifier() and head != msg else None
     field = ".".join(loc)
     got = err.get("input")
     suffix = f" (got {json.dumps(got)})" if isinstance(got, int | float | str | bool) else ""

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
+import structlog
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
@@ -40,6 +41,8 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
+# The text that is templated and tokenized: chat and completions, embeddings, Responses.
+_TEXT_FIELDS = ("messages", "prompt", "input", "instructions", "tools")
 
 
 class Preprocessor:
@@ -47,7 +50,8 @@ class Preprocessor:
 
     Work waits in the pool's queue when every thread is busy (the number of open connections,
     ``frontend.max_connections``, bounds how much can wait). The caller's context variables
-    (the request id bound to log lines) travel with the call.
+    (the request id bound to log lines) travel with the call, and the log fields it binds come
+    back.
     """
 
     def __init__(self, threads: int) -> None:
@@ -57,7 +61,10 @@ class Preprocessor:
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         ctx = contextvars.copy_context()
         call = functools.partial(ctx.run, fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        result = await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        # Log fields the call bound (the request's user) stay on the request's later lines.
+        structlog.contextvars.bind_contextvars(**ctx.run(structlog.contextvars.get_contextvars))
+        return result
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -72,6 +79,18 @@ def parse_body(raw: bytes, model: type[M], limits: FrontendLimits) -> M:
         RequestValidationError: the body does not fit ``model`` (the app answers 400 naming
             the field, as for any validation error).
     """
+    data = decode_body(raw, limits)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def decode_body(raw: bytes, limits: FrontendLimits) -> Any:
+    """The decoded JSON of a request body, its counts and sizes within ``limits`` (call it on
+    the `Preprocessor`). Raises `APIError` 400 (missing or malformed, a count over a limit)
+    or 413 (text over ``frontend.limits.max_input_chars``)."""
     if not raw:
         raise APIError(400, "the request body is missing")
     try:
@@ -80,11 +99,7 @@ def parse_body(raw: bytes, model: type[M], limits: FrontendLimits) -> M:
         raise APIError(400, f"malformed JSON body: {exc}") from None
     if isinstance(data, dict):
         check_limits(data, limits)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
+    return data
 
 
 def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
@@ -93,9 +108,14 @@ def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
     messages = data.get("messages")
     if isinstance(messages, list):
         _at_most(len(messages), limits.max_messages, "messages", "messages", "max_messages")
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
-        _at_most(len(prompt), limits.max_prompts, "prompts", "prompt", "max_prompts")
+    for name in ("prompt", "input"):  # completions' prompts; embeddings' inputs or Responses' items
+        prompt = data.get(name)
+        if not isinstance(prompt, list) or not prompt or all(isinstance(p, int) for p in prompt):
+            continue
+        if isinstance(prompt[0], dict):  # Responses input items: messages of a conversation
+            _at_most(len(prompt), limits.max_messages, "input items", name, "max_messages")
+        else:
+            _at_most(len(prompt), limits.max_prompts, "prompts" if name == "prompt" else "inputs", name, "max_prompts")
     n = data.get("n")
     if _is_int(n):
         _at_most(n, limits.max_n, "", "n", "max_n")
@@ -112,12 +132,13 @@ def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
         value = data.get(name)
         if isinstance(value, list | dict):
             _at_most(len(value), getattr(limits, limit_name), f"{name} entries", name, limit_name)
-    chars = text_chars([data.get("messages"), data.get("prompt"), data.get("tools")], limits.max_input_chars)
+    fields = [data.get(name) for name in _TEXT_FIELDS]
+    chars = text_chars(fields, limits.max_input_chars)
     if chars > limits.max_input_chars:
         raise APIError(
             413,
-            f"the request's text (prompts, messages, tools) exceeds frontend.limits.max_input_chars "
-            f"({limits.max_input_chars} characters)",
+            f"the request's text (prompts, messages, inputs, instructions, tools) exceeds "
+            f"frontend.limits.max_input_chars ({limits.max_input_chars} characters)",
             code="max_input_chars",
         )
 

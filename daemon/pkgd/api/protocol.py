@@ -2,8 +2,10 @@
 
 Requests validate ranges here, so a bad value is a 400 naming the field before anything
 reaches the engine (limits that depend on the config, such as ``frontend.limits.max_logprobs`` and
-``model.max_model_len``, are checked when the request is converted). Unknown request fields
-are ignored, as OpenAI's API does. Responses mirror the shapes the official ``openai`` client
+``model.max_model_len``, are checked when the request is converted). An unknown top-level
+field of a completion, chat, embeddings or responses request is a 400 naming it (OpenAI's "Unrecognized request
+argument"), so nothing a client asks for is silently ignored; unknown fields inside nested
+objects (messages, tools) are ignored. Responses mirror the shapes the official ``openai`` client
 parses (``openai.types.completion``, ``openai.types.chat``).
 
 Every integer a request carries is bounded to int64 (``INT64``), the range of the engine's
@@ -29,12 +31,51 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM)
 
 
-class SamplingFields(OpenAIModel):
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's ``structured_outputs`` object: exactly one constraint (see
+    `pkgd.sampling_params.StructuredOutputsParams`)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+class KnownFieldsModel(OpenAIModel):
+    """A request body whose unknown top-level fields are a 400 naming them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = [k for k in data if k not in known]
+            if unknown:
+                more = f" (also: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
+                raise ValueError(f"{unknown[0]}: unrecognized request argument, pkgd does not implement it{more}")
+        return data
+
+
+class SamplingFields(KnownFieldsModel):
     """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not served over HTTP; use LLM.beam_search offline")
+        return self
 
     model: str | None = None
     n: int = Field(1, ge=1, le=INT64_MAX)  # frontend.limits.max_n is the real bound
@@ -60,6 +101,12 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    use_beam_search: bool = False
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -96,7 +143,7 @@ Prompt = Annotated[list[int] | str | list[str] | list[list[int]], Field(union_mo
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0 only with echo: score the prompt
     logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool = False
     suffix: str | None = None
@@ -114,6 +161,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo: true (scoring the prompt)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -210,9 +259,34 @@ class ChatTool(OpenAIModel):
     function: FunctionDefinition
 
 
+class NamedFunction(OpenAIModel):
+    name: str
+
+
 class NamedToolChoice(OpenAIModel):
     type: Literal["function"] = "function"
-    function: dict[str, str]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: OpenAI's ``{name, description, schema, strict}``."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # false: properties the schema does not list are allowed
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -224,7 +298,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extras
     echo: bool = False
     add_generation_prompt: bool = True
@@ -235,9 +309,6 @@ class ChatCompletionRequest(SamplingFields):
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise ValueError(f"response_format type {fmt!r} is not supported (only 'text')")
         return self
 
     def effective_max_tokens(self) -> int | None:

@@ -35,16 +35,15 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import AsyncIterator
 
 from hypercorn.config import Config as HypercornConfig
 
 from pkgd import log
 from pkgd.api.app import build_app
-from pkgd.api.async_llm import AsyncLLM
 from pkgd.api.http_server import HttpServer
-from pkgd.api.metrics import Metrics
+from pkgd.frontend.async_llm import AsyncLLM
+from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
 from pkgd.api.state import ServerState
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.ipc import child
@@ -77,29 +76,23 @@ class ApiServer:
         self.state = ServerState(config, self.llm, None, server_index=args.server_index)
         self.stop = asyncio.Event()
         self.reload = asyncio.Event()
-        self.start_cancelled = False
         self.startup_error: BaseException | None = None  # hypercorn hides it in a string
         self.http: HttpServer | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: object) -> AsyncIterator[None]:
         cfg = self.state.config
-        start = asyncio.ensure_future(self.llm.start(handshake_timeout=cfg.supervisor.engine_ready_timeout))
-        stopped = asyncio.ensure_future(self.stop.wait())
-        await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():
-            # SIGTERM before ready: nothing to drain. Exit now, abandoning the threads that
-            # import the tokenizer stack (waiting for them took seconds on a busy host).
-            self.start_cancelled = True
-            logger.info("start_cancelled")
-            sys.stderr.flush()
-            os._exit(0)
-        stopped.cancel()
-        if start.exception() is not None:  # TimeoutError, TokenizerError, ModelSourceError
-            self.startup_error = start.exception()
-            raise self.startup_error
-        metrics = Metrics(self.state.served_model_names()[0])
-        self.llm.metrics = self.state.metrics = metrics
+        try:  # SIGTERM meanwhile: `exit_during_start` ends the process at once
+            await self.llm.start(handshake_timeout=cfg.supervisor.engine_ready_timeout)
+        except Exception as exc:  # TimeoutError, TokenizerError, ModelSourceError
+            self.startup_error = exc
+            raise
+        if cfg.logging.log_stats:
+            hs = self.llm.handshake
+            name = self.state.served_model_names()[0]
+            metrics = Metrics(name, max_model_len=hs.max_model_len if hs else cfg.model.max_model_len or 131072)
+            self.llm.metrics = self.state.metrics = metrics
+            self.state.engine_collector = EngineStatsCollector(name, self.llm.client.engine_info, cache_config_labels(cfg))
         tasks = [asyncio.create_task(self._reload_loop())]
         # What start-up loaded (the tokenizer stack: millions of objects) lives as long as the
         # process: move it out of the cyclic collector's reach, or every full collection,
@@ -107,10 +100,11 @@ class ApiServer:
         # hundreds of milliseconds (Python's gc.freeze, as servers pre-forking workers use it).
         gc.collect()
         gc.freeze()
-        self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
+        self._drain_on_signals()
         hs = self.llm.handshake
         logger.info("api_server_ready", server_index=self.args.server_index, model=hs.model_name if hs else None,
-                    engines=len(self.args.engine_address))
+                    engines=len(self.args.engine_address))  # before the frame: the supervisor's ready line comes last
+        self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
         try:
             yield
         finally:
@@ -158,10 +152,14 @@ class ApiServer:
             self.http.close_listener()  # at once: later connections are refused, never reset
         self.stop.set()
 
-    async def serve(self) -> None:
+    def _drain_on_signals(self) -> None:
+        """From ready on, SIGTERM/SIGINT drain (on the event loop) instead of exiting at once."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_stop_signal)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
         if self.source.fd is None:
             loop.add_signal_handler(signal.SIGHUP, self.reload.set)
         else:
@@ -205,8 +203,21 @@ def raise_open_files_limit() -> None:
             pass  # the connection cap and accept's EMFILE back-off still hold
 
 
+def exit_during_start(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT before the server is ready: nothing was served, so exit 0 at once.
+
+    A plain signal handler runs in the main thread at its next bytecode, whatever the event
+    loop is doing (building the app, starting the lifespan) and without joining the threads
+    that import the tokenizer stack (interpreter shutdown would wait for them: seconds on a
+    busy host). `ApiServer._drain_on_signals` replaces it once the server is ready.
+    """
+    os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry of the API-server process; returns the exit status."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, exit_during_start)
     args = parse_args(argv)
     raise_open_files_limit()
     child.die_with_parent(args.parent_pid)

@@ -9,23 +9,26 @@ server, and non-streaming ones race the generation against the ``http.disconnect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
 import structlog
 from starlette.requests import Request
 
 from pkgd import log
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
-from pkgd.engine.sampling_params import RequestOutputKind, SamplingParams
+from pkgd.api.structured import Constraint, request_constraint
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.engine.input_processor import ProcessedRequest
-    from pkgd.engine.outputs import RequestOutput
+    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.outputs import RequestOutput
 
 T = TypeVar("T")
 logger = log.get_logger(__name__)
@@ -54,11 +57,19 @@ def sampling_params(
     body: SamplingFields, state: ServerState, *, max_tokens: int | None, logprobs: int | None, stream: bool,
     logprobs_field: str = "logprobs",
 ) -> SamplingParams:
-    """The request's `SamplingParams`, unset fields from ``model.generation`` then vLLM's
-    defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
-    ``top_logprobs``). Raises `APIError` 400 for invalid values."""
+    """The request's `SamplingParams`, unset fields from ``model.generation``, then
+    ``model.generation_config``'s file, then vLLM's defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
+    ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits (the
+    counts of ``frontend.limits`` are checked first, on the decoded body: `parse_body`)."""
     gen = state.config.model.generation
-    max_logprobs = state.config.frontend.limits.max_logprobs  # counts over the limits: `parse_body`
+    file = state.llm.generation_defaults  # model.generation_config's, below model.generation
+    max_logprobs = state.config.frontend.limits.max_logprobs
+    if body.user is not None:  # OpenAI's end-user id: on this request's log lines
+        structlog.contextvars.bind_contextvars(user=body.user)
+    for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise APIError(400, f"{name}: {value}, more than frontend.limits.max_logprobs allows ({max_logprobs})",
+                           param=name, code="max_logprobs")
     bias = None
     if body.logit_bias:
         try:
@@ -67,18 +78,18 @@ def sampling_params(
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
     params = SamplingParams(
         n=body.n,
-        temperature=_first(body.temperature, gen.temperature, 1.0),
-        top_p=_first(body.top_p, gen.top_p, 1.0),
-        top_k=_first(body.top_k, gen.top_k, 0),
+        temperature=_first(body.temperature, gen.temperature, file.get("temperature"), 1.0),
+        top_p=_first(body.top_p, gen.top_p, file.get("top_p"), 1.0),
+        top_k=_first(body.top_k, gen.top_k, file.get("top_k"), 0),
         min_p=body.min_p,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=_first(body.repetition_penalty, gen.repetition_penalty, 1.0),
+        repetition_penalty=_first(body.repetition_penalty, gen.repetition_penalty, file.get("repetition_penalty"), 1.0),
         seed=body.seed,
         stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
-        max_tokens=max_tokens if max_tokens is not None else gen.max_tokens,
+        max_tokens=_first(max_tokens, gen.max_tokens, file.get("max_tokens"), None),
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         prompt_logprobs=body.prompt_logprobs,
@@ -95,8 +106,45 @@ def sampling_params(
     return params
 
 
+def require_runner(state: ServerState, runner: str, api: str) -> None:
+    """Raise a 400 (as vLLM) when the served model's runner is not ``runner``
+    (``generate`` or ``pooling``); ``api`` names the endpoint family in the message."""
+    hs = state.llm.handshake
+    actual = hs.runner if hs is not None else state.config.model.runner_type
+    if actual == runner:
+        return
+    how = ("as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
+           if actual == "pooling" else
+           "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner pooling)")
+    raise APIError(400, f"this model does not support the {api}: it is served {how}")
+
+
+def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
+    """``params`` with the request's structured-output constraint (`pkgd.api.structured`),
+    checked by ``state.constraints`` in the calling thread: call it on the `Preprocessor`,
+    never on the event loop (a schema's check is CPU work). Raises `APIError` 400 naming the
+    field and the reason for a bad, unenforceable or unsatisfiable constraint."""
+    try:
+        constraint = request_constraint(body)
+        if constraint is None:
+            return params, None
+        state.constraints.check_blocking(constraint.params, constraint.field,
+                                         max_bytes=state.config.frontend.limits.max_constraint_bytes)
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError(400, message, param=message.split(":", 1)[0].split(" ", 1)[0]) from None
+    return msgspec.structs.replace(params, structured_outputs=constraint.params), constraint
+
+
+def continuous_usage(body: SamplingFields) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: the usage so far on every chunk
+    (vLLM also needs ``include_usage``; pkgd does what is asked either way)."""
+    opts = body.stream_options
+    return opts is not None and opts.continuous_usage_stats
+
+
 def _first(*values: Any) -> Any:
-    return next(v for v in values if v is not None)
+    return next((v for v in values if v is not None), None)
 
 
 def process(state: ServerState, build: Any) -> ProcessedRequest:
@@ -152,16 +200,18 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     """Items of several async iterators as they come, tagged with the iterator's index.
     One iterator is passed straight through; closing the merge closes them all."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     end = object()
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
         try:
-            async for item in it:
-                await queue.put((i, item, None))
+            async with contextlib.aclosing(it):  # a cancelled pump closes its stream at once
+                async for item in it:
+                    await queue.put((i, item, None))
             await queue.put((i, end, None))
         except Exception as exc:
             await queue.put((i, end, exc))

@@ -5,12 +5,19 @@ content (``frontend.reasoning_parser``).
 
 Tools: with a parser configured and ``tool_choice`` "auto" (needs
 ``frontend.enable_auto_tool_choice``, as in vLLM) or unset, calls the model writes become
-``message.tool_calls`` and ``finish_reason`` "tool_calls". "required" and named choices need
-guided decoding, which pkgd does not have: 400.
+``message.tool_calls`` and ``finish_reason`` "tool_calls". "required" and named choices
+constrain the output to a valid call (`pkgd.api.structured`): "required" finishes with
+"tool_calls", a named function with "stop" (as OpenAI does). With ``parallel_tool_calls``
+false at most one call is returned. Streamed calls arrive as OpenAI streams them: a first
+delta with the call's id and name, then its arguments in pieces.
+
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) are checked
+before anything reaches the engine: a bad constraint is a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -21,6 +28,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pkgd.api import serving
 from pkgd.api.errors import APIError
 from pkgd.api.preprocess import parse_body
+from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
+from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -37,16 +46,17 @@ from pkgd.api.protocol import (
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.engine.input_processor import ProcessedRequest
-    from pkgd.engine.outputs import CompletionOutput, Logprob
+    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.outputs import CompletionOutput, Logprob
 
 
-async def create_chat_completion(request: Request, state: ServerState) -> Any:
-    """Answer one chat request; the body is parsed, templated and tokenized on the
-    `Preprocessor`, never on the event loop."""
+async def create_chat_completion(request: Request, state: ServerState, parsed: ChatCompletionRequest | None = None) -> Any:
+    """Answer one chat request; the body is parsed, its constraint checked, templated and
+    tokenized on the `Preprocessor`, never on the event loop. ``parsed``: the body, already
+    parsed there (``/invocations``, ``/v1/responses``)."""
     state.check_ready()
     rid = serving.request_id("chatcmpl", request)
-    chat = await state.preprocess.run(_prepare, state, await request.body(), rid)
+    chat = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
     if chat.body.stream:
         return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
     try:
@@ -56,14 +66,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Any:
     return await state.preprocess.run(lambda: JSONResponse(chat.response(out.outputs).model_dump()))
 
 
-def _prepare(state: ServerState, raw: bytes, rid: str) -> _Chat:
+def _prepare(state: ServerState, raw: bytes, rid: str, parsed: ChatCompletionRequest | None) -> _Chat:
     """Parse, check and template a chat request (on the `Preprocessor`)."""
-    body = parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
+    body = parsed if parsed is not None else parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
+    serving.require_runner(state, "generate", "Chat Completions API")
     use_tools = _use_tool_parser(body, state)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = serving.sampling_params(body, state, max_tokens=body.effective_max_tokens(), logprobs=top,
                                      stream=body.stream, logprobs_field="top_logprobs")
+    params, constraint = serving.with_constraint(state, body, params)
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as exc:
@@ -74,7 +86,7 @@ def _prepare(state: ServerState, raw: bytes, rid: str) -> _Chat:
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,
     ))
-    return _Chat(state, body, rid, model, processed, use_tools)
+    return _Chat(state, body, rid, model, processed, use_tools, constraint)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
@@ -82,7 +94,7 @@ def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
     if not body.tools or choice == "none":
         return False
     if choice == "required" or not isinstance(choice, str | None):
-        raise APIError(400, "tool_choice 'required' and named tool choices are not supported (no guided decoding); use 'auto'", param="tool_choice")
+        return False  # a constrained call, parsed by pkgd.api.structured
     f = state.config.frontend
     if state.tool_parser is None or not f.enable_auto_tool_choice:
         if choice == "auto":
@@ -95,9 +107,11 @@ class _Chat:
     """Builds the OpenAI objects for one chat request."""
 
     def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, model: str,
-                 processed: ProcessedRequest, use_tools: bool) -> None:
+                 processed: ProcessedRequest, use_tools: bool, constraint: Constraint | None = None) -> None:
         self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
         self.use_tools = use_tools
+        self.forced_tool = constraint if constraint is not None and constraint.tool_mode else None
+        self.max_calls = None if body.parallel_tool_calls else 1
         self.created = int(time.time())
         last = body.messages[-1]
         self.echo = last.template_dict()["content"] if body.echo and last.role == "assistant" else ""
@@ -114,9 +128,13 @@ class _Chat:
                 text = text or ""
             tool_calls: list[dict[str, Any]] = []
             content: str | None = text
-            if self.use_tools:
+            if self.forced_tool is not None:
+                tool_calls = tool_calls_of(self.forced_tool, text)
+                content = None if tool_calls else text
+            elif self.use_tools:
                 content, tool_calls = self.state.tool_parser.extract(text)  # type: ignore[union-attr]
-            finish = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+            tool_calls = tool_calls[: self.max_calls]
+            finish = "tool_calls" if tool_calls and c.finish_reason == "stop" and self._named() is None else c.finish_reason
             choices.append(ChatCompletionChoice(
                 index=c.index,
                 message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
@@ -126,6 +144,11 @@ class _Chat:
         completion_tokens = sum(len(c.token_ids) for c in outputs)
         return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
                                       usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens))
+
+    def _named(self) -> str | None:
+        """The function a named tool choice forces, else None."""
+        f = self.forced_tool
+        return f.tool_names[0] if f is not None and f.tool_mode == "named" else None
 
     def _logprobs(self, sample: list[dict[int, Logprob]] | None) -> ChatChoiceLogprobs:
         k = self.body.top_logprobs or 0
@@ -154,22 +177,26 @@ class _Chat:
             yield self._chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=self.echo))])
         completion_tokens = 0
         timeout = self.state.config.frontend.request_timeout
-        async for ro in self.state.llm.generate(self.processed, timeout=timeout):
-            choices = []
-            for c in ro.outputs:
-                completion_tokens += len(c.token_ids)
-                choice = per_choice[c.index].update(c)
-                if choice is not None:
-                    choices.append(choice)
-            if choices:
-                yield self._chunk(choices)
+        continuous = serving.continuous_usage(self.body)
+        prompt_tokens = len(self.processed.prompt_token_ids)
+        # Closed on any exit (a bug below, the client leaving): that aborts the engine request.
+        async with contextlib.aclosing(self.state.llm.generate(self.processed, timeout=timeout)) as outs:
+            async for ro in outs:
+                choices = []
+                for c in ro.outputs:
+                    completion_tokens += len(c.token_ids)
+                    choice = per_choice[c.index].update(c)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    yield self._chunk(choices, serving.usage(prompt_tokens, completion_tokens) if continuous else None)
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
             yield ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
-                                      usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens)).model_dump_json()
+                                      usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()
 
-    def _chunk(self, choices: list[ChatStreamChoice]) -> str:
-        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices).model_dump_json()
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Any = None) -> str:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
 
 
 class _ChoiceStream:
@@ -180,7 +207,14 @@ class _ChoiceStream:
         state = chat.state
         self.reasoning = state.reasoning_parser() if state.reasoning_parser is not None else None
         self.tools = state.tool_parser() if chat.use_tools and state.tool_parser is not None else None
-        self.num_calls = 0
+        forced = chat.forced_tool
+        self.calls_json = ToolCallStream(array=True) if forced is not None and forced.tool_mode == "required" else None
+        self.named = chat._named()
+        self.ids: dict[int, str] = {}  # call index -> id, given with the call's first delta
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.ids)
 
     def update(self, c: CompletionOutput) -> ChatStreamChoice | None:
         reasoning, content = "", c.text
@@ -190,22 +224,31 @@ class _ChoiceStream:
             if finished:
                 r_tail, c_tail = self.reasoning.flush()
                 reasoning, content = reasoning + r_tail, content + c_tail
-        calls: list[dict[str, Any]] = []
-        if self.tools is not None:
+        calls: list[CallDelta] = []
+        if self.named is not None:
+            calls = [CallDelta(0, None if self.ids else self.named, content)] if content or not self.ids else []
+            content = ""
+        elif self.calls_json is not None:
+            calls, content = self.calls_json.feed(content), ""
+        elif self.tools is not None:
             content, calls = self.tools.feed(content)
             if finished:
                 content += self.tools.flush()
-        delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
-                             tool_calls=[self._delta_call(call) for call in calls] or None)
+        deltas = [self._delta_call(d) for d in calls if self.chat.max_calls is None or d.index < self.chat.max_calls]
+        delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
         logprobs = self.chat._logprobs(c.logprobs) if self.chat.body.logprobs and c.logprobs else None
         if not (delta.content or delta.reasoning_content or delta.tool_calls or finished or logprobs):
             return None
-        finish = "tool_calls" if self.num_calls and c.finish_reason == "stop" else c.finish_reason
+        forced_stop = self.named is None and self.num_calls and c.finish_reason == "stop"
+        finish = "tool_calls" if forced_stop else c.finish_reason
         return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
 
-    def _delta_call(self, call: dict[str, Any]) -> DeltaToolCall:
-        self.num_calls += 1
-        return DeltaToolCall(index=self.num_calls - 1, id=call["id"], type="function", function=call["function"])
+    def _delta_call(self, d: CallDelta) -> DeltaToolCall:
+        if d.index not in self.ids:  # the call's first delta: its id, type and name
+            self.ids[d.index] = new_call_id()
+            return DeltaToolCall(index=d.index, id=self.ids[d.index], type="function",
+                                 function={"name": d.name or "", "arguments": d.arguments})
+        return DeltaToolCall(index=d.index, function={"arguments": d.arguments})
 
 
 def _logprob(token: str, logprob: float) -> dict[str, Any]:

@@ -1,12 +1,20 @@
 """``POST /v1/completions``: text or token-id prompts (one or a batch), ``n``, ``echo``,
-``logprobs``, ``stop``, ``seed``, streaming with ``stream_options.include_usage``.
+``logprobs``, ``stop``, ``seed``, structured outputs (``structured_outputs``, ``guided_*``),
+streaming with ``stream_options.include_usage`` (and ``continuous_usage_stats``).
 
 Choice ``index`` is ``prompt_index * n + completion_index``, as OpenAI numbers a batch.
+
+``echo`` with ``max_tokens: 0`` scores the prompt (what evaluation harnesses send for
+log-likelihoods): the engine computes the prompt's logprobs while generating one token, which
+is dropped; the choice is the prompt with its logprobs, ``completion_tokens`` 0 and
+``finish_reason`` "length", as vLLM answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -19,20 +27,21 @@ from pkgd.api import serving
 from pkgd.api.errors import APIError
 from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.engine.input_processor import ProcessedRequest
-    from pkgd.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
 
 
-async def create_completion(request: Request, state: ServerState) -> Any:
-    """Answer one completion request (a prompt or a batch); parsing and tokenization run on
-    the `Preprocessor`, never on the event loop."""
+async def create_completion(request: Request, state: ServerState, parsed: CompletionRequest | None = None) -> Any:
+    """Answer one completion request (a prompt or a batch); parsing, the constraint check and
+    tokenization run on the `Preprocessor`, never on the event loop. ``parsed``: the body,
+    already parsed there (``/invocations``)."""
     state.check_ready()
     rid = serving.request_id("cmpl", request)
-    fmt = await state.preprocess.run(_prepare, state, await request.body(), rid)
+    fmt = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
     if fmt.body.stream:
         return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
 
@@ -46,13 +55,17 @@ async def create_completion(request: Request, state: ServerState) -> Any:
     return await state.preprocess.run(lambda: JSONResponse(fmt.response(outputs).model_dump(exclude_none=False)))
 
 
-def _prepare(state: ServerState, raw: bytes, rid: str) -> _Formatter:
+def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest | None) -> _Formatter:
     """Parse, check and tokenize a completion request (on the `Preprocessor`)."""
-    body = parse_body(raw, CompletionRequest, state.config.frontend.limits)
+    body = parsed if parsed is not None else parse_body(raw, CompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
-    params = serving.sampling_params(body, state, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream)
+    serving.require_runner(state, "generate", "Completions API")
+    score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
+    params = serving.sampling_params(body, state, max_tokens=1 if score_only else body.max_tokens,
+                                     logprobs=body.logprobs, stream=body.stream)
     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
         params = _with_prompt_logprobs(params, body.logprobs)
+    params, _constraint = serving.with_constraint(state, body, params)
     prompts = body.prompts()
     processed = []
     for i, p in enumerate(prompts):
@@ -65,7 +78,7 @@ def _prepare(state: ServerState, raw: bytes, rid: str) -> _Formatter:
             if len(prompts) == 1:
                 raise
             raise APIError(exc.status, f"prompt[{i}]: {exc.message}", param="prompt") from None
-    return _Formatter(state, body, rid, model, processed)
+    return _Formatter(state, body, rid, model, processed, score_only=score_only)
 
 
 def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
@@ -75,8 +88,10 @@ def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
 class _Formatter:
     """Builds the OpenAI objects for one completion request."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, model: str, processed: list[ProcessedRequest]) -> None:
+    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, model: str, processed: list[ProcessedRequest],
+                 *, score_only: bool = False) -> None:
         self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
+        self.score_only = score_only
         self.created = int(time.time())
         self.tokenizer = state.llm.tokenizer
 
@@ -92,6 +107,7 @@ class _Formatter:
         for i, (p, ro) in enumerate(zip(self.processed, outputs, strict=True)):
             prefix = self._prompt_text(p) if self.body.echo else ""
             for c in sorted(ro.outputs, key=lambda c: c.index):
+                c = self._scored(c)
                 completion_tokens += len(c.token_ids)
                 logprobs = None
                 if self.body.logprobs is not None:
@@ -103,6 +119,13 @@ class _Formatter:
         prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
         return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
                                   usage=serving.usage(prompt_tokens, completion_tokens))
+
+    def _scored(self, c: CompletionOutput) -> CompletionOutput:
+        """With ``max_tokens: 0`` the one generated token is dropped (only the prompt counts)."""
+        if not self.score_only:
+            return c
+        return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                   finish_reason="length" if c.finish_reason else None, stop_reason=None)
 
     def _logprobs(self, sample: list[dict[int, Logprob]], offset: int, echo_of: RequestOutput | None) -> CompletionLogprobs:
         out = CompletionLogprobs()
@@ -120,8 +143,8 @@ class _Formatter:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            out.token_logprobs.append(d[token_id].logprob)
-            out.top_logprobs.append({self._token_str(t, d): lp.logprob for t, lp in d.items()})
+            out.token_logprobs.append(_finite(d[token_id].logprob))
+            out.top_logprobs.append({self._token_str(t, d): _finite(lp.logprob) for t, lp in d.items()})
         return out
 
     def _token_str(self, token_id: int, d: dict[int, Logprob] | None) -> str:
@@ -136,20 +159,25 @@ class _Formatter:
         started: set[int] = set()
         offsets: dict[int, int] = {}
         completion_tokens = 0
-        async for i, ro in serving.merge_streams(gens):
-            choices = []
-            for c in ro.outputs:
-                index = i * n + c.index
-                completion_tokens += len(c.token_ids)
-                prefix = ""
-                if body.echo and index not in started:
-                    prefix = self._prompt_text(self.processed[i])
-                started.add(index)
-                choices.append(self._stream_choice(index, prefix, c, ro, offsets))
-            if choices:
-                yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices).model_dump_json()
+        prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
+        continuous = serving.continuous_usage(body)
+        # Closed on any exit (a bug below, the client leaving): that aborts the engine requests.
+        async with contextlib.aclosing(serving.merge_streams(gens)) as merged:
+            async for i, ro in merged:
+                choices = []
+                for c in ro.outputs:
+                    c = self._scored(c)
+                    index = i * n + c.index
+                    completion_tokens += len(c.token_ids)
+                    prefix = ""
+                    if body.echo and index not in started:
+                        prefix = self._prompt_text(self.processed[i])
+                    started.add(index)
+                    choices.append(self._stream_choice(index, prefix, c, ro, offsets))
+                if choices:
+                    usage = serving.usage(prompt_tokens, completion_tokens) if continuous else None
+                    yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
         if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
             yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
                                      usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()
 
@@ -160,3 +188,8 @@ class _Formatter:
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
         return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token masked out (structured outputs) reads -9999.0, as in vLLM."""
+    return max(logprob, -9999.0)

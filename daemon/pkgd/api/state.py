@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pkgd.api.errors import APIError
-from pkgd.api.parsers import load_parser
 from pkgd.api.preprocess import Preprocessor
+from pkgd.api.responses_store import ResponseStore
+from pkgd.frontend.structured_outputs import ConstraintValidator
+from pkgd.parsers import load_parser
 
 if TYPE_CHECKING:
-    from pkgd.api.async_llm import AsyncLLM
-    from pkgd.api.metrics import Metrics
+    from pkgd.frontend.async_llm import AsyncLLM
+    from pkgd.frontend.metrics import Metrics
     from pkgd.config.vllm_config import VllmConfig
 
 
@@ -24,12 +26,15 @@ class ServerState:
         self.config = config
         self.llm = llm
         self.metrics = metrics
+        self.engine_collector: Any = None  # the engine cores' /metrics series (frontend.metrics)
         self.server_index = server_index
         self.draining = False
         f = config.frontend
         self.preprocess = Preprocessor(f.preprocess_threads)
         self.tool_parser: type | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
         self.reasoning_parser: type | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+        self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
+        self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
 
     # ---- models ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Offline throughput workloads and runs (the seeds' ``vllm bench throughput``).
+"""Offline throughput workloads and runs (vLLM's ``vllm bench throughput``).
 
 A `Workload` is a list of token-id prompts and the output length each should produce. Random
 prompts draw token ids uniformly from the vocabulary without special tokens (vLLM's random
@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pkgd.engine.llm import LLM
+    from pkgd.offline.llm import LLM
 
 PARAGRAPH = (
     "The history of computing is a story of abstraction layered on abstraction. Early machines "
@@ -87,12 +87,15 @@ def make_workload(
 
 @dataclasses.dataclass
 class RunResult:
-    """Counts and wall time (seconds) of one run."""
+    """Counts and wall time (seconds) of one run; each request's time to first token and
+    latency (seconds from its arrival, the start of the run, to its first / last token)."""
 
     elapsed: float
     num_requests: int
     prompt_tokens: int
     output_tokens: int
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    latencies: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def requests_per_s(self) -> float:
@@ -118,7 +121,10 @@ def run_pkgd(llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: flo
     outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return RunResult(elapsed, len(outs), workload.num_prompt_tokens, out_tokens)
+    timed = [o.metrics for o in outs if o.metrics and "first_token_time" in o.metrics]
+    return RunResult(elapsed, len(outs), workload.num_prompt_tokens, out_tokens,
+                     ttfts=[m["first_token_time"] - m["arrival_time"] for m in timed],
+                     latencies=[m["last_token_time"] - m["arrival_time"] for m in timed])
 
 
 @dataclasses.dataclass

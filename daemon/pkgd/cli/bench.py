@@ -1,4 +1,4 @@
-"""``pkgd bench throughput``: offline throughput of the engine (the seeds' ``vllm bench throughput``).
+"""``pkgd bench throughput``: offline throughput of the engine (vLLM's ``vllm bench throughput``).
 
 Prints, from one run: requests/s, output and total tokens/s, peak RSS of the engine; the
 fp32 ``torch.mm`` FLOP/s and the roofline fraction ``2 × params × tokens ÷ time ÷ GEMM
@@ -22,9 +22,25 @@ from typing import Any
 
 import yaml
 
+from pkgd.benchmarks import plot
+from pkgd.benchmarks.stats import latency_stats
 from pkgd.cli.base import CLISubcommand
 
 GB = 1e9
+
+THROUGHPUT_DESCRIPTION = """\
+Offline throughput of the engine (as vllm bench throughput), all in one process:
+requests/s, output and total tokens/s and the engine's peak memory; the achieved FLOP/s
+against a measured matrix multiply; one request alone (decode tokens/s against the bound
+the memory bandwidth sets); with --baseline hf, the same prompts through transformers'
+generate() and the ratio. Configuration flags and overrides (--model, --max-num-seqs 64,
+cache.num_blocks=512) choose the engine as for pkgd serve."""
+
+THROUGHPUT_EXAMPLES = """\
+examples:
+  pkgd bench throughput --num-prompts 64 --input-len 256 --output-len 64
+  pkgd bench throughput --baseline hf --repeats 3 --output-json run.json --plot run.png
+  pkgd bench throughput --compare run.json --plot compare.png   (against an earlier run)"""
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -47,37 +63,48 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                         "of each: on a shared machine the quietest window is the closest to the truth")
     p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
     p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
-                   help="input and output tokens of the single-stream run (default 128 in / 128 out)")
+                   help="input and output tokens of the single-stream run")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
+    p.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="comma-separated model.dtype values (auto, float32, bfloat16, float16): one engine each in this "
+                        "process, the workload (and single stream) through each in turn, --repeats times in alternating "
+                        "order; prints each one's output and single-stream tokens/s as ratios against the first")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
                         "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
                         "are composed with every config layer instead)")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
+    plot.add_plot_args(p)
 
 
-def offline_llm(args: argparse.Namespace) -> Any:
+def offline_llm(args: argparse.Namespace, dtype: str | None = None) -> Any:
     """The offline `LLM` of a CLI command.
 
     Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
     tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
     run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
-    way the engine uses every core unless ``parallel.cpu_threads`` is set.
+    way the engine uses every core unless ``parallel.cpu_threads`` is set. ``dtype`` replaces
+    ``model.dtype``.
     """
-    from pkgd.engine.llm import LLM
+    from pkgd.offline.llm import LLM
 
     request = getattr(args, "compose_request", None)
     if request is not None:
         from pkgd.config.compose import compose
 
-        return LLM(config=compose(request).config)
+        config = compose(request).config
+        if dtype is not None:
+            config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": dtype})})
+        return LLM(config=config)
     kwargs: dict[str, Any] = {}
     for item in getattr(args, "overrides", None) or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"{item!r}: expected KEY=VALUE")
         kwargs[key.strip()] = yaml.safe_load(value)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     return LLM(**kwargs)
 
 
@@ -86,6 +113,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from pkgd.benchmarks import hardware, throughput
 
+    if args.dtypes:
+        return run_dtype_comparison(args)
     llm = offline_llm(args)
     engine = llm.engine
     torch.set_num_threads(llm.config.parallel.cpu_threads)
@@ -133,6 +162,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         "all_elapsed_s": [r.elapsed for r in runs], "requests_per_s": res.requests_per_s,
         "output_tokens_per_s": res.output_tokens_per_s, "total_tokens_per_s": res.total_tokens_per_s,
         "peak_rss_bytes": peak_rss, "num_preemptions": engine.stats().num_preemptions,
+        "ttft_s": latency_stats(res.ttfts), "latency_s": latency_stats(res.latencies),
     }
     if single is not None:
         fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
@@ -148,6 +178,53 @@ def run_throughput(args: argparse.Namespace) -> int:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(fig, f, indent=2)
     llm.shutdown()
+    runs = [plot.series_from_figures(fig, "pkgd")]
+    if hf_runs:
+        runs.append(plot.series_from_figures(fig, "HF generate()", prefix="hf_"))
+    plot.report(runs + args.previous_runs, args.plot, title=f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts, "
+                f"{args.input_len} in / {args.output_len} out, {fig['threads']} threads")
+    return 0
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def run_dtype_comparison(args: argparse.Namespace) -> int:
+    """``--dtypes``: one engine per dtype, compared in one run (`pkgd.benchmarks.dtype_compare`)."""
+    import torch
+
+    from pkgd.benchmarks import dtype_compare, throughput
+
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in names if d not in DTYPES]
+    if bad or len(set(names)) != len(names) or not names:
+        raise SystemExit(f"--dtypes: each of {', '.join(DTYPES)} at most once, got {args.dtypes!r}")
+    llms = {d: offline_llm(args, d) for d in names}
+    first = llms[names[0]]
+    torch.set_num_threads(first.config.parallel.cpu_threads)
+    engine, tok = first.engine, first.get_tokenizer()
+    workload = throughput.make_workload(
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
+        prompt_kind=args.prompts, tokenizer=tok, seed=first.config.model.seed,
+    )
+    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    for llm in llms.values():
+        throughput.run_pkgd(llm, warm, ignore_eos=True)
+    rows = dtype_compare.compare_dtypes(
+        llms, workload, repeats=args.repeats, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        single_stream_len=None if args.skip_single_stream else args.single_stream_len, vocab_size=engine.vocab_size,
+        progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else (lambda _: None))
+    print(f"pkgd bench throughput --dtypes: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
+          f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, {torch.get_num_threads()} threads, "
+          f"fastest of {args.repeats} alternating run(s) each")
+    print("\n".join(dtype_compare.format_rows(rows)))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump({"dtypes": rows}, f, indent=2)
+    for llm in llms.values():
+        llm.shutdown()
     return 0
 
 
@@ -196,6 +273,9 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
           f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in {fig['elapsed_s']:.1f} s, "
           f"runs {', '.join(f'{t:.1f}' for t in fig['all_elapsed_s'])} s; {fig['num_preemptions']} preemptions)")
+    for key, label in (("ttft_s", "TTFT"), ("latency_s", "Latency")):  # every request arrives at the start
+        st = fig[key]
+        print(f"{label:8s} median {st['median']:7.2f} s   mean {st['mean']:7.2f} s   p99 {st['p99']:7.2f} s")
     print(f"Peak RSS (engine, before baselines): {fig['peak_rss_bytes'] / GB:.2f} GB")
     if "gemm_flops" in fig:
         print(f"GEMM (torch.mm fp32 2048x2048x2048): {fig['gemm_flops'] / 1e9:.1f} GFLOP/s")
@@ -221,25 +301,41 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 class BenchSubcommand(CLISubcommand):
-    """``pkgd bench {throughput,serve}``."""
+    """``pkgd bench {throughput,serve,latency}``."""
 
     name = "bench"
-    help = "Benchmark the offline engine (throughput) or a running server (serve)."
+    help = "benchmark the offline engine (throughput, latency) or a running server (serve)"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
-        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve}")
-        t = sub.add_parser("throughput", help="Offline throughput (vllm bench throughput).", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency}")
+        t = sub.add_parser("throughput", help="offline throughput of the engine (vllm bench throughput)",
+                           description=THROUGHPUT_DESCRIPTION, epilog=THROUGHPUT_EXAMPLES)
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
         from pkgd.cli import bench_serve  # light: argparse only until it runs
 
-        s = sub.add_parser("serve", help="Load a running OpenAI-compatible server (vllm bench serve).",
-                           description=bench_serve.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        s = sub.add_parser("serve", help="load a running OpenAI-compatible server (vllm bench serve)",
+                           description=bench_serve.DESCRIPTION, epilog=bench_serve.EXAMPLES)
         bench_serve.add_serve_args(s)
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
+        from pkgd.cli import bench_latency  # light: argparse only until it runs
+
+        lat = sub.add_parser("latency", help="latency of one batch (vllm bench latency)",
+                             description=bench_latency.DESCRIPTION, epilog=bench_latency.EXAMPLES)
+        bench_latency.add_latency_args(lat)
+        lat.set_defaults(bench_dispatch=lambda a: bench_latency.run_latency(a, offline_llm))
         return parser
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """``--plot`` without matplotlib, or a ``--compare`` file that is no earlier run, stops
+        before the benchmark runs (exit 2)."""
+        from pkgd.cli.main import UsageError
+
+        try:
+            args.previous_runs = plot.check_plot_args(args)
+        except (plot.PlotUnavailable, ValueError) as e:
+            raise UsageError(str(e)) from None
 
     def cmd(self, args: argparse.Namespace) -> int:
         return args.bench_dispatch(args)
@@ -251,11 +347,21 @@ def cmd_init() -> list[BenchSubcommand]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pkgd.cli.bench throughput …`` (the same as ``pkgd bench throughput …``)."""
-    parser = argparse.ArgumentParser(prog="pkgd")
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd")
     subparsers = parser.add_subparsers(dest="command", required=True)
     (cmd,) = cmd_init()
     cmd.subparser_init(subparsers)
-    return cmd.cmd(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+    from pkgd.cli.main import UsageError
+
+    args = parser.parse_command_line(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        cmd.validate(args)
+    except UsageError as e:
+        print(f"pkgd bench: error: {e}", file=sys.stderr)
+        return 2
+    return cmd.cmd(args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``pkgd bench serve``: load an OpenAI-compatible server (the seeds' ``vllm bench serve``).
+"""``pkgd bench serve``: load an OpenAI-compatible server (vLLM's ``vllm bench serve``).
 
 Sends ``--num-prompts`` completion requests of ``--input-len`` prompt tokens (random token
 ids, so lengths are exact) asking for ``--output-len`` tokens (``ignore_eos``), at most
@@ -21,19 +21,35 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from typing import Any
 
 import httpx
 
+from pkgd.benchmarks import plot
+from pkgd.benchmarks.stats import latency_stats
+
+DESCRIPTION = """\
+Load a running OpenAI-compatible server (pkgd, vLLM, any other) as vllm bench serve does:
+--num-prompts completion requests of --input-len random prompt tokens, each asking for
+--output-len tokens, at most --max-concurrency at a time. Prints requests/s, output and
+total tokens/s, and the median, mean and p99 of the time to first token (TTFT), the time per
+output token after the first (TPOT), the gaps between streamed chunks (ITL) and the whole
+request's latency, measured on the client. --no-stream measures plain request throughput."""
+
+EXAMPLES = """\
+examples:
+  pkgd bench serve --num-prompts 64 --max-concurrency 8
+  pkgd bench serve --base-url http://127.0.0.1:8001 --output-json vllm.json   (another server)
+  pkgd bench serve --compare vllm.json --plot serve.png   (this server against that run)"""
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
     # Not --model / --api-key / --seed: under `pkgd` those are config flags (frontend, model).
     p.add_argument("--model-name", dest="model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--bearer-token", dest="api_key", default=os.environ.get("OPENAI_API_KEY"),
+    p.add_argument("--bearer-token", dest="api_key", default=None, metavar="KEY",
                    help="Bearer key, when the server wants one (default: $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
@@ -44,6 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) first")
     p.add_argument("--random-seed", dest="seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    plot.add_plot_args(p)
 
 
 @dataclasses.dataclass
@@ -111,7 +128,8 @@ def _bodies(args: argparse.Namespace, model: str, n: int, rng: random.Random) ->
 
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     """Run the load and return the figures."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=None) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
@@ -131,14 +149,6 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, model, results, elapsed)
 
 
-def _stats(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"median": float("nan"), "mean": float("nan"), "p99": float("nan")}
-    values = sorted(values)
-    return {"median": statistics.median(values), "mean": statistics.fmean(values),
-            "p99": values[min(len(values) - 1, int(0.99 * len(values)))]}
-
-
 def summarize(args: argparse.Namespace, model: str, results: list[RequestResult], elapsed: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -151,10 +161,10 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         "stream": args.stream, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
         "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_s": _stats(tpots),
-        "itl_s": _stats([x for r in ok for x in r.itls]),
-        "latency_s": _stats([r.latency for r in ok]),
+        "ttft_s": latency_stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": latency_stats(tpots),
+        "itl_s": latency_stats([x for r in ok for x in r.itls]),
+        "latency_s": latency_stats([r.latency for r in ok]),
     }
 
 
@@ -173,19 +183,31 @@ def print_report(fig: dict[str, Any]) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """``pkgd bench serve`` (also ``python -m pkgd.cli.bench_serve``): exit 1 if any request failed."""
+    previous = getattr(args, "previous_runs", None)
+    if previous is None:  # run as python -m pkgd.cli.bench_serve: nothing checked it yet
+        try:
+            previous = plot.check_plot_args(args)
+        except (plot.PlotUnavailable, ValueError) as e:
+            print(f"pkgd bench serve: error: {e}", file=sys.stderr)
+            return 2
     fig = asyncio.run(run_load(args))
     print_report(fig)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(fig, f, indent=2)
+    stream = "streaming" if fig["stream"] else "non-streaming"
+    plot.report([plot.series_from_figures(fig, args.base_url), *previous], args.plot,
+                title=f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> "
+                f"{fig['output_len']} tokens, concurrency {fig['max_concurrency']}, {stream}")
     return 1 if fig["failed"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pkgd bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd bench serve", description=DESCRIPTION, epilog=EXAMPLES)
     add_serve_args(parser)
-    return run_serve(parser.parse_args(argv))
+    return run_serve(parser.parse_command_line(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

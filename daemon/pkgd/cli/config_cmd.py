@@ -1,8 +1,10 @@
-"""``pkgd config show|validate|schema|diff``: the configuration without serving anything.
+"""``pkgd config show|validate|keys|schema|diff``: the configuration without serving anything.
 
 None of these imports torch. ``show`` prints the composed tree (secrets redacted), with
 ``--sources`` the layer of each value; ``validate PATH…`` checks config trees for a GitOps
-CI (exit 0, or 2 with one line per problem); ``schema`` prints the JSON schema;
+CI (exit 0, or 2 with one line per problem); ``keys [SECTION]`` prints the key reference
+(`pkgd.cli.keys`; ``--format markdown`` is ``docs/configuration.md``); ``schema`` prints the
+JSON schema;
 ``diff A B`` says which leaves differ and what a reload from A to B would restart (exit 0
 when equal, 1 when they differ, 2 when either is invalid, like diff(1)).
 """
@@ -20,14 +22,14 @@ from pkgd.cli.base import CLISubcommand, add_config_source_args
 from pkgd.config.errors import ConfigError
 
 _PATH_HELP = (
-    "a directory is used as --config-dir (DIR/pkgd.yaml, DIR/conf.d/*.yaml, DIR/GROUP/*.yaml); "
+    "A directory is used as --config-dir (DIR/pkgd.yaml, DIR/conf.d/*.yaml, DIR/GROUP/*.yaml); "
     "a file F.yaml as --config-dir $(dirname F) --config-name F, exactly as the daemon would read it"
 )
 
 
 class ConfigSubcommand(CLISubcommand):
     name = "config"
-    help = "show, validate or diff the configuration; print its JSON schema"
+    help = "show, validate or diff the configuration; list its keys; print its JSON schema"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(
@@ -40,15 +42,34 @@ class ConfigSubcommand(CLISubcommand):
         actions = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
         show = actions.add_parser("show", help="print the composed configuration (secrets redacted)")
         show.add_argument("--sources", action="store_true", help="add the layer that set each value")
-        show.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format (default yaml)")
+        show.add_argument("--format", choices=("yaml", "json"), default="yaml", help="output format")
         validate = actions.add_parser(
             "validate",
             help="check config trees or files; exit 0 if all are valid, else 2",
             description=f"Compose each PATH as the daemon would and report every problem. {_PATH_HELP}. "
             "Without PATH, checks the default tree (/etc/pkgd or --config-dir).",
         )
-        validate.add_argument("paths", nargs="*", metavar="PATH")
-        actions.add_parser("schema", help="print the JSON schema of the configuration")
+        validate.add_argument("paths", nargs="*", metavar="PATH", help="config tree or file; default: /etc/pkgd or --config-dir")
+        keys = actions.add_parser(
+            "keys",
+            help="every config key with its type, default, vLLM flag and meaning",
+            description="The configuration keys from the schema: type, default, vLLM flags, what a "
+            "reload does when the key changes, and what it means.",
+        )
+        keys.add_argument("section", nargs="?", metavar="SECTION",
+                          help="only this section or key (model, frontend.cors, parallel.tp); default: all")
+        keys.add_argument("--format", choices=("text", "markdown"), default="text",
+                          help="markdown: the reference as docs/configuration.md holds it")
+        schema_cmd = actions.add_parser(
+            "schema",
+            help="print the JSON schema of the configuration (or of the YAML files that build it)",
+            description="Print the JSON schema of the validated tree (schemas/vllm_config.schema.json). "
+            "--file: of a whole-tree YAML file (pkgd.yaml, conf.d/*.yaml, profiles; schemas/pkgd-file.schema.json); "
+            "--group SECTION: of an option file of that config group (schemas/groups/SECTION.schema.json).",
+        )
+        kind = schema_cmd.add_mutually_exclusive_group()
+        kind.add_argument("--file", action="store_true", help="the schema of a whole-tree YAML file")
+        kind.add_argument("--group", metavar="SECTION", help="the schema of a group option file, e.g. parallel")
         diff = actions.add_parser(
             "diff",
             help="what differs between two configs and what a reload would restart",
@@ -56,12 +77,12 @@ class ConfigSubcommand(CLISubcommand):
             f"would restart: nothing, the API servers, the engine cores, or the whole daemon. {_PATH_HELP}. "
             "Exit 0 when equal, 1 when they differ, 2 when either is invalid (like diff).",
         )
-        diff.add_argument("a", metavar="A")
-        diff.add_argument("b", metavar="B")
+        diff.add_argument("a", metavar="A", help="the config tree or file of now")
+        diff.add_argument("b", metavar="B", help="the config tree or file to reload into")
         return parser
 
     def cmd(self, args: argparse.Namespace) -> int:
-        action = {"show": _show, "validate": _validate, "schema": _schema, "diff": _diff}[args.config_command]
+        action = {"show": _show, "validate": _validate, "keys": _keys, "schema": _schema, "diff": _diff}[args.config_command]
         return action(args)
 
 
@@ -85,10 +106,40 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keys(args: argparse.Namespace) -> int:
+    from pkgd.cli import keys
+
+    if args.format == "markdown":
+        if args.section:
+            print("pkgd config keys: error: --format markdown prints the whole reference; leave out SECTION", file=sys.stderr)
+            return 2
+        sys.stdout.write(keys.keys_markdown())
+        return 0
+    try:
+        print(keys.keys_text(args.section))
+    except ConfigError as e:
+        print(f"pkgd config keys: error: {e.problems[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _schema(args: argparse.Namespace) -> int:
+    from pkgd.config import file_schemas
+    from pkgd.config.errors import closest
     from pkgd.config.schema import schema_text
 
-    sys.stdout.write(schema_text())
+    if args.group is not None:
+        sections = file_schemas.group_sections()
+        if args.group not in sections:
+            match = closest(args.group, sections)
+            hint = f"; did you mean {match}?" if match else ""
+            print(f"pkgd: config schema --group {args.group}: no such section{hint} ({', '.join(sections)})", file=sys.stderr)
+            return 2
+        sys.stdout.write(json.dumps(file_schemas.group_schema(args.group), indent=2) + "\n")
+    elif args.file:
+        sys.stdout.write(json.dumps(file_schemas.file_schema(), indent=2) + "\n")
+    else:
+        sys.stdout.write(schema_text())
     return 0
 
 

@@ -8,7 +8,6 @@ usage (one line per problem, no traceback), 130 on Ctrl-C.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import os
@@ -26,32 +25,40 @@ if os.environ.get("PKGD_HUGEPAGES", "1") != "0":
 
 from pkgd.cli.base import CLISubcommand, add_config_source_args  # noqa: E402
 from pkgd.cli.flags import split_argv  # noqa: E402
+from pkgd.cli.parser import ArgumentParser  # noqa: E402
 from pkgd.config.errors import ConfigError, closest  # noqa: E402
 
 # name -> (module whose cmd_init() returns it, one line for --help). Modules are imported only
 # when their command runs; a module that does not exist (yet) is not listed at all.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pkgd.cli.serve", "serve the configured model over the OpenAI-compatible API (default)"),
-    "config": ("pkgd.cli.config_cmd", "show, validate or diff the configuration; print its JSON schema"),
+    "config": ("pkgd.cli.config_cmd", "show, validate or diff the configuration; list its keys; print its JSON schema"),
     # Written by other parts of pkgd on `pkgd.cli.base.CLISubcommand`:
-    "bench": ("pkgd.cli.bench", "benchmark offline throughput or latency"),
+    "bench": ("pkgd.cli.bench", "benchmark offline throughput or latency, or a running server"),
     "run-batch": ("pkgd.cli.run_batch", "run a JSONL file of OpenAI requests offline"),
     "status": ("pkgd.cli.ctl", "show the running daemon's processes and configuration"),
     "reload": ("pkgd.cli.ctl", "make the running daemon compose its configuration again"),
+    "collect-env": ("pkgd.cli.collect_env", "print the versions, hardware, kernels and config digest a bug report needs"),
+    "launch": ("pkgd.cli.launch", "launch render: print the prompt a chat request becomes, without an engine"),
 }
 DEFAULT_SUBCOMMAND = "serve"
 _HELP = ("-h", "--help")
 
 DESCRIPTION = """\
-pkgd serves an LLM over an OpenAI-compatible API as a config-driven daemon: Hydra composes
-the packaged presets, the system tree (/etc/pkgd or --config-dir), PKGD_SECTION__FIELD
-environment variables and the command line into one validated configuration.
+pkgd serves an LLM over an OpenAI-compatible API as a config-driven daemon: the packaged
+presets, the system tree (/etc/pkgd or --config-dir), PKGD_SECTION__FIELD environment
+variables and the command line compose into one validated configuration."""
 
+EXAMPLES = """\
+examples:
   pkgd                                     serve the default model on 127.0.0.1:8000
-  pkgd +model=qwen parallel.tp=2           choose a preset, set a key
+  pkgd --port 9000 --api-key sk-local      another port, clients need the key
   pkgd serve /models/Qwen3-0.6B --tensor-parallel-size 2
-  pkgd +model=qwen config show --sources   print the composed tree and each value's layer
-  pkgd config validate ./deploy            check a config tree (exit 0 or 2)"""
+  pkgd +model=qwen parallel.tp=2           choose a preset, set a key
+  pkgd config show --sources               the composed tree and each value's layer
+  pkgd config keys frontend                the keys of one section, with flags and defaults
+  pkgd config validate ./deploy            check a config tree (exit 0 or 2)
+  pkgd bench throughput --num-prompts 64   offline throughput of the engine"""
 
 
 def module_exists(name: str) -> bool:
@@ -97,26 +104,27 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser(command: str | None, *, with_help_text: bool = True) -> tuple[argparse.ArgumentParser, dict[str, CLISubcommand]]:
+def build_parser(command: str | None, *, with_help_text: bool = True) -> tuple[ArgumentParser, dict[str, CLISubcommand]]:
     """The ``pkgd`` parser, with the real subparser of ``command`` only (others are listed).
 
-    ``with_help_text``: build the texts only ``--help`` / ``--version`` show (the config keys
+    ``with_help_text``: build the texts only ``--help`` / ``--version`` show (the common flags
     need the JSON schema, the version a metadata lookup: ~60 ms together).
     """
     epilog = None
     if with_help_text:
-        from pkgd.cli.flags import config_groups_help, config_keys_help
+        from pkgd.cli.keys import common_flags_text
 
-        epilog = config_groups_help() + "\n\n" + config_keys_help()
-    parser = argparse.ArgumentParser(
+        epilog = common_flags_text() + "\n\n" + EXAMPLES
+    parser = ArgumentParser(
         prog="pkgd",
+        usage="pkgd [COMMAND] [KEY=VALUE | +GROUP=OPTION | ~KEY | --vllm-flag [VALUE]] ...",
         description=DESCRIPTION,
         epilog=epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pkgd {_version() if with_help_text else ''}")
     add_config_source_args(parser)
-    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands")
+    # prog: argparse would derive the commands' names from the custom usage line
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands (default: serve)", prog="pkgd")
     table = available_subcommands()
     commands: dict[str, CLISubcommand] = {}
     if command in table:
@@ -139,14 +147,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        split = split_argv(argv)
+        split = split_argv(argv, commands=available_subcommands())
         rest, command = _command_of(split.rest, list(available_subcommands()))
         wants_help = any(t in (*_HELP, "--version") for t in rest)
         parser, commands = build_parser(command, with_help_text=wants_help)
-        args = parser.parse_args(rest)
+        args = parser.parse_command_line(rest)
         args.compose_request = ComposeRequest(
             config_dir=split.config_dir,
             config_name=split.config_name,
+            vllm_config=split.vllm_config,
             overrides=tuple(split.overrides),
             flags=tuple(split.flags),
         )

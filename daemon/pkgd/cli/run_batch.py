@@ -8,6 +8,10 @@ where ``body`` is the completion / chat completion object the HTTP API would ret
 line (malformed JSON, unsupported URL, invalid field, prompt too long) gets status 400 and an
 OpenAI-shaped error, and the rest of the batch still runs. ``-i``/``-o`` accept ``-`` for
 stdin/stdout.
+
+Each body is validated by the same request models as the HTTP API (`pkgd.api.protocol`), so
+structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) and a forced
+``tool_choice`` work as they do over HTTP, and a field the API would refuse is refused here.
 """
 
 from __future__ import annotations
@@ -19,8 +23,24 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
+
 from pkgd.cli.base import CLISubcommand
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
+
+DESCRIPTION = """\
+Run a file of OpenAI batch requests on an in-process engine (as vllm run-batch). Each input
+line is {"custom_id", "method": "POST", "url": "/v1/completions" or "/v1/chat/completions",
+"body": {...}}; all valid lines run in one continuous batch. Each output line, in input
+order, is {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"},
+the body being what the HTTP API would answer. A bad line gets status 400 and an
+OpenAI-shaped error; the other lines still run. Configuration flags and overrides (--model,
+--max-num-seqs 64) choose the engine as for pkgd serve."""
+
+EXAMPLES = """\
+examples:
+  pkgd run-batch -i requests.jsonl -o results.jsonl
+  cat requests.jsonl | pkgd run-batch -i - -o - --max-model-len 4096 > results.jsonl"""
 
 # OpenAI body field -> SamplingParams field (same meaning), plus vLLM's extra fields.
 _COMMON = {
@@ -82,6 +102,7 @@ class _Item:
         self.url = ""
         self.body: dict[str, Any] = {}
         self.processed: list[Any] = []
+        self.constraint: Any = None  # pkgd.api.structured.Constraint
 
 
 def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
@@ -101,11 +122,13 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
         if item.body.get("stream"):  # as OpenAI's and vLLM's batch APIs: a result is one body
             raise BadRequest("stream: true is not supported in a batch (each result line holds one whole response)")
         proc = llm.input_processor
+        if item.url in ("/v1/completions", "/v1/chat/completions"):
+            item.constraint = _constraint(item.body, chat=item.url == "/v1/chat/completions")
         if item.url == "/v1/completions":
-            params = sampling_params_from_body(item.body, chat=False)
+            params = _constrained(sampling_params_from_body(item.body, chat=False), item.constraint)
             item.processed = [proc.process(f"{item.request_id}-{i}", p, params) for i, p in enumerate(_completion_prompts(item.body))]
         elif item.url == "/v1/chat/completions":
-            params = sampling_params_from_body(item.body, chat=True)
+            params = _constrained(sampling_params_from_body(item.body, chat=True), item.constraint)
             messages = item.body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("'messages' must be a non-empty list")
@@ -118,6 +141,31 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
     return item
 
 
+def _constraint(body: dict[str, Any], *, chat: bool) -> Any:
+    """The body checked by the API's request model, and its structured-output constraint
+    (checked like the API checks it); raises `BadRequest` with the field and the reason."""
+    import pydantic
+
+    from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest
+    from pkgd.api.structured import request_constraint
+    from pkgd.frontend.structured_outputs import check
+
+    try:
+        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        raise BadRequest(f"{where + ': ' if where else ''}{str(err.get('msg', 'invalid value')).removeprefix('Value error, ')}") from None
+    constraint = request_constraint(req)
+    if constraint is not None:
+        check(constraint.params, constraint.field)
+    return constraint
+
+
+def _constrained(params: SamplingParams, constraint: Any) -> SamplingParams:
+    return params if constraint is None else msgspec.structs.replace(params, structured_outputs=constraint.params)
+
+
 def _completion_logprobs(c: Any) -> dict[str, Any] | None:
     """Legacy completions ``logprobs``: per token its text, logprob and the candidates (the
     sampled token and the top ``logprobs``, as vLLM reports them)."""
@@ -126,14 +174,14 @@ def _completion_logprobs(c: Any) -> dict[str, Any] | None:
     tokens, token_lps, tops = [], [], []
     for tid, entry in zip(c.token_ids, c.logprobs, strict=False):
         tokens.append(entry[tid].decoded_token)
-        token_lps.append(entry[tid].logprob)
-        tops.append({v.decoded_token: v.logprob for v in entry.values()})
+        token_lps.append(max(entry[tid].logprob, -9999.0))  # JSON has no -inf (masked tokens)
+        tops.append({v.decoded_token: max(v.logprob, -9999.0) for v in entry.values()})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": None}
 
 
 def _token_info(lp: Any) -> dict[str, Any]:
     text = lp.decoded_token or ""
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
 
 
 def _chat_logprobs(c: Any, top_k: int) -> dict[str, Any] | None:
@@ -147,6 +195,17 @@ def _chat_logprobs(c: Any, top_k: int) -> dict[str, Any] | None:
     return {"content": content}
 
 
+def _forced_calls(item: _Item, c: Any, choice: dict[str, Any]) -> None:
+    """A forced tool choice's output as ``tool_calls`` (as the chat route answers it)."""
+    from pkgd.api.structured import tool_calls_of
+
+    calls = tool_calls_of(item.constraint, c.text)[: None if item.body.get("parallel_tool_calls", True) else 1]
+    if calls:
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        if item.constraint.tool_mode == "required" and c.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
+
+
 def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str, Any]:
     chat = item.url == "/v1/chat/completions"
     choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -158,6 +217,8 @@ def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str
             choice: dict[str, Any] = {"index": len(choices), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
+                if item.constraint is not None and item.constraint.tool_mode:
+                    _forced_calls(item, c, choice)
                 choice["logprobs"] = _chat_logprobs(c, int(item.body.get("top_logprobs") or 0))
             else:
                 choice["text"] = (ro.prompt or "") + c.text if echo else c.text
@@ -221,11 +282,10 @@ class RunBatchSubcommand(CLISubcommand):
     """``pkgd run-batch``."""
 
     name = "run-batch"
-    help = "Run an OpenAI batch file (JSONL) on the offline engine."
+    help = "run a JSONL file of OpenAI requests offline"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        p = subparsers.add_parser(self.name, help=self.help, description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = subparsers.add_parser(self.name, help=self.help, description=DESCRIPTION, epilog=EXAMPLES)
         p.add_argument("-i", "--input-file", required=True, help="batch requests, JSONL ('-' = stdin)")
         p.add_argument("-o", "--output-file", required=True, help="results, JSONL ('-' = stdout)")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -244,11 +304,13 @@ def cmd_init() -> list[RunBatchSubcommand]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pkgd.cli.run_batch -i … -o …`` (the same as ``pkgd run-batch``)."""
-    parser = argparse.ArgumentParser(prog="pkgd")
+    from pkgd.cli.parser import ArgumentParser
+
+    parser = ArgumentParser(prog="pkgd")
     subparsers = parser.add_subparsers(dest="command", required=True)
     (cmd,) = cmd_init()
     cmd.subparser_init(subparsers)
-    return cmd.cmd(parser.parse_args(["run-batch", *(sys.argv[1:] if argv is None else argv)]))
+    return cmd.cmd(parser.parse_command_line(["run-batch", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ class ServeSubcommand(CLISubcommand):
     help = "serve the configured model over the OpenAI-compatible API (default)"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        from pkgd.cli.flags import config_keys_help
+        from pkgd.cli.keys import common_flags_text
 
         parser = subparsers.add_parser(
             self.name,
@@ -31,8 +31,10 @@ class ServeSubcommand(CLISubcommand):
             usage="pkgd serve [MODEL] [KEY=VALUE | +GROUP=OPTION | ~KEY | --vllm-flag [VALUE]] ...",
             description="Serve the model of the composed configuration: bind the socket, start the\n"
             "engine cores and the API servers, and supervise them (SIGHUP reloads).",
-            epilog=config_keys_help(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=common_flags_text() + "\n\nexamples:\n"
+            "  pkgd serve                               the default model on 127.0.0.1:8000\n"
+            "  pkgd serve /models/Qwen3-0.6B --port 9000 --max-model-len 4096\n"
+            "  pkgd serve +model=qwen frontend.api_server_count=2",
         )
         parser.add_argument(
             "model_tag",
@@ -54,7 +56,7 @@ class ServeSubcommand(CLISubcommand):
             args.compose_request = dataclasses.replace(request, flags=(*request.flags, "--model", args.model_tag))
         args.composed = compose(args.compose_request)
         from pkgd.config.errors import ConfigError
-        from pkgd.runner.loader.resolve import model_source_problems
+        from pkgd.model_files.resolve import model_source_problems
 
         problems = model_source_problems(args.composed.config.model)
         if problems:  # exit 2 like any config error, so systemd does not restart in a loop

@@ -6,25 +6,28 @@ vLLM v1's ``EngineCore`` without the process around it: the engine-core process
 → ``Scheduler.update_from_output()``.
 
 Start-up: the model is loaded through the runner (``pkgd.runner``), the KV cache is sized
-from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU, 90 %
-of free device memory on CUDA) ÷ the runner's bytes per block, and must hold at least one
-``max_model_len`` sequence.
+from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU; on CUDA
+what ``cache.gpu_memory_utilization`` of the device leaves after loading) ÷ the runner's bytes
+per block, and must hold at least one ``max_model_len`` sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from pkgd import host
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
-from pkgd.engine.scheduler_output import SchedulerOutput
+from pkgd.engine.structured_output import StructuredOutputManager
+from pkgd.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner_output import ModelRunnerOutput
 
 # 448 MiB: SmolLM2's float32 engine stays under 1.5 GB resident (issue 3's target) while a
 # 256 x (128 -> 128) batch keeps ~40 sequences' context (637 blocks of 16 tokens).
@@ -48,6 +51,17 @@ class ModelRunnerLike(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine is in sleep mode (`EngineCore.sleep`): it takes no request until woken."""
+
+
+class EngineBusyError(ValueError):
+    """A utility call that needs an idle engine came while requests run (an HTTP 409)."""
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
 # (config) -> (ModelFiles with .name and .model_dir, a loaded runner)
 RunnerFactory = Callable[[VllmConfig], "tuple[Any, ModelRunnerLike]"]
 
@@ -58,11 +72,7 @@ def default_cpu_threads(config: VllmConfig) -> int:
     shared among the ``parallel.tp`` ranks, at least 1."""
     if config.parallel.cpu_threads is not None:
         return config.parallel.cpu_threads
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, (cores - 1) // config.parallel.tp)
+    return max(1, (host.available_cores() - 1) // config.parallel.tp)
 
 
 def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
@@ -74,7 +84,7 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     """
     import torch
 
-    from pkgd.runner.loader.resolve import resolve_model
+    from pkgd.model_files.resolve import resolve_model
     from pkgd.runner.model_runner import ModelRunner, resolve_device
 
     threads = default_cpu_threads(config)
@@ -88,13 +98,24 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     return model_files, ModelRunner(config, model_files)
 
 
-def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_device_bytes: int | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory after the weights are loaded, in bytes: ``free`` and ``total``
+    (``torch.cuda.mem_get_info``) and ``used`` by this process (``memory_reserved``)."""
+
+    free: int
+    total: int
+    used: int
+
+
+def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_memory: DeviceMemory | None = None) -> int:
     """KV blocks for this engine: ``cache.num_blocks`` when set, else the memory budget ÷
     ``bytes_per_block``.
 
-    The budget is ``cache.kv_cache_memory_bytes`` when set, else 90 % of
-    ``free_device_bytes`` (CUDA, measured after the weights are loaded) or 448 MiB (CPU).
-    Raises `ValueError` when the budget holds no block.
+    The budget is ``cache.kv_cache_memory_bytes`` when set; on CUDA (``device_memory``) it is
+    vLLM's ``gpu_memory_utilization`` × total − what this process already holds, capped at
+    90 % of the free memory (other processes' allocations and activations need the rest);
+    on CPU it is 448 MiB. Raises `ValueError` when the budget holds no block.
     """
     cache = config.cache
     if cache.num_blocks is not None:
@@ -103,8 +124,14 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
         raise ValueError(f"the runner reports {bytes_per_block} bytes per KV block")
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
-    elif free_device_bytes is not None:
-        budget = int(free_device_bytes * CUDA_FREE_MEMORY_FRACTION)
+    elif device_memory is not None:
+        share = int(device_memory.total * cache.gpu_memory_utilization) - device_memory.used
+        budget = min(share, int(device_memory.free * CUDA_FREE_MEMORY_FRACTION))
+        if budget < bytes_per_block:
+            raise ValueError(
+                f"cache.gpu_memory_utilization: {cache.gpu_memory_utilization} of {device_memory.total / 2**30:.1f} GiB "
+                f"leaves no room for the KV cache after the model's {device_memory.used / 2**30:.1f} GiB; raise it"
+            )
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // bytes_per_block
@@ -115,18 +142,6 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
         )
     return num_blocks
 
-
-def mem_available_bytes() -> int | None:
-    """Linux's estimate of memory available to new allocations without swapping
-    (``MemAvailable`` in /proc/meminfo), or None where there is none."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _check_host_memory(runner: Any, kv_bytes: int) -> None:
@@ -139,7 +154,7 @@ def _check_host_memory(runner: Any, kv_bytes: int) -> None:
     device = getattr(runner, "device", None)
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         return
-    available = mem_available_bytes()
+    available = host.mem_available_bytes()
     if available is not None and kv_bytes > available:
         raise ValueError(
             f"the KV cache needs {kv_bytes / 2**30:.2f} GiB of memory but only {available / 2**30:.2f} GiB is "
@@ -180,7 +195,7 @@ class EngineCore:
         self.block_size = config.cache.block_size
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
         self.num_kv_blocks = determine_num_kv_blocks(
-            config, bytes_per_block, free_device_bytes=_free_cuda_bytes(self.model_runner)
+            config, bytes_per_block, device_memory=_cuda_memory(self.model_runner)
         )
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -196,43 +211,115 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len)
         self.kv_cache_bytes = bytes_per_block * self.num_kv_blocks
+        self.runner_type: str = getattr(info, "runner", "generate")
+        self.hidden_size: int = getattr(info, "hidden_size", 0)
+        self.pooling_type: str = getattr(info, "pooling_type", "last")
+        self.matryoshka: bool = getattr(info, "matryoshka", False)
+        dims = getattr(info, "matryoshka_dimensions", None)
+        self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
+        self.sleep_level = 0  # 0 = awake
+        self.asleep: set[str] = set()  # of SLEEP_TAGS, released and not yet restored
+        self.structured_output = StructuredOutputManager(
+            getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer, self.vocab_size,
+            tuple(getattr(info, "eos_token_ids", None) or ([] if self.eos_token_id is None else [self.eos_token_id])),
+        )
+        # Constrained requests whose grammar is still compiling: outside the scheduler, so
+        # nothing waits for a compile (pkgd.engine.structured_output).
+        self.awaiting_grammar: dict[str, Request] = {}
+        # (request id, reason) of requests refused after add_request returned (a constraint
+        # that failed to compile); the caller reports them (core_proc, LLM).
+        self.failed_requests: list[tuple[str, str]] = []
 
     # ---- requests -------------------------------------------------------------------------
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise `ValueError` (changing nothing) for a request that can never run."""
+        """Raise `ValueError` (changing nothing) for a request that can never run, or
+        `EngineSleepingError` while the engine sleeps."""
+        if self.asleep:
+            raise EngineSleepingError(f"engine core {self.engine_index} is in sleep mode; wake it with POST /wake_up")
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if (request.sampling_params is None) == (request.pooling_params is None):
+            raise ValueError("a request needs exactly one of sampling_params and pooling_params")
+        if request.pooling_params is not None:
+            self._validate_pooling(request)
+            return
+        if self.runner_type == "pooling":
+            raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
         request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
+        # The frontend validates the prompt and max_tokens against max_model_len with the
+        # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
+        # wire client that skipped it from overrunning a request's block table.
         max_tokens = request.sampling_params.max_tokens
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) + (max_tokens or 1) > self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens, which leaves no room to generate within "
                 f"max_model_len {self.max_model_len}"
-            )
-        if max_tokens is not None and len(prompt) + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                if max_tokens is None
+                else f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                 f"{len(prompt) + max_tokens} exceeds max_model_len {self.max_model_len}"
             )
+
+    def _validate_pooling(self, request: EngineCoreRequest) -> None:
+        if self.runner_type != "pooling":
+            raise ValueError("this model is served for generation (model.runner: generate); embeddings need model.runner: pooling")
+        request.pooling_params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka,
+                                      matryoshka_dimensions=self.matryoshka_dimensions)
+        if len(request.prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request; raises `ValueError` (changing nothing) when it can never
         run: empty prompt, token ids outside the vocabulary, prompt + max_tokens beyond
-        ``max_model_len``, invalid sampling parameters, or an id already live."""
+        ``max_model_len``, invalid sampling or pooling parameters, a generation request to a
+        pooling model or the reverse, or an id already live. Raises `EngineSleepingError`
+        while the engine sleeps."""
         self.validate_request(request)
-        req = Request.from_engine_core_request(request, max_model_len=self.max_model_len)
+        # Mean and CLS pooling read every prompt position, so they take no prefix-cache hits.
+        skip = request.pooling_params is not None and self.pooling_type != "last"
+        req = Request.from_engine_core_request(request, max_model_len=self.max_model_len, skip_prefix_cache=skip)
         if req.arrival_time == 0.0:
             req.arrival_time = time.time()
-        self.scheduler.add_request(req)
+        if req.request_id in self.awaiting_grammar:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.sampling_params is None or req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.structured_output.add_request(req)
+        self.awaiting_grammar[req.request_id] = req
+        self._admit_compiled()
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar finished compiling into the scheduler (or to
+        ``failed_requests`` when it failed)."""
+        for rid, req in list(self.awaiting_grammar.items()):
+            if not req.structured_output.ready():
+                continue
+            del self.awaiting_grammar[rid]
+            error = req.structured_output.error()
+            if error is not None:
+                self.failed_requests.append((rid, f"structured_outputs: {error}"))
+                continue
+            self.structured_output.start_matcher(req)
+            self.scheduler.add_request(req)
+
+    def pop_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, reason) of requests refused since the last call; they are gone."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End these requests now and free their blocks; unknown ids are ignored. No output
         is produced for them (the frontend ends its side itself)."""
+        request_ids = list(request_ids)
+        for rid in request_ids:
+            self.awaiting_grammar.pop(rid, None)
         self.scheduler.finish_requests(request_ids)
 
     # ---- stepping ---------------------------------------------------------------------------
@@ -240,9 +327,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Run one schedule → execute → update step; returns the outputs of requests that got
         tokens (finished ones carry ``finish_reason``). Empty when there is nothing to do."""
+        if self.awaiting_grammar:
+            self._admit_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                # Only compiles pending: wait a little for one instead of spinning.
+                self.structured_output.wait_any(list(self.awaiting_grammar.values()), timeout=0.005)
+                self._admit_compiled()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.fill_bitmask(scheduler_output, self.scheduler.requests)
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Nothing fits (cannot happen while the cache holds a max_model_len sequence);
             # keep the finished ids for the next step the runner sees.
@@ -252,18 +346,63 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.awaiting_grammar) or bool(self.failed_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + len(self.awaiting_grammar)
 
     def stats(self) -> SchedulerStats:
         """Running/waiting counts, KV usage and cumulative prefix-cache and preemption counters."""
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached prefixes; False while requests hold blocks."""
+        """Drop all cached prefixes (True); False, changing nothing, while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- sleep mode (vLLM's, behind model.enable_sleep_mode) ---------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and the weights' memory (`ModelRunner.sleep` says where the
+        weights go at each level); the prefix cache is emptied with the KV cache.
+
+        Raises:
+            ValueError: sleep mode is off, ``level`` is not 1 or 2, or requests are running
+                (the engine must be idle; nothing changes).
+        """
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.asleep:
+            return
+        if self.scheduler.has_unfinished_requests():
+            n = self.scheduler.get_num_unfinished_requests()
+            raise EngineBusyError(f"{n} requests are still running on engine core {self.engine_index}; sleep when it is idle")
+        self.kv_cache_manager.reset_prefix_cache()
+        self.model_runner.sleep(level)
+        self.sleep_level, self.asleep = level, set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` released: ``tags`` of ``("weights", "kv_cache")``, default
+        both; the engine serves again once both are back. Raises `ValueError` for an unknown
+        tag or with sleep mode off."""
+        self._check_sleep_mode()
+        tags = list(SLEEP_TAGS) if not tags else list(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}; expected some of {list(SLEEP_TAGS)}")
+        wanted = [t for t in tags if t in self.asleep]
+        if wanted:
+            self.model_runner.wake_up(wanted)
+            self.asleep -= set(wanted)
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off; start the engine with model.enable_sleep_mode: true (--enable-sleep-mode)")
 
     def handshake_info(self) -> dict[str, Any]:
         """The fields of ``ipc.messages.Handshake`` for this engine."""
@@ -277,24 +416,31 @@ class EngineCore:
             "eos_token_id": self.eos_token_id,
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
+            "runner": self.runner_type,
+            "hidden_size": self.hidden_size,
+            "matryoshka": self.matryoshka,
+            "matryoshka_dimensions": self.matryoshka_dimensions,
+            "enable_sleep_mode": self.config.model.enable_sleep_mode,
         }
 
     def shutdown(self) -> None:
         """Abort everything and release the runner (idempotent)."""
         self.scheduler.finish_requests(list(self.scheduler.requests))
+        self.awaiting_grammar.clear()
+        self.structured_output.shutdown()
         close = getattr(self.model_runner, "shutdown", None)
         if close is not None:
             close()
 
 
-def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
+def _cuda_memory(runner: ModelRunnerLike) -> DeviceMemory | None:
     device = getattr(runner, "device", None)
     if device is None or getattr(device, "type", str(device)) != "cuda":
         return None
     import torch
 
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(free=free, total=total, used=torch.cuda.memory_reserved(device))
 
 
-__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]

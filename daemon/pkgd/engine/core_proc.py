@@ -24,6 +24,7 @@ its live fields (log level).
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 import threading
 import time
@@ -33,7 +34,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pkgd import log
+from pkgd import log, phases
+from pkgd.engine.core import EngineBusyError, EngineSleepingError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,
@@ -47,6 +49,8 @@ from pkgd.ipc.messages import (
     Message,
     SchedulerStats,
     Shutdown,
+    UtilityRequest,
+    UtilityResult,
     decode_client,
     encode,
 )
@@ -79,6 +83,7 @@ class EngineCoreProc:
             Hello: self._on_hello,
             AddRequest: self._on_add,
             AbortRequests: self._on_abort,
+            UtilityRequest: self._on_utility,
             Shutdown: self._on_shutdown,
         }
 
@@ -137,6 +142,12 @@ class EngineCoreProc:
             raise
         if outputs:
             self._send_outputs(outputs)
+        pop_failed = getattr(self.core, "pop_failed_requests", None)
+        for rid, message in pop_failed() if pop_failed is not None else ():
+            identity = self.owner.get(rid)
+            if identity is not None:
+                self._forget([rid])
+                self._reject(identity, rid, message)
 
     def _receive_all(self) -> None:
         while True:
@@ -179,6 +190,9 @@ class EngineCoreProc:
         except ValueError as exc:
             self._reject(identity, req.request_id, str(exc))
             return
+        except EngineSleepingError as exc:  # not the caller's fault: a 503
+            self._reject(identity, req.request_id, str(exc), rejected=False)
+            return
         self.owner[req.request_id] = identity
         self.clients[identity].add(req.request_id)
 
@@ -187,6 +201,21 @@ class EngineCoreProc:
         if mine:
             self.core.abort_requests(mine)
             self._forget(mine)
+
+    def _on_utility(self, identity: bytes, msg: UtilityRequest) -> None:
+        """Run one `EngineCore` utility method between steps and answer the caller."""
+        answer = UtilityResult(call_id=msg.call_id, engine_index=self.engine_index)
+        method = getattr(self.core, msg.method, None)
+        if method is None:
+            answer.error, answer.error_status = f"engine core {self.engine_index} has no {msg.method}", 400
+        else:
+            try:
+                answer.result = method(**msg.args)
+            except (ValueError, TypeError) as exc:
+                answer.error, answer.error_status = str(exc), 409 if isinstance(exc, EngineBusyError) else 400
+            else:
+                logger.info("utility_call", method=msg.method, args=msg.args, result=answer.result)
+        self._send(identity, answer)
 
     def _on_shutdown(self, identity: bytes, msg: Shutdown) -> None:
         logger.info("shutdown_requested")
@@ -298,7 +327,8 @@ def _load_interruptibly(factory: Callable[[], Any], signals: child.SignalState) 
         finally:
             done.set()
 
-    threading.Thread(target=load, name="engine-load", daemon=True).start()
+    # In a copy of this context: the loader's log lines carry the process's pid, role, dp_rank.
+    threading.Thread(target=contextvars.copy_context().run, args=(load,), name="engine-load", daemon=True).start()
     while not done.wait(0.05):
         if signals.stop:
             return None, None
@@ -323,6 +353,8 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
         ready.failed(ROLE, f"cannot read config {source.describe()}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE, dp_rank=args.engine_index)
+    # one progress bar per terminal: the first engine core of this node draws it
+    phases.allow_bars(args.engine_index == config.serve_plan().dp_start_rank)
     ctx = zmq.Context()
     try:
         sock = transport.bind_router(ctx, args.address)

@@ -26,21 +26,27 @@ on the runner's contract: in every layer the KV of all of a step's tokens is wri
 cache before any attention of that layer reads it.
 
 `update_from_output` appends the runner's sampled tokens, applies the stop rules
-(`Request.check_stop`), frees finished requests at once (their blocks stay cached) and
-returns one `EngineCoreOutput` per request that produced tokens. Torch-free.
+(`Request.check_stop`; a constrained request also stops when its grammar is complete, after
+its matcher accepted the token: `pkgd.engine.structured_output`), frees finished requests at once (their blocks stay cached) and
+returns one `EngineCoreOutput` per request that produced tokens. A pooling request is a
+prefill that samples nothing: it is scheduled like any prompt (chunked, batched with the
+others) and finishes on the step that computes its last prompt token, with the runner's
+pooled vector as its one output; its blocks are freed in that same update. Torch-free.
 """
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Iterable
 
 from pkgd.config.sections import SchedulerConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager, cdiv
 from pkgd.engine.request import Request, RequestStatus
 from pkgd.engine.request_queue import create_request_queue
-from pkgd.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pkgd.ipc.messages import EngineCoreOutput, SchedulerStats
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
+from pkgd.runner_output import ModelRunnerOutput
 
 # Admission lookahead, in tokens (see the module docstring). Chosen by simulating 256 requests
 # of 128 prompt tokens on SmolLM2's then-default CPU cache (728 blocks of 16, 512 MiB) with a null runner and
@@ -82,6 +88,9 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        # tokens per step, vLLM's vllm:iteration_tokens_total (bucket counts, see SchedulerStats)
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -90,6 +99,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.queued_ts = time.time()
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -125,6 +135,8 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            iteration_tokens_counts=list(self.iteration_tokens_counts),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -143,6 +155,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                pooling_params=r.pooling_params,
             )
             for r in step.new
         ]
@@ -153,12 +166,16 @@ class Scheduler:
             cached.num_computed_tokens.append(r.num_computed_tokens)
         for r in (*step.running, *step.new):
             r.num_computed_tokens += step.num_tokens[r.request_id]
+        total = self.max_num_batched_tokens - step.budget
+        if total:
+            self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, total)] += 1
+            self.iteration_tokens_sum += total
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=step.num_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            total_num_scheduled_tokens=total,
             finished_req_ids=finished,
         )
 
@@ -225,6 +242,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
+        now = time.time()
         reserve = sum(self._growth_blocks(r) for r in self.running) if self.admission_lookahead else 0
         while len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
@@ -248,6 +266,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            request.scheduled_ts = request.scheduled_ts or now
             self.running.append(request)
             kv.cache_blocks(request, num_hit + num_new)
             step.add(request, num_new, block_ids, new=True)
@@ -267,6 +286,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if request.is_pooling:
+                pooled = runner_output.pooler_output.get(req_id)
+                if pooled is not None:  # its whole prompt is computed: done, blocks freed now
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    stopped.append(request)
+                    outputs.append(self._make_output(request, [], None, pooling_output=pooled))
+                continue
             prompt_lps = runner_output.prompt_logprobs.get(req_id)
             if prompt_lps and not request.sent_first_output:
                 request.prompt_logprobs.extend(prompt_lps)
@@ -277,7 +303,7 @@ class Scheduler:
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
                 new_ids.append(token_id)
-                if request.check_stop(self.max_model_len):
+                if request.check_stop(self.max_model_len) or self._grammar_done(request, token_id):
                     stopped.append(request)
                     break
             outputs.append(self._make_output(request, new_ids, logprobs[i] if logprobs else None))
@@ -288,18 +314,36 @@ class Scheduler:
                 self._free(request)
         return outputs
 
-    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None) -> EngineCoreOutput:
+    @staticmethod
+    def _grammar_done(request: Request, token_id: int) -> bool:
+        """Advance a constrained request's matcher by its new token; True (status set to
+        stopped) when the grammar is complete, or when it rejected the token (only possible
+        if no token was allowed, e.g. ``min_tokens`` banned the only stop token)."""
+        so = request.structured_output
+        if so is None:
+            return False
+        if so.accept(token_id) and not so.is_terminated():
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+
+    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None, *,
+                     pooling_output: bytes | None = None) -> EngineCoreOutput:
         out = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
             new_logprobs=logprobs[: len(new_ids)] if logprobs else None,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            pooling_output=pooling_output,
         )
+        if out.finish_reason is not None:
+            out.num_preemptions = request.num_preemptions
         if not request.sent_first_output:
             request.sent_first_output = True
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
-            if request.sampling_params.prompt_logprobs is not None:
+            out.queued_ts, out.scheduled_ts = request.queued_ts, request.scheduled_ts
+            if request.wants_prompt_logprobs:
                 out.new_prompt_logprobs = request.prompt_logprobs
         return out
 

@@ -3,12 +3,13 @@
 The engine core drives it: ``model_info`` and ``kv_cache_bytes_per_block`` size the KV
 cache, ``initialize_kv_cache`` allocates it, then each step ``execute_model(SchedulerOutput)
 -> ModelRunnerOutput`` runs one flattened batch (contracts in
-`pkgd.engine.scheduler_output` and `pkgd.runner.output`).
+`pkgd.scheduler_output` and `pkgd.runner_output`).
 
 A step: apply the scheduler's diffs to the per-request states -> flatten (one-token queries
 first) -> model forward over all scheduled tokens -> LM head only on the rows that sample (the
 last scheduled token of each request whose known tokens are all computed) and on the rows that
-give prompt logprobs -> `Sampler` -> append each sampled token to its request.
+give prompt logprobs -> the grammar bitmask of constrained requests (`grammar_bitmask`) ->
+`Sampler` -> append each sampled token to its request.
 
 Threads are the process owner's business (``torch.set_num_threads``); the runner never sets
 them. With ``world_size > 1`` the owner initialises ``torch.distributed`` first; every rank
@@ -19,28 +20,33 @@ generators), so any rank's output may be used.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
+from typing import Any
 
 import torch
 
-from pkgd import log
+from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.engine.scheduler_output import SchedulerOutput
-from pkgd.ipc.messages import TokenLogprobs
+from pkgd.scheduler_output import SchedulerOutput
+from pkgd.logprobs import TokenLogprobs
 from pkgd.runner.attention import AttentionMetadata
-from pkgd.runner import ops
 from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
 from pkgd.runner.distributed import TPGroup
+from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
-from pkgd.runner.loader.dtype import resolve_dtype
-from pkgd.runner.loader.resolve import ModelFiles, default_cache_dir
+from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
+from pkgd.model_files.resolve import ModelFiles, default_cache_dir
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
-from pkgd.runner.output import ModelRunnerOutput
+from pkgd.runner.pooler import Pooler, matryoshka_of, resolve_pooling_type
+from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 
 logger = log.get_logger("pkgd.runner")
+
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # broadcast between TP ranks by index
 
 # Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
 PROMPT_LOGPROBS_SLICE = 256
@@ -68,6 +74,10 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     num_params: int
+    runner: str = "generate"  # model.runner, resolved: generate | pooling
+    pooling_type: str = "last"
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -116,18 +126,23 @@ class ModelRunner:
         self.device = device or resolve_device(config.parallel.device)
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
-        self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
+        bar = rank == 0  # one bar per terminal: the other ranks log their phases only
+        self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
-            why_not = ops.enable_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
-            if why_not:
-                logger.warning("cpu_kernels_unavailable", reason=why_not, fallback="pytorch")
-        self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp)
+            with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
+                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+        self.dtype_choice = self._choose_dtype()
+        self.dtype = self.dtype_choice.dtype
+        self.runner_type = config.model.runner_type
+        pooler_cfg = config.model.pooler
+        self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
+        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
+            self.model = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
-        cpu_kernels = ops.cpu_kernels()
-        if cpu_kernels is not None:
-            logger.info("cpu_kernels_loaded", library=str(cpu_kernels.path),
+        if self.cpu_kernels is not None:
+            logger.info("cpu_kernels_loaded", library=str(self.cpu_kernels.path),
                         one_call_decode=getattr(self.model, "cpu_decode", None) is not None)
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
@@ -137,9 +152,42 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.num_blocks = 0
+        self._offloaded: dict[torch.Tensor, torch.Tensor] | None = None  # sleep level 1 on a GPU
+
+    def _load_model(self, progress: Any = None) -> torch.nn.Module:
+        return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
+                          progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
+
+    def _choose_dtype(self) -> DtypeChoice:
+        """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
+        broadcast, so every rank of a TP group runs one dtype; logged as ``dtype_choice``."""
+        first = self.tp.rank == 0
+        choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
+                              shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
+        if self.tp.size > 1:
+            codes = list(_DTYPE_CODES)
+            agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]
+            if agreed != choice.dtype or not first:
+                choice = dataclasses.replace(choice, dtype=agreed, reason="rank 0's choice")
+        logger.info("dtype_choice", **choice.as_dict())
+        return choice
+
+    @staticmethod
+    def _load_cpu_kernels(cache_dir):
+        """The C kernels (`pkgd_kernels.cpu.CpuKernels`) for the model, or None (logged with
+        the reason; the ops' PyTorch forms then run)."""
+        from pkgd_kernels import cpu
+
+        try:
+            return cpu.load(cache_dir)
+        except cpu.CpuKernelsUnavailable as e:
+            logger.warning("cpu_kernels_unavailable", reason=str(e), fallback="pytorch")
+            return None
 
     def _model_info(self) -> ModelInfo:
         a = self.arch
+        matryoshka, dims = matryoshka_of(self.config.model.pooler.matryoshka, a.raw)
         configured = self.config.model.max_model_len
         max_len = a.max_position_embeddings if configured is None else min(configured, a.max_position_embeddings)
         num_params = sum(p.numel() for p in self.model.parameters())  # this rank's share
@@ -158,6 +206,10 @@ class ModelRunner:
             hidden_size=a.hidden_size,
             dtype=str(self.dtype).removeprefix("torch."),
             num_params=num_params,
+            runner=self.runner_type,
+            pooling_type=self.pooler.pooling_type,
+            matryoshka=matryoshka,
+            matryoshka_dimensions=tuple(dims) if dims else None,
         )
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -174,13 +226,55 @@ class ModelRunner:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(self.arch.num_hidden_layers)
-        ]
-        self.block_size = block_size
+        layers = self.arch.num_hidden_layers
+        with phases.phase("kv_cache", "allocating KV cache", total=layers, unit="layer", bar=self.tp.rank == 0,
+                          num_blocks=num_blocks, bytes=num_blocks * self.kv_cache_bytes_per_block(block_size)) as p:
+            self.kv_caches = []
+            for _ in range(layers):
+                self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                       torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+                p.advance()
+        self.block_size, self.num_blocks = block_size, num_blocks
         if self.device.type == "cpu":
             self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])
+
+    # ---- sleep mode ----------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Release memory until `wake_up` (vLLM's sleep mode; the engine holds no request).
+
+        Level 1 frees the KV cache and moves the weights to host memory (on a CPU they are
+        there already and stay); level 2 frees the KV cache and drops the weights, which
+        `wake_up` reloads from the model files.
+        """
+        self.kv_caches = []
+        self.states.clear()
+        if level >= 2:
+            self.model = None
+            self._offloaded = None
+        elif self.device.type != "cpu" and self._offloaded is None and self.model is not None:
+            # No kernel keeps raw pointers off the CPU, so swapping each tensor's storage is safe.
+            self._offloaded = {}
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                self._offloaded[t] = t.data.to("cpu")
+                t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore what `sleep` released: ``"weights"`` and/or ``"kv_cache"`` (zeroed)."""
+        if "weights" in tags:
+            if self.model is None:
+                self.model = self._load_model()
+                if self.device.type == "cpu":
+                    self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
+            elif self._offloaded is not None:
+                for t, host in self._offloaded.items():
+                    t.data = host.to(self.device)
+                self._offloaded = None
+        if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
+            self.initialize_kv_cache(self.num_blocks, self.block_size)
 
     @staticmethod
     def _to_huge_pages(what: str, spans: list[tuple[int, int]]) -> None:
@@ -210,17 +304,20 @@ class ModelRunner:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if batch.sample_rows:
-            self._sample(batch, hidden, sampled, logprobs)
+            self._sample(batch, hidden, sampled, logprobs, scheduler_output)
         out = ModelRunnerOutput(
             req_ids=[st.req_id for st in batch.states],
             sampled_token_ids=[sampled.get(st.req_id, []) for st in batch.states],
         )
-        if any(st.sampling_params.logprobs is not None for st in batch.states):
+        if any(st.sampling_params is not None and st.sampling_params.logprobs is not None for st in batch.states):
             out.logprobs = [
-                logprobs.get(st.req_id, []) if st.sampling_params.logprobs is not None else None for st in batch.states
+                logprobs.get(st.req_id, []) if st.sampling_params is not None and st.sampling_params.logprobs is not None else None
+                for st in batch.states
             ]
         if batch.prompt_logprobs:
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if batch.pooling:
+            out.pooler_output = self.pooler(hidden, batch.pooling)
         return out
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
@@ -236,9 +333,11 @@ class ModelRunner:
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict) -> None:
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput) -> None:
         rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).cpu()
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
+        logits = logits.cpu()
         spec = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
         result = self.sampler(logits, spec)
         tokens = result.token_ids.tolist()

@@ -10,7 +10,7 @@ Order, per row (``logits [N, V]`` float32, one row per request that samples this
    by the penalty, negative ones multiplied; prompt and output tokens), frequency
    (``-= penalty * count``) and presence (``-= penalty * [count > 0]``) over output tokens;
 5. greedy rows: argmax. Other rows: divide by temperature, ``min_p`` (drop tokens below
-   ``min_p`` × the top probability), top-k / top-p (`top_k_top_p_mask`), then sample by the
+   ``min_p`` × the top probability), top-k / top-p (``pkgd_kernels.top_k_top_p_mask``), then sample by the
    exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` per token picks token i with
    probability ``p_i`` (the Gumbel-max trick in exponential form, as vLLM v1's sampler).
 
@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pkgd_kernels as pk
 import torch
 
-from pkgd.engine.sampling_params import SamplingParams
-from pkgd.ipc.messages import TokenLogprobs
-from pkgd.runner.ops import kernels
+from pkgd.logprobs import TokenLogprobs
+from pkgd.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -135,7 +135,7 @@ class Sampler:
         top_k = [max(r.params.top_k, 0) for r in rr]
         top_p = [r.params.top_p for r in rr]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            sub = top_k_top_p_mask(sub, torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p, dtype=torch.float32))
+            sub = pk.top_k_top_p_mask(sub, torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p, dtype=torch.float32))
         probs = sub.softmax(dim=-1)
         q = self._exponentials(probs, rr)
         tokens[r_idx] = probs.div_(q).argmax(dim=-1)
@@ -187,40 +187,6 @@ def _counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
                 padded[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
         counts.scatter_add_(1, padded, torch.ones(padded.shape))
     return counts[:, :vocab]
-
-
-def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and outside the smallest set of tokens whose
-    probability reaches top_p (nucleus sampling, Holtzman et al., 2020) to -inf.
-
-    Args:
-        logits: ``[S, V]`` float32.
-        top_k: int32 ``[S]``, 0 = off. top_p: float32 ``[S]``, 1.0 = off. top-k applies first;
-            top-p then works on the renormalised survivors (vLLM's order).
-
-    Returns a new ``[S, V]`` tensor. Tokens tied with the boundary token are kept.
-    """
-    if logits.is_cuda:
-        return kernels().top_k_top_p_mask(logits, top_k, top_p)
-    neg_inf = float("-inf")
-    k = top_k.to(torch.int64)
-    use_p = bool((top_p < 1.0).any())
-    if not use_p:  # top-k only: a partial sort is enough
-        kmax = int(k.max())
-        vals = logits.topk(min(kmax, logits.shape[1]), dim=-1).values
-        kth = vals.gather(1, (k.clamp(1, vals.shape[1]) - 1).unsqueeze(1))
-        kth = torch.where((k > 0).unsqueeze(1), kth, torch.full_like(kth, neg_inf))
-        return logits.masked_fill(logits < kth, neg_inf)
-    srt = logits.sort(dim=-1, descending=True).values
-    kth = srt.gather(1, (k.clamp(1, srt.shape[1]) - 1).unsqueeze(1))
-    kth = torch.where((k > 0).unsqueeze(1), kth, torch.full_like(kth, neg_inf))
-    srt = srt.masked_fill(srt < kth, neg_inf)
-    probs = srt.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each token
-    last = ((before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-    pth = srt.gather(1, last)
-    pth = torch.where((top_p < 1.0).unsqueeze(1), pth, torch.full_like(pth, neg_inf))
-    return logits.masked_fill(logits < torch.maximum(kth, pth), neg_inf)
 
 
 def batch_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:

@@ -36,21 +36,18 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from pkgd import log
+from pkgd import host, log
 from pkgd.config.fields import ReloadClass
 from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
-from pkgd.engine.core import mem_available_bytes
-from pkgd.supervisor.children import ChildStartError
-from pkgd.supervisor.fleet import Generation
+from pkgd.supervisor.children import Child, ChildStartError
+from pkgd.supervisor.fleet import Fleet, Generation
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
-
-if TYPE_CHECKING:
-    from pkgd.supervisor.supervisor import Supervisor
 
 logger = log.get_logger(__name__)
 
@@ -63,6 +60,27 @@ class ReloadFailed(Exception):
 
 class RollbackFailed(Exception):
     """A stop-first swap failed and the old config could not be started again either."""
+
+
+class Supervisor(Protocol):
+    """What a reload reads and drives of the running supervisor
+    (`pkgd.supervisor.supervisor.Supervisor` implements it)."""
+
+    config: VllmConfig
+    plan: ServePlan
+    listeners: list[Listener]
+    fleet: Fleet
+    recompose: Callable[[], VllmConfig]
+
+    def adopt_config(self, new: VllmConfig) -> None: ...
+
+    def swap_listeners(self, listeners: list[Listener]) -> None: ...
+
+    def retire(self, children: list[Child]) -> None: ...
+
+    async def stop_in_order(self, children: list[Child]) -> None: ...
+
+    async def start_generation(self, gen: Generation, plan: ServePlan, listeners: list[Listener]) -> None: ...
 
 
 def config_problems(exc: BaseException) -> list[str]:
@@ -186,7 +204,7 @@ def can_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[bool
         return False, "engine cores hold most of the GPU memory"
     rss = sum(_tree_rss(c.pid) for c in sup.fleet.engines.values())
     need = rss * OVERLAP_MEMORY_FACTOR * plan.dp_local / max(1, len(sup.fleet.engines))
-    available = mem_available_bytes() or 0
+    available = host.mem_available_bytes() or 0
     return available > need, f"{available / 2**30:.1f} GiB available, a second set needs ~{need / 2**30:.1f} GiB"
 
 

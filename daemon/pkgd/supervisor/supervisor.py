@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from pkgd.supervisor import reload as reloading
 from pkgd.supervisor.children import Child, ChildStartError
 from pkgd.supervisor.control import ControlServer
 from pkgd.supervisor.fleet import Fleet, Generation, StopRequested
+from pkgd.supervisor.headline import ready_headline
 from pkgd.supervisor.health import HealthMonitor
 from pkgd.supervisor.notify import Notifier
 from pkgd.supervisor.restart import RestartPolicy
@@ -280,6 +282,8 @@ class Supervisor:
     def _announce_ready(self) -> None:
         urls = [lst.url for lst in self.listeners]
         engines = [c.spec.address for c in self.fleet.engines.values()]
+        if log.is_console():  # a person is watching: the URL first, in words (JSON logs stay as they are)
+            print(ready_headline(self.config, urls, list(self.fleet.engines.values())), file=sys.stderr, flush=True)
         logger.info("ready", url=urls[0] if urls else None, urls=urls, mode=self.plan.mode, engines=engines, api_servers=len(self.fleet.apis), config_hash=self.config.digest())
         self.notifier.ready(self._status_line())
 

@@ -25,7 +25,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from common import config_source, die_with_parent, fake_options, report
-from pkgd.engine.sampling_params import SamplingParams
+from pkgd.sampling_params import SamplingParams
 from pkgd.ipc import messages
 
 

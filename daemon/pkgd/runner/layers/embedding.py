@@ -9,20 +9,20 @@ On CPU the float32 LM head is repacked for oneDNN after loading like the other l
 (`pkgd.runner.layers.linear`), with the C GEMV for a few rows: its batched logits were the
 slowest GEMM of a decode step (MKL ~95 GFLOP/s at 64 rows against oneDNN's ~190). A tied head
 is packed only when the packing's layout is the known ``[V/64][H][64]``, which the embedding
-then reads as rows ``[ids // 64, :, ids % 64]`` (through the C kernels' gather when loaded:
-one float per 64-byte line, so the lines are prefetched together rather than missed one by one).
+then reads through ``pkgd_kernels.gather_packed`` (its C form when loaded: one float per
+64-byte line, so the lines are prefetched together rather than missed one by one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pkgd_kernels as pk
 import torch
 from torch import nn
 
-from pkgd.runner import ops
 from pkgd.runner.distributed import SINGLE, TPGroup
-from pkgd.runner.layers.linear import gemv_or_none, onednn_linear, pack_for_onednn, packed_rows_view, verified_gemv_pointer
+from pkgd.runner.layers.linear import onednn_linear, pack_for_onednn, packed_view, small_batch_gemv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -67,23 +67,24 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """``h [N, H] -> logits [N, V]`` (gathered over ranks). ``weight`` is ``[H, V/tp]``, or
-    its oneDNN packing after `process_weights_after_loading` on CPU (module docstring)."""
+    its oneDNN packing after `process_weights_after_loading` on CPU (module docstring).
+    ``kernels``: the model's `pkgd_kernels.cpu.CpuKernels` (or None)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, tied: bool = False) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, tied: bool = False, kernels=None) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         self.tied = tied
         self.local = tp.shard(vocab_size, "vocab_size")
         self.start = tp.rank * self.local
         self.in_features, self.out_features = hidden_size, self.local
         self.weight = nn.Parameter(torch.empty(hidden_size, self.local, dtype=dtype), requires_grad=False)
         self.packed = False
-        self.gemv_ptr: int | None = None
-        self._rows_view: torch.Tensor | None = None  # [V/64, H, 64] over the packed buffer
+        self.gemv_weight: torch.Tensor | None = None  # [V/64, H, 64] over the packed buffer
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            logits = gemv_or_none(self, h, None)
+            logits = small_batch_gemv(self, h, None)
             if logits is None:
                 logits = onednn_linear(h, self.weight, None)
         else:
@@ -92,11 +93,8 @@ class ParallelLMHead(nn.Module):
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (local int64 ``[T]``) of the ``[V/tp, H]`` matrix, as ``[T, H]``."""
-        if self._rows_view is not None:
-            kernels = ops.cpu_kernels() if self.gemv_ptr is not None else None
-            if kernels is not None:  # prefetches a row's lines (one float per 64-byte line)
-                return kernels.gather_packed64(self.gemv_ptr, ids, self.local, self.in_features)
-            return self._rows_view[ids // 64, :, ids % 64]
+        if self.gemv_weight is not None:
+            return pk.gather_packed(self.gemv_weight, ids, kernels=self.kernels)
         return self.weight.index_select(1, ids).t().contiguous()
 
     def process_weights_after_loading(self) -> None:
@@ -107,12 +105,10 @@ class ParallelLMHead(nn.Module):
         packed = pack_for_onednn(self.weight.t())
         if packed is None:
             return
-        ptr = verified_gemv_pointer(packed, self.local, self.in_features)
-        if self.tied and ptr is None:
+        view = packed_view(packed, self.local, self.in_features)
+        if self.tied and view is None:
             return  # the embedding could not read the packed rows
-        self.gemv_ptr = ptr
-        if ptr is not None:
-            self._rows_view = packed_rows_view(packed, ptr, self.local, self.in_features)
+        self.gemv_weight = view
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.packed = True
 

@@ -25,9 +25,10 @@ packing PyTorch Inductor uses for CPU linears) and the forward calls
 M=2048 both ~190. Without oneDNN in the torch build the dense path stays.
 
 Up to `GEMV_MAX_BATCH` rows (decode of a few sequences, memory-bound) the forward instead
-calls the C kernel ``pkgd_kernels.cpu`` GEMV on the same packed buffer (oneDNN's layout here
-is ``[out/64][in][64]``; `_gemv_pointer` checks it against oneDNN's own result once per
-weight). Measured here (2 threads, weights beyond the caches, GB/s read, oneDNN -> C):
+calls ``pkgd_kernels.gemv_packed`` on the same packed buffer, through its C form (the layer's
+``kernels``, a `pkgd_kernels.cpu.CpuKernels`, when the runner loaded them): oneDNN's layout
+here is ``[out/64][in][64]``, which `packed_view` checks against oneDNN's own product once
+per weight before exposing the buffer as a ``[out/64, in, 64]`` tensor. Measured here (2 threads, weights beyond the caches, GB/s read, oneDNN -> C):
 M=1 15-22 -> 23-29, M=4 17-25 -> 26-32, M=8 15-23 -> 20-25, M=16 about equal.
 """
 
@@ -36,11 +37,11 @@ from __future__ import annotations
 import ctypes
 import os
 
+import pkgd_kernels as pk
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pkgd.runner import ops
 from pkgd.runner.distributed import SINGLE, TPGroup
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -55,9 +56,9 @@ GEMV_MAX_BATCH = 8  # rows up to which the C GEMV beats oneDNN (module docstring
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` float32 on CPU repacked for `onednn_linear`; None when oneDNN's
-    packed linear is unavailable or does not apply (device, dtype)."""
-    if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    """``weight [out, in]`` float32 or bfloat16 on CPU repacked for `onednn_linear`; None when
+    oneDNN's packed linear is unavailable or does not apply (device, dtype)."""
+    if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     # Read by oneDNN when it creates its first primitive, which is after loading; an
     # operator's own setting wins.
@@ -69,43 +70,47 @@ def _repack(layer: nn.Module, weight_out_in: torch.Tensor) -> None:
     """Replace ``layer.weight`` by its oneDNN packing (given as ``[out, in]``) once."""
     packed = None if layer.packed else pack_for_onednn(weight_out_in)
     if packed is not None:
-        layer.gemv_ptr = verified_gemv_pointer(packed, *weight_out_in.shape)
+        layer.gemv_weight = packed_view(packed, *weight_out_in.shape)
         layer.weight = nn.Parameter(packed, requires_grad=False)
         layer.packed = True
 
 
-def verified_gemv_pointer(packed: torch.Tensor, n: int, k: int) -> int | None:
-    """Address of ``packed``'s buffer when the C GEMV reads it right (layout ``[n/64][k][64]``,
-    checked against oneDNN's product on a random input), else None."""
-    kernels = ops.cpu_kernels()
-    if kernels is None or n % 64 or torch.ops.mkldnn._nbytes(packed) != n * k * 4:
+def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """``packed`` (from `pack_for_onednn`, of ``W [n, k]``) as the tensor
+    ``pkgd_kernels.gemv_packed`` reads: float32 ``[n/64, k, 64]`` or bfloat16 ``[n/32, k/2, 32,
+    2]``, when oneDNN laid it out so (checked by comparing ``gemv_packed_ref`` on the view with
+    oneDNN's product on a random input; oneDNN picks other layouts for some shapes and CPUs);
+    None otherwise. Valid while ``packed`` lives."""
+    dtype = packed.dtype
+    if dtype == torch.float32:
+        shape, ctype = (n // 64, k, 64), ctypes.c_float
+    elif dtype == torch.bfloat16:
+        shape, ctype = (n // 32, k // 2, 32, 2), ctypes.c_uint16
+    else:
         return None
-    ptr = torch.ops.mkldnn.data_ptr(packed)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
-    ref = onednn_linear(x, packed, None)
-    got = kernels.gemv_packed64(x, ptr, None, n, k)
-    if (got - ref).abs().max() > 1e-4 * ref.abs().max() + 1e-6:
+    if n % shape[-2 if dtype == torch.bfloat16 else -1] or k % (2 if dtype == torch.bfloat16 else 1):
         return None
-    return ptr
+    if torch.ops.mkldnn._nbytes(packed) != n * k * dtype.itemsize:
+        return None
+    buf = (ctype * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    raw = torch.frombuffer(buf, dtype=torch.float32 if dtype == torch.float32 else torch.int16)
+    view = (raw if dtype == torch.float32 else raw.view(torch.bfloat16)).view(shape)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ref = onednn_linear(x, packed, None).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the two round their outputs apart
+    if (pk.gemv_packed_ref(x, view, None).float() - ref).abs().max() > tol * ref.abs().max() + 1e-6:
+        return None
+    return view
 
 
-def packed_rows_view(packed: torch.Tensor, ptr: int, n: int, k: int) -> torch.Tensor:
-    """A ``[n/64, k, 64]`` float32 view of the buffer at ``ptr`` (from
-    `verified_gemv_pointer`, so laid out ``[n/64][k][64]``): row i of ``W [n, k]`` is
-    ``view[i // 64, :, i % 64]``. Valid while ``packed`` lives."""
-    buf = (ctypes.c_float * (n * k)).from_address(ptr)
-    return torch.frombuffer(buf, dtype=torch.float32).view(n // 64, k, 64)
-
-
-def gemv_or_none(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ W^T (+ bias)`` through the C GEMV when the layer has it and ``x`` has at most
-    `GEMV_MAX_BATCH` rows; None otherwise (the caller uses oneDNN)."""
-    if layer.gemv_ptr is None or x.shape[0] > GEMV_MAX_BATCH or x.stride(-1) != 1:
+def small_batch_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W^T (+ bias)`` through the C form of ``pkgd_kernels.gemv_packed`` when the layer
+    has the kernels and a packed view, ``x`` has at most `GEMV_MAX_BATCH` rows and the kernel
+    takes it; None otherwise (the caller uses oneDNN's GEMM, faster than the op's reference)."""
+    kernels, w = layer.kernels, layer.gemv_weight
+    if kernels is None or w is None or x.shape[0] > GEMV_MAX_BATCH or not kernels.takes_gemv_packed(x, w):
         return None
-    kernels = ops.cpu_kernels()
-    if kernels is None:
-        return None
-    return kernels.gemv_packed64(x, layer.gemv_ptr, bias, layer.out_features, layer.in_features)
+    return pk.gemv_packed(x, w, bias, kernels=kernels)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -122,6 +127,7 @@ class MergedColumnParallelLinear(nn.Module):
         part_shards: how many equal shards each part has: the TP size normally; for K/V heads
             fewer than ranks, the number of KV heads (each rank then holds a replica, vLLM's rule).
         bias: whether the parts have biases.
+        kernels: the model's `pkgd_kernels.cpu.CpuKernels` (or None) for the small-batch GEMV.
 
     Input ``[T, H]`` in the model dtype; output ``[T, sum(local part sizes)]``.
     """
@@ -135,9 +141,11 @@ class MergedColumnParallelLinear(nn.Module):
         tp: TPGroup = SINGLE,
         part_shards: list[int] | None = None,
         dtype: torch.dtype = torch.float32,
+        kernels=None,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         shards = part_shards or [tp.size] * len(part_sizes)
         self.part_sizes = list(part_sizes)
         self.shard_counts = shards
@@ -148,11 +156,11 @@ class MergedColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.packed = False
-        self.gemv_ptr: int | None = None
+        self.gemv_weight: torch.Tensor | None = None  # [out/64, in, 64] over the packed buffer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            y = gemv_or_none(self, x, self.bias)
+            y = small_batch_gemv(self, x, self.bias)
             return y if y is not None else onednn_linear(x, self.weight, self.bias)
         if self.bias is not None:
             return torch.addmm(self.bias, x, self.weight)
@@ -189,19 +197,20 @@ class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_local @ W_local^T) (+ b)``; input ``[T, in/tp]``, output ``[T, out]``.
     ``weight`` is ``[out, in/tp]`` (see the module docstring for why)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
         super().__init__()
         self.tp = tp
+        self.kernels = kernels
         self.in_local = tp.shard(in_features, "input features")
         self.in_features, self.out_features = self.in_local, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed = False
-        self.gemv_ptr: int | None = None
+        self.gemv_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            y = gemv_or_none(self, x, None)
+            y = small_batch_gemv(self, x, None)
             y = y if y is not None else onednn_linear(x, self.weight, None)
         else:
             y = F.linear(x, self.weight)

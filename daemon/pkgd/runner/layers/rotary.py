@@ -12,9 +12,10 @@ rounding: ``inv_freq[i] = 1 / theta ** (2i / rot_dim)`` computed in float32, the
 
 Layout: HF checkpoints rotate dimension ``i`` with ``i + rot_dim/2`` of each head (GPT-NeoX
 "rotate half"). pkgd permutes the Q/K projection rows at load time (`to_interleaved`, the same
-permutation llama.cpp applies in its converter) so that rotated pairs are adjacent; RoPE is then
-one complex multiplication per token (`apply_rotary_complex`), 3 ops instead of ~10 per
-tensor. Attention scores are unchanged because queries and keys carry the same permutation.
+permutation llama.cpp applies in its converter) so that rotated pairs are adjacent (GPT-J
+pairing): ``pkgd_kernels.rotary_embedding``'s CPU form then rotates each pair as one complex
+multiplication, 3 ops instead of ~10 per tensor, and the one-call decode step rotates pairs in
+place. Attention scores are unchanged because queries and keys carry the same permutation.
 """
 
 from __future__ import annotations
@@ -49,17 +50,6 @@ def to_interleaved(w: torch.Tensor, num_heads: int, head_dim: int, rot_dim: int)
     heads = w.reshape(num_heads, head_dim, *rest)
     rot = heads[:, :rot_dim].reshape(num_heads, 2, rot_dim // 2, *rest).transpose(1, 2).reshape(num_heads, rot_dim, *rest)
     return torch.cat((rot, heads[:, rot_dim:]), dim=1).reshape(w.shape)
-
-
-def apply_rotary_complex(x: torch.Tensor, freqs: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    """Rotate heads ``x [T, H, D]`` (adjacent-pair layout; rows may be strided) by
-    ``freqs [T, 1, rot_dim/2]`` complex (``cos + i sin``). Returns a new ``[T, H, D]``."""
-    t, h, d = x.shape
-    if rot_dim == d:
-        return torch.view_as_real(torch.view_as_complex(x.view(t, h, d // 2, 2)) * freqs).view(t, h, d)
-    rot = x[..., :rot_dim].reshape(t, h, rot_dim // 2, 2)
-    out = torch.view_as_real(torch.view_as_complex(rot) * freqs).view(t, h, rot_dim)
-    return torch.cat((out, x[..., rot_dim:]), dim=-1)
 
 
 def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:

@@ -1,6 +1,4 @@
-"""Model sources: resolving ``model.source`` to an HF-layout directory, GGUF conversion, and
-loading safetensors weights into a model.
-
-`resolve` is torch-free (API servers import it to find tokenizer files); `weights` and
-`dtype` need torch and are imported only by engine processes.
+"""Loading weights into a model: safetensors from a resolved `pkgd.model_files.ModelFiles`
+directory (`weights`), and the compute dtype (`dtype`). Both need torch and run only in
+engine processes.
 """

@@ -8,12 +8,13 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from pkgd.runner.distributed import SINGLE, TPGroup
-from pkgd.runner.loader.resolve import ModelSourceError
+from pkgd.model_files.errors import ModelSourceError
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
 
@@ -51,6 +52,29 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelSourceError(f"{path}: cannot read ({e})") from e
 
 
+def count_tensors(model_dir: Path) -> int:
+    """How many tensors `iter_safetensors` yields for ``model_dir`` (headers only).
+
+    Raises:
+        ModelSourceError: as `iter_safetensors`.
+    """
+    n = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                header, _ = _read_header(f, os.fstat(f.fileno()).st_size, path)
+        except OSError as e:
+            raise ModelSourceError(f"{path}: cannot read ({e})") from e
+        n += sum(1 for name in header if name != "__metadata__")
+    return n
+
+
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], progress: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        yield item
+        progress.advance()
+
+
 def _read_header(f, size: int, path: Path) -> tuple[dict, int]:
     raw = f.read(8)
     n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
@@ -82,8 +106,25 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
     return t
 
 
-def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE) -> nn.Module:
+def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of an embedding checkpoint under the ``*ForCausalLM`` names: one saved from the
+    base model (sentence-transformers' Qwen3-Embedding: ``layers.0...``, ``embed_tokens``,
+    ``norm``) gets the ``model.`` prefix; a causal-LM checkpoint passes unchanged."""
+    for name, tensor in weights:
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        yield name, tensor
+
+
+def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
+               progress: Any = None, kernels=None, pooling: bool = False) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
+    ``kernels``: the `pkgd_kernels.cpu.CpuKernels` the model's ops may use (CPU), or None.
+
+    ``progress`` (a `pkgd.phases.Phase`) is told one step per tensor read, then one for the
+    post-loading processing (repacking for the CPU kernels). ``pooling``
+    (``model.runner: pooling``): the LM head is never used, so a checkpoint without one
+    loads, and base-model tensor names are accepted (`pooling_names`).
 
     Raises:
         UnsupportedArchitectureError: the architecture is not registered.
@@ -92,12 +133,19 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     """
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
-        model = cls(cfg, tp=tp, dtype=dtype)
+        model = cls(cfg, tp=tp, dtype=dtype, kernels=kernels)
+    model.requires_lm_head = not pooling
+    tensors = iter_safetensors(model_dir)
+    if progress is not None:
+        progress.set_total(count_tensors(model_dir) + 1)
+        tensors = _counted(tensors, progress)
     with torch.no_grad():
-        model.load_weights(iter_safetensors(model_dir))
+        model.load_weights(pooling_names(tensors) if pooling else tensors)
         # Submodules before the modules holding them (e.g. linear weights repacked for oneDNN
         # on CPU, then the model's one-call decode step over those packed weights).
         for module in reversed(list(model.modules())):
             if hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()
+    if progress is not None:
+        progress.advance()
     return model.eval()

@@ -10,59 +10,40 @@ o_proj and down_proj row-parallel, embedding and LM head vocab-parallel.
 after the final norm; ``compute_logits(hidden [N, H]) -> [N, V]`` float32 for the rows that
 need them only (the LM head is 28M of SmolLM2's 135M parameters).
 
-On CPU, a step of at most 8 decoding sequences runs as one C call over every layer instead
-(`pkgd.runner.models.cpu_decode`, set up in `process_weights_after_loading` when the model
-qualifies); the per-layer forward here is its reference and its fallback.
+Every op goes through ``pkgd_kernels`` (CUDA: Triton; CPU: the C kernels of ``kernels``, the
+`pkgd_kernels.cpu.CpuKernels` the runner loaded and hands to the model, where they take the
+tensors, else PyTorch). On CPU, a step of at most 8 decoding sequences runs as one C call over
+every layer instead (`pkgd.runner.models.llama_cpu_decode`, set up in
+`process_weights_after_loading` when the model qualifies); the per-layer forward here
+(`LlamaForCausalLM.forward_layers`) is its reference and its fallback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
+import pkgd_kernels as pk
 import torch
+from pkgd_kernels.rotary import RotaryPlan, plan_rotary
 from torch import nn
 
-from pkgd.runner import ops
-from pkgd.runner.attention import AttentionMetadata, paged_attention
+from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pkgd.runner.layers.norm import RMSNorm
-from pkgd.runner.layers.rotary import RotaryEmbedding, apply_rotary_complex, to_interleaved
+from pkgd.runner.layers.rotary import RotaryEmbedding, to_interleaved
 from pkgd.runner.models.config import ArchConfig
-from pkgd.runner.models.cpu_decode import CpuDecodeStep
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from pkgd.runner.models.llama_cpu_decode import CpuDecodeStep
 
 
-class RopeContext:
-    """Per-forward rotary inputs shared by every layer: positions and, on CPU, the complex
-    rotations ``cos + i sin`` for them (Q/K are in the adjacent-pair layout, see
-    `pkgd.runner.layers.rotary`)."""
+class RopeStep(NamedTuple):
+    """The rotary table and the step's `pkgd_kernels.rotary.plan_rotary` (computed once per
+    forward, shared by every layer; None on CUDA)."""
 
-    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
-        self.rope = rope
-        self.positions = positions
-        self.freqs = None
-        if not positions.is_cuda:
-            cos, sin = ops.cos_sin_for(positions, rope.cos_sin_cache, torch.float32)
-            self.freqs = torch.complex(cos, sin)
-            if dtype != torch.float32:  # complex32 kernels are sparse on CPU: rotate in fp32
-                self.freqs = self.freqs.to(torch.complex64)
-
-    def apply(self, qk: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``qk [T, Hq + Hkv, D]`` (queries then keys); returns ``(q, k)``."""
-        r = self.rope
-        t, _, d = qk.shape
-        if self.freqs is None:
-            q, k = qk[:, :num_q_heads].reshape(t, -1), qk[:, num_q_heads:].reshape(t, -1)
-            q, k = ops.rotary_embedding(self.positions, q, k, d, r.cos_sin_cache, r.is_neox)
-            return q.view(t, -1, d), k.view(t, -1, d)
-        if qk.dtype != torch.float32:
-            out = apply_rotary_complex(qk.float(), self.freqs, r.rot_dim).to(qk.dtype)
-        else:
-            out = apply_rotary_complex(qk, self.freqs, r.rot_dim)
-        return out[:, :num_q_heads], out[:, num_q_heads:]
+    table: RotaryEmbedding
+    plan: RotaryPlan | None
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
@@ -88,8 +69,9 @@ class LlamaAttention(nn.Module):
     qk_norm = False
     o_proj_bias_follows_attention_bias = True
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
         super().__init__()
+        self.kernels = kernels
         self.head_dim = d = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
         self.num_kv_heads, kv_shards = kv_heads_per_rank(cfg.num_key_value_heads, tp)
@@ -101,77 +83,81 @@ class LlamaAttention(nn.Module):
             tp=tp,
             part_shards=[tp.size, kv_shards, kv_shards],
             dtype=dtype,
+            kernels=kernels,
         )
         o_bias = cfg.attention_bias and self.o_proj_bias_follows_attention_bias
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype, kernels=kernels)
         if self.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels)
 
-    def forward(self, h: torch.Tensor, rope: RopeContext, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t, d = h.shape[0], self.head_dim
         qkv = self.qkv_proj(h)
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        qk = qkv[:, : q_size + kv_size].view(t, -1, d)
+        q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
         v = qkv[:, q_size + kv_size :].view(t, -1, d)
         if self.qk_norm:
-            q = self.q_norm(qk[:, : self.num_heads].reshape(-1, d)).view(t, -1, d)
-            k = self.k_norm(qk[:, self.num_heads :].reshape(-1, d)).view(t, -1, d)
-            qk = torch.cat((q, k), dim=1)
-        q, k = rope.apply(qk, self.num_heads)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+            q = self.q_norm(q.reshape(-1, d)).view(t, q_size)
+            k = self.k_norm(k.reshape(-1, d)).view(t, kv_size)
+        q, k = pk.rotary_embedding(positions, q, k, d, rope.table.cos_sin_cache, rope.table.is_neox, plan=rope.plan)
+        out = paged_attention(q.view(t, -1, d), k.view(t, -1, d), v, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.view(t, q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias, tp=tp, dtype=dtype)
-        self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        return self.down_proj(pk.silu_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, tp, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = self.attention_cls(cfg, tp, dtype, kernels)
+        self.mlp = LlamaMLP(cfg, tp, dtype, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
-    def forward(self, h, residual, rope: RopeContext, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, h, residual, positions: torch.Tensor, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, rope, kv_cache, meta)
+        h = self.self_attn(h, positions, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The whole model. Parameter names follow HF's, with q/k/v fused into ``qkv_proj`` and
-    gate/up into ``gate_up_proj`` (`load_weights` maps them)."""
+    gate/up into ``gate_up_proj`` (`load_weights` maps them). ``kernels``: the loaded
+    `pkgd_kernels.cpu.CpuKernels` (CPU only; None = PyTorch ops), handed to every layer."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # False for a pooling model (the loader sets it): a checkpoint without lm_head.weight loads.
+    requires_lm_head = True
 
-    def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.dtype = dtype
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied=cfg.tie_word_embeddings)
+        self.kernels = kernels
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied=cfg.tie_word_embeddings, kernels=kernels)
         tied = self.lm_head.embedding_rows if cfg.tie_word_embeddings else None
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied_rows=tied)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, tp, dtype, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Q/K rows are loaded in the adjacent-pair layout (`to_interleaved`): GPT-J-style RoPE.
         self.rotary_emb = RotaryEmbedding(cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False)
         self.cpu_decode: CpuDecodeStep | None = None
@@ -187,10 +173,17 @@ class LlamaForCausalLM(nn.Module):
             out = self.cpu_decode(h, positions, kv_caches, meta)
             if out is not None:
                 return out
-        rope = RopeContext(self.rotary_emb, positions, self.dtype)
+        return self.forward_layers(h, positions, kv_caches, meta)
+
+    def forward_layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """Embeddings ``h [T, H]`` -> hidden states ``[T, H]`` after the final norm, layer by
+        layer (writing this step's K/V into ``kv_caches``): the reference of the one-call
+        decode step."""
+        r = self.rotary_emb
+        rope = RopeStep(r, plan_rotary(positions, r.cos_sin_cache, r.is_neox))
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, rope, kv_cache, meta)
+            h, residual = layer(h, residual, positions, rope, kv_cache, meta)
         h, _ = self.norm(h, residual)
         return h
 
@@ -217,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
     def _expected_names(self) -> list[str]:
-        names = ["model.norm.weight", "lm_head.weight"]
+        names = ["model.norm.weight"]
+        if self.requires_lm_head or self.cfg.tie_word_embeddings:
+            names.append("lm_head.weight")  # tied: loaded from model.embed_tokens.weight
         if not self.cfg.tie_word_embeddings:
             names.append("model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,31 @@
+"""What the host offers this process: cores it may run on and memory it may take.
+
+One module for host probes, so the engine (KV budget, thread count), the offline `LLM` and the
+supervisor (whether two engine generations fit side by side) read the same figures. Imports
+nothing of pkgd.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def mem_available_bytes() -> int | None:
+    """Linux's estimate of memory available to new allocations without swapping
+    (``MemAvailable`` in /proc/meminfo), in bytes, or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

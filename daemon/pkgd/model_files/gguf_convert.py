@@ -1,0 +1,231 @@
+"""One-time conversion of a GGUF file into an HF-layout directory (torch-free: numpy + gguf).
+
+What it writes into ``out_dir`` (an empty temporary directory; `resolve.converted_dir`
+renames it into the cache once this returns):
+
+* ``model.safetensors``: every tensor dequantized to float32 with `gguf.quants.dequantize`
+  (exact: Q4_1/Q8_0 values are fp16 scale × int + fp16 offset, all representable in fp32),
+  renamed to the HF names, and for llama-family attention with llama.cpp's Q/K row
+  permutation undone. llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders
+  each head's rows from HF's rotate-half layout to interleaved pairs,
+  ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``; `unpermute_qk` is its inverse.
+  Qwen2/Qwen3 files are written without the permutation.
+* ``config.json`` from the GGUF metadata (``{arch}.block_count``, ``.embedding_length``,
+  ``.attention.head_count`` ...), ``tie_word_embeddings`` when the file has no ``output.weight``.
+* ``tokenizer.json`` built by transformers' GGUF tokenizer conversion (the vocabulary, merges,
+  pre-tokenizer split and special tokens stored in the file), ``tokenizer_config.json`` with the
+  special tokens and ``tokenizer.chat_template``, and ``generation_config.json`` with the
+  BOS/EOS ids.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pkgd.model_files.errors import ModelSourceError
+
+# GGUF general.architecture -> (HF architectures name, HF model_type, undo Q/K permutation).
+_ARCHES = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Any = None) -> None:
+    """Write the HF-layout files of ``gguf_path`` into ``out_dir``.
+
+    ``progress`` (a `pkgd.phases.Phase`) is told the steps: one per tensor, then writing the
+    weights, then the tokenizer.
+
+    Raises:
+        ModelSourceError: the file is not a readable GGUF, its architecture is not one of
+            llama/qwen2/qwen3, or it uses a feature this converter does not handle.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf_path)
+        meta = {name: field.contents() for name, field in reader.fields.items()}
+    except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError
+        raise ModelSourceError(f"model source {str(gguf_path)!r}: {gguf_path} is not a valid GGUF file ({e})") from e
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHES:
+        raise ModelSourceError(
+            f"model source {str(gguf_path)!r}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(_ARCHES))}"
+        )
+    config = gguf_config(meta, arch, {t.name for t in reader.tensors})
+    if progress is not None:
+        progress.set_total(len(reader.tensors) + 2)
+        progress.note(tensors=len(reader.tensors))
+    tensors = _dequantized_tensors(reader, config, _ARCHES[arch][2], gguf_path, progress)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    if progress is not None:
+        progress.advance()
+    _write_json(out_dir / "config.json", config)
+    _write_tokenizer(meta, arch, config, out_dir, gguf_path)
+    if progress is not None:
+        progress.advance()
+
+
+def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """The HF ``config.json`` dict for a GGUF's metadata."""
+    hf_arch, model_type, _ = _ARCHES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelSourceError(
+            "GGUF files with a rope_freqs tensor (llama3 rope scaling) are not supported; "
+            "use the model's Hugging Face directory instead"
+        )
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "vocab_size": int(get("vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    scaling = get("rope.scaling.type")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ModelSourceError(f"GGUF rope scaling {scaling!r} is not supported (supported: linear)")
+    if model_type == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        cfg["mlp_bias"] = False
+    if model_type == "qwen3":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[name] = int(value)
+    return cfg
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of a Q or K weight/bias.
+
+    ``w`` is ``[n_head * head_dim, ...]``; llama.cpp stored, per head, the two rotate-half
+    halves interleaved. Returns the HF layout (same shape, float32).
+    """
+    d = w.shape[0]
+    return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor name, None when it has no HF counterpart."""
+    m = _BLOCK.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            return None
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
+
+
+def _dequantized_tensors(reader: Any, config: dict[str, Any], permute: bool, gguf_path: Path, progress: Any) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelSourceError(f"model source {str(gguf_path)!r}: unexpected GGUF tensor {t.name!r}")
+        try:
+            arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except Exception as e:
+            raise ModelSourceError(f"model source {str(gguf_path)!r}: cannot dequantize {t.name} ({e})") from e
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = unpermute_qk(arr, config["num_attention_heads"])
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = unpermute_qk(arr, config["num_key_value_heads"])
+        out[name] = np.ascontiguousarray(arr)
+        if progress is not None:
+            progress.advance()
+    missing = {"model.embed_tokens.weight", "model.norm.weight"} - out.keys()
+    if missing:
+        raise ModelSourceError(f"model source {str(gguf_path)!r}: GGUF lacks {', '.join(sorted(missing))}")
+    return out
+
+
+def _write_tokenizer(meta: dict[str, Any], arch: str, config: dict[str, Any], out_dir: Path, gguf_path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json + generation_config.json from GGUF metadata."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    groups = {
+        group: {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in GGUF_TOKENIZER_MAPPING.items()
+    }
+    tok_dict, tok_config = groups["tokenizer"], groups["tokenizer_config"]
+    if "tokens" not in tok_dict:
+        raise ModelSourceError(f"model source {str(gguf_path)!r}: GGUF has no tokenizer (tokenizer.ggml.tokens)")
+    try:
+        backend, _ = convert_gguf_tokenizer(arch, tok_dict)
+    except (ValueError, KeyError) as e:
+        raise ModelSourceError(f"model source {str(gguf_path)!r}: cannot build its tokenizer ({e!r})") from e
+    backend.save(str(out_dir / "tokenizer.json"))
+    tokens = tok_dict["tokens"]
+    specials = {}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unk_token_id"), ("pad_token", "pad_token_id")):
+        if key in tok_dict:
+            specials[name] = tokens[int(tok_dict[key])]
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(tok_config.get("add_bos_token", False)),
+        "add_eos_token": bool(tok_config.get("add_eos_token", False)),
+        **specials,
+        **({"chat_template": tok_config["chat_template"]} if "chat_template" in tok_config else {}),
+    }
+    _write_json(out_dir / "tokenizer_config.json", tok_config)
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    _write_json(out_dir / "generation_config.json", gen)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -1,0 +1,585 @@
+/* pkgd CPU kernels: the loops shared by the generic kernels (kernels.c) and the fused decode
+ * steps that model families build on them (e.g. pkgd/runner/models/llama_cpu_decode.c).
+ *
+ * Everything here is static inline: each library that includes this header compiles its own
+ * copy, so no symbol crosses a library boundary and each library's ABI is only what it exports.
+ *
+ * Plain C with GCC vector extensions (16 floats: one AVX-512 register, two AVX2 ones); built
+ * at first use with -O3 -march=native -fopenmp (pkgd_kernels/cpu/build.py). OpenMP is the
+ * runtime torch itself uses (libgomp is shared by soname), so torch.set_num_threads applies.
+ */
+#ifndef PKGD_KERNELS_H
+#define PKGD_KERNELS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#define LOADV(p) (*(const v16u*)(p))
+#define STOREV(p, v) (*(v16u*)(p) = (v))
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum(v16 v) {
+    v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* ---- GEMV on the [N/64][K][64] packing ------------------------------------------------ */
+
+#define GEMV_PREFETCH_FLOATS 1024
+
+static inline __attribute__((always_inline)) void gemv_block(
+    const float* x, int64_t ldx, const float* wb, int64_t k0, int64_t k1, float* y, int64_t ldy,
+    const float* bias, const int rows) {
+    v16 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = (v16){0};
+    for (int64_t kk = k0; kk < k1; kk++) {
+        const float* wr = wb + kk * 64;
+        /* 4 KiB ahead into L2 (prefetcht2): the hardware prefetcher alone left ~5-10% of the
+         * read bandwidth unused here, more on a quiet host (prefetch hints never fault) */
+        for (int c = 0; c < 64; c += 16) __builtin_prefetch(wr + GEMV_PREFETCH_FLOATS + c, 0, 1);
+        v16 w0 = LOADV(wr), w1 = LOADV(wr + 16), w2 = LOADV(wr + 32), w3 = LOADV(wr + 48);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            float xv = x[r * ldx + kk];
+            acc[r][0] += xv * w0;
+            acc[r][1] += xv * w1;
+            acc[r][2] += xv * w2;
+            acc[r][3] += xv * w3;
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 4; i++) {
+            v16 o = acc[r][i];
+            if (bias) o += LOADV(bias + 16 * i);
+            STOREV(y + r * ldy + 16 * i, o);
+        }
+}
+
+/* The 64 outputs of one packed block wb ([k][64]) for m rows of x over inputs [k0, k1); rows
+ * are taken four at a time (the block stays in L1/L2 between groups, so only the first group
+ * reads it from memory). y rows have stride ldy. */
+static inline void gemv_rows(const float* x, int64_t ldx, const float* wb, int64_t k0, int64_t k1,
+                             float* y, int64_t ldy, const float* bias, int64_t m) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 4);
+    switch (m - r) {
+        case 3: gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_block(x + r * ldx, ldx, wb, k0, k1, y + r * ldy, ldy, bias, 1); break;
+        default: break;
+    }
+}
+
+/* ---- GEMV on bf16 weights in oneDNN's [N/32][K/2][32][2] packing ----------------------- */
+
+/* What torch.ops.mkldnn._reorder_linear_weight makes of a bf16 W [n, k] here (checked at run
+ * time by the caller against oneDNN's own product): element (v, c) at
+ * w[((v / 32) * (k / 2) + c / 2) * 64 + (v % 32) * 2 + c % 2], so each 32-bit lane of a 64-byte
+ * line holds the pair (W[v, 2j], W[v, 2j + 1]) of one output v: the operand layout of
+ * AVX512-BF16's vdpbf16ps. x is rounded to bf16 pairs first (xp[j] = bf16(x[2j]) | bf16(x[2j+1])
+ * << 16), as a bf16 GEMM rounds its input; products are summed in float32. Two ways to the same
+ * sums, chosen at run time (impl): vdpbf16ps where the CPU has it (BF16_DP), else widening each
+ * bf16 to float32 by a shift (BF16_WIDEN: AVX-512F, or two AVX2 registers a vector). */
+
+enum { BF16_WIDEN = 0, BF16_DP = 1 };
+
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16u __attribute__((vector_size(64), aligned(4)));
+#define LOADU32(p) (*(const u32x16u*)(p))
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (finite inputs) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint32_t h) {
+    const uint32_t u = h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* xp[r * (k / 2) + j] = the bf16 pair of x[r, 2j], x[r, 2j + 1]; x rows have stride ldx. */
+static inline void pack_x_bf16(uint32_t* xp, const float* x, int64_t ldx, int64_t m, int64_t k) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 2; j++)
+            xp[r * (k / 2) + j] = (uint32_t)f32_to_bf16(x[r * ldx + 2 * j]) |
+                                  ((uint32_t)f32_to_bf16(x[r * ldx + 2 * j + 1]) << 16);
+}
+
+#define GEMV_BF16_PREFETCH 2048 /* bf16 elements ahead: 4 KiB, as the float32 GEMV */
+
+/* The 32 outputs of block wb ([k/2][32][2]) for `rows` rows of xp over pairs [j0, j1). */
+static inline __attribute__((always_inline)) void gemv_bf16_block_widen(
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const float* bias, const int rows) {
+    v16 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (v16){0};
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t* wr = wb + j * 64;
+        __builtin_prefetch(wr + GEMV_BF16_PREFETCH, 0, 1);
+        __builtin_prefetch(wr + GEMV_BF16_PREFETCH + 32, 0, 1);
+        const u32x16 w0 = LOADU32(wr), w1 = LOADU32(wr + 32);
+        const v16 e0 = (v16)(w0 << 16), o0 = (v16)(w0 & 0xffff0000u);
+        const v16 e1 = (v16)(w1 << 16), o1 = (v16)(w1 & 0xffff0000u);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const uint32_t p = xp[r * ldxp + j];
+            const float xe = bf16_to_f32(p & 0xffffu), xo = bf16_to_f32(p >> 16);
+            acc[r][0] += xe * e0 + xo * o0;
+            acc[r][1] += xe * e1 + xo * o1;
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 2; i++) {
+            v16 o = acc[r][i];
+            if (bias) o += LOADV(bias + 16 * i);
+            STOREV(y + r * ldy + 16 * i, o);
+        }
+}
+
+static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
+                                        float* y, int64_t ldy, const float* bias, int64_t m) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 4);
+    switch (m - r) {
+        case 3: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        default: break;
+    }
+}
+
+#if defined(__x86_64__) && (__GNUC__ >= 10 || defined(__clang__))
+#define PKGD_HAVE_BF16_DP 1
+#include <immintrin.h>
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+/* vdpbf16ps: acc[lane] += x.lo * w.lo + x.hi * w.hi for 16 outputs; compiled for AVX512-BF16
+ * whatever -march says, called only where the CPU has it (pkgd_bf16_dot_native). */
+static inline __attribute__((always_inline)) void gemv_bf16_block_dp(
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const float* bias, const int rows) {
+    __m512 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t* wr = wb + j * 64;
+        _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH), _MM_HINT_T1);
+        _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH + 32), _MM_HINT_T1);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr), w1 = (__m512bh)_mm512_loadu_si512(wr + 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + j]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 2; i++) {
+            __m512 o = acc[r][i];
+            if (bias) o = _mm512_add_ps(o, _mm512_loadu_ps(bias + 16 * i));
+            _mm512_storeu_ps(y + r * ldy + 16 * i, o);
+        }
+}
+
+static void gemv_bf16_rows_dp(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
+                              float* y, int64_t ldy, const float* bias, int64_t m) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 4);
+    switch (m - r) {
+        case 3: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        default: break;
+    }
+}
+#pragma GCC pop_options
+#endif
+
+/* Whether this CPU executes vdpbf16ps (AVX512-BF16). */
+static inline int bf16_dot_native(void) {
+#ifdef PKGD_HAVE_BF16_DP
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* One 32-output block of the bf16 GEMV by `impl` (BF16_DP falls back to widening where the
+ * CPU lacks it, so a wrong request never faults). */
+static inline void gemv_bf16_rows(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
+                                  float* y, int64_t ldy, const float* bias, int64_t m, int impl) {
+#ifdef PKGD_HAVE_BF16_DP
+    if (impl == BF16_DP) {
+        gemv_bf16_rows_dp(xp, ldxp, wb, j0, j1, y, ldy, bias, m);
+        return;
+    }
+#else
+    (void)impl;
+#endif
+    gemv_bf16_rows_widen(xp, ldxp, wb, j0, j1, y, ldy, bias, m);
+}
+
+/* ---- paged decode attention ----------------------------------------------------------- */
+
+/* exp(x) for x <= 0, 16 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-6
+ * polynomial, scale by 2^n through the exponent bits); relative error ~1e-7. */
+static inline v16 vexp(v16 x) {
+    const v16 lo = (v16){0} - 87.3f;
+    const v16i below = x < lo;
+    x = (v16)(((v16i)lo & below) | ((v16i)x & ~below));
+    v16 fx = x * 1.44269504088896341f + 0.5f;
+    v16i ti = __builtin_convertvector(fx, v16i);             /* truncates toward zero */
+    v16 tf = __builtin_convertvector(ti, v16);
+    v16i gt = tf > fx;                                       /* -1 where truncation rounded up */
+    ti = ti + gt;
+    fx = __builtin_convertvector(ti, v16);
+    x = x - fx * 0.693359375f - fx * -2.12194440e-4f;
+    v16 y = (v16){0} + 1.9875691500e-4f;
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    v16i e = (ti + 127) << 23;
+    v16 scale;
+    memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
+/* scores[0..n) <- exp(scores - mx); returns their sum. */
+static inline float softmax_numerators(float* s, int64_t n, float mx) {
+    v16 acc = (v16){0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 e = vexp(LOADV(s + i) - mx);
+        STOREV(s + i, e);
+        acc += e;
+    }
+    float sum = hsum(acc);
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - mx);
+        sum += s[i];
+    }
+    return sum;
+}
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
+typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
+
+/* Row `idx` of a cache viewed as [rows, d], as floats (converted into tmp for 16-bit caches;
+ * d % 16 == 0). */
+static inline __attribute__((always_inline)) const float* cache_row(
+    const void* base, int64_t idx, int64_t d, const int dtype, float* tmp) {
+    if (dtype == DT_F32) return (const float*)base + idx * d;
+    if (dtype == DT_F16) {
+        const _Float16* p = (const _Float16*)base + idx * d;
+        for (int64_t i = 0; i < d; i += 16) STOREV(tmp + i, __builtin_convertvector(*(const h16u*)(p + i), v16));
+        return tmp;
+    }
+    const uint16_t* p = (const uint16_t*)base + idx * d;
+    for (int64_t i = 0; i < d; i += 16) {
+        u32x16 u = __builtin_convertvector(*(const u16x16u*)(p + i), u32x16) << 16;
+        v16 f;
+        memcpy(&f, &u, sizeof f);
+        STOREV(tmp + i, f);
+    }
+    return tmp;
+}
+
+/* Accumulate p * row into acc (d floats, d % 16 == 0); four registers at a time. */
+static inline void axpy(float* acc, float p, const float* row, int64_t d) {
+    for (int64_t i = 0; i < d; i += 64) {
+        if (i + 64 <= d) {
+            STOREV(acc + i, LOADV(acc + i) + p * LOADV(row + i));
+            STOREV(acc + i + 16, LOADV(acc + i + 16) + p * LOADV(row + i + 16));
+            STOREV(acc + i + 32, LOADV(acc + i + 32) + p * LOADV(row + i + 32));
+            STOREV(acc + i + 48, LOADV(acc + i + 48) + p * LOADV(row + i + 48));
+        } else {
+            for (int64_t j = i; j < d; j += 16) STOREV(acc + j, LOADV(acc + j) + p * LOADV(row + j));
+        }
+    }
+}
+
+static inline float dot(const float* a, const float* b, int64_t d) {
+    v16 s0 = (v16){0}, s1 = (v16){0};
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {
+        s0 += LOADV(a + i) * LOADV(b + i);
+        s1 += LOADV(a + i + 16) * LOADV(b + i + 16);
+    }
+    if (i < d) s0 += LOADV(a + i) * LOADV(b + i);
+    return hsum(s0 + s1);
+}
+
+/* Bytes of K/V asked for ahead of use, per sequence being attended: about a quarter of a core's
+ * L2, so what arrives early is still there when it is read. */
+#define KV_PREFETCH_BYTES (128 * 1024)
+
+/* Ask for one block's rows (the span from head h0 of its first token to head h1 - 1 of its last)
+ * into L2 ahead of use. Blocks sit anywhere in the cache and the hardware prefetcher stops at
+ * each 4 KiB page, so without this a lone sequence waits on DRAM several times per block; into
+ * L2 rather than L1 (prefetcht2), whose few fill buffers would cap the requests in flight
+ * (measured: a cold 192-token decode ~35% faster than with prefetcht0 of the next block only). */
+static inline void prefetch_block(const void* base, int64_t row0, int64_t bs, int64_t hkv, int64_t h0, int64_t h1,
+                                  int64_t d, int64_t esz) {
+    const char* p = (const char*)base;
+    const char* start = p + (row0 + h0) * d * esz;
+    const char* end = p + (row0 + (bs - 1) * hkv + h1) * d * esz;
+    for (const char* c = start; c < end; c += 64) __builtin_prefetch(c, 0, 1);
+}
+
+/* Block i of the read order of attend_heads: K blocks 0..n-1, then V blocks 0..n-1. */
+static inline void prefetch_nth(const void* kc, const void* vc, const int32_t* table, int64_t i,
+                                int64_t n, int64_t bs, int64_t hkv, int64_t h0, int64_t h1, int64_t d,
+                                int64_t esz) {
+    if (i >= 2 * n) return;
+    const int64_t b = i < n ? i : i - n;
+    prefetch_block(i < n ? kc : vc, (int64_t)table[b] * bs * hkv, bs, hkv, h0, h1, d, esz);
+}
+
+/* Attention of one sequence's query heads of KV heads [h0, h1) (g query heads each) over the
+ * cached tokens of its blocks [b0, b1) (tokens b0*bs .. min(b1*bs, len) - 1), unnormalised:
+ * for each query head qi, mx[qi] = max score, sum[qi] = sum of exp(score - mx[qi]) and
+ * acc[qi] (d floats) = the exp-weighted sum of the values. An empty span gives mx = -inf,
+ * sum = 0, acc = 0. q points at query head h0 * g; scores holds (h1 - h0) * g rows of sstride
+ * floats (sstride >= the span's tokens), acc as many rows of d. Each cached token's K (then V)
+ * rows of those heads are adjacent in memory, so a block is read front to back. */
+static inline __attribute__((always_inline)) void attend_span(
+    float* acc, float* mx_out, float* sum_out, const float* q, const void* kc, const void* vc,
+    const int32_t* table, int64_t b0, int64_t b1, int64_t len, int64_t g, int64_t hkv, int64_t h0,
+    int64_t h1, int64_t d, int64_t bs, float scale, float* scores, int64_t sstride, float* tmp,
+    const int dtype) {
+    const int64_t nq = (h1 - h0) * g;
+    const int64_t first = b0 * bs, ntok = (len < b1 * bs ? len : b1 * bs) - first;
+    memset(acc, 0, sizeof(float) * nq * d);
+    if (ntok <= 0) {
+        for (int64_t qi = 0; qi < nq; qi++) mx_out[qi] = -INFINITY, sum_out[qi] = 0.0f;
+        return;
+    }
+    const int64_t nblocks = (ntok + bs - 1) / bs; /* blocks b0 .. b0 + nblocks - 1 */
+    table += b0;
+    const int64_t esz = dtype == DT_F32 ? 4 : 2;
+    int64_t ahead = KV_PREFETCH_BYTES / (bs * hkv * d * esz); /* blocks in flight */
+    ahead = ahead < 1 ? 1 : ahead;
+    for (int64_t i = 0; i < ahead; i++) prefetch_nth(kc, vc, table, i, nblocks, bs, hkv, h0, h1, d, esz);
+    /* pass 1: scores of every query head against every cached key */
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t row0 = (int64_t)table[b] * bs * hkv;
+        prefetch_nth(kc, vc, table, b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
+        const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t h = h0; h < h1; h++) {
+                const float* kr = cache_row(kc, row0 + j * hkv + h, d, dtype, tmp);
+                for (int64_t gi = 0; gi < g; gi++) {
+                    const int64_t qi = (h - h0) * g + gi;
+                    scores[qi * sstride + t0 + j] = dot(q + qi * d, kr, d) * scale;
+                }
+            }
+        }
+    }
+    for (int64_t qi = 0; qi < nq; qi++) {
+        float* s = scores + qi * sstride;
+        v16 mv = (v16){0} - INFINITY;
+        int64_t t = 0;
+        for (; t + 16 <= ntok; t += 16) {
+            v16 x = LOADV(s + t);
+            const v16i gt = x > mv;
+            mv = (v16)(((v16i)x & gt) | ((v16i)mv & ~gt));
+        }
+        float mx = -INFINITY;
+        for (int i = 0; i < 16; i++) mx = mv[i] > mx ? mv[i] : mx;
+        for (; t < ntok; t++) mx = s[t] > mx ? s[t] : mx;
+        mx_out[qi] = mx;
+        sum_out[qi] = softmax_numerators(s, ntok, mx);
+    }
+    /* pass 2: probability-weighted sum of the values */
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t row0 = (int64_t)table[b] * bs * hkv;
+        prefetch_nth(kc, vc, table, nblocks + b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
+        const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
+        if (dtype == DT_F32 && d % 64 == 0) {
+            /* 64 output floats of one query head held in registers over the block's tokens
+             * (accumulating through memory chained each token's add on the last one's store) */
+            for (int64_t h = h0; h < h1; h++)
+                for (int64_t gi = 0; gi < g; gi++) {
+                    const int64_t qi = (h - h0) * g + gi;
+                    const float* p = scores + qi * sstride + t0;
+                    for (int64_t i = 0; i < d; i += 64) {
+                        float* a = acc + qi * d + i;
+                        v16 a0 = LOADV(a), a1 = LOADV(a + 16), a2 = LOADV(a + 32), a3 = LOADV(a + 48);
+                        for (int64_t j = 0; j < n; j++) {
+                            const float* vr = (const float*)vc + (row0 + j * hkv + h) * d + i;
+                            a0 += p[j] * LOADV(vr);
+                            a1 += p[j] * LOADV(vr + 16);
+                            a2 += p[j] * LOADV(vr + 32);
+                            a3 += p[j] * LOADV(vr + 48);
+                        }
+                        STOREV(a, a0);
+                        STOREV(a + 16, a1);
+                        STOREV(a + 32, a2);
+                        STOREV(a + 48, a3);
+                    }
+                }
+            continue;
+        }
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t h = h0; h < h1; h++) {
+                const float* vr = cache_row(vc, row0 + j * hkv + h, d, dtype, tmp);
+                for (int64_t gi = 0; gi < g; gi++) {
+                    const int64_t qi = (h - h0) * g + gi;
+                    axpy(acc + qi * d, scores[qi * sstride + t0 + j], vr, d);
+                }
+            }
+        }
+    }
+}
+
+/* attend_span over a whole sequence of len tokens, normalised into out ((h1 - h0) * g rows of d);
+ * mx/sum scratch of 256 floats each on the stack (hq <= 256). */
+static inline __attribute__((always_inline)) void attend_heads(
+    float* out, const float* q, const void* kc, const void* vc, const int32_t* table,
+    int64_t len, int64_t g, int64_t hkv, int64_t h0, int64_t h1, int64_t d, int64_t bs,
+    float scale, float* scores, int64_t sstride, float* acc, float* tmp, const int dtype) {
+    float mx[256], sum[256];
+    const int64_t nq = (h1 - h0) * g;
+    attend_span(acc, mx, sum, q, kc, vc, table, 0, (len + bs - 1) / bs, len, g, hkv, h0, h1, d, bs, scale,
+                scores, sstride, tmp, dtype);
+    for (int64_t qi = 0; qi < nq; qi++) {
+        const v16 iv = (v16){0} + 1.0f / sum[qi];
+        for (int64_t i = 0; i < d; i += 16) STOREV(out + qi * d + i, LOADV(acc + qi * d + i) * iv);
+    }
+}
+
+/* ---- RMSNorm -------------------------------------------------------------------------- */
+
+/* One row of h floats: o = r / sqrt(mean(r^2) + eps) * weight (Zhang & Sennrich, 2019; the sum
+ * of squares in float32 like transformers' LlamaRMSNorm for float32 inputs). o may be r. */
+static inline void rms_row(float* o, const float* r, const float* weight, int64_t h, float eps) {
+    v16 acc = (v16){0};
+    int64_t j = 0;
+    for (; j + 16 <= h; j += 16) {
+        v16 v = LOADV(r + j);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; j < h; j++) ss += r[j] * r[j];
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    j = 0;
+    for (; j + 16 <= h; j += 16) STOREV(o + j, LOADV(r + j) * inv * LOADV(weight + j));
+    for (; j < h; j++) o[j] = r[j] * inv * weight[j];
+}
+
+/* ro[0..h) = a + b (+ c when c != NULL, added to a first). ro may alias a or b. */
+static inline void add_row(float* ro, const float* a, const float* c, const float* b, int64_t h) {
+    int64_t j = 0;
+    if (c) {
+        for (; j + 16 <= h; j += 16) STOREV(ro + j, (LOADV(a + j) + LOADV(c + j)) + LOADV(b + j));
+        for (; j < h; j++) ro[j] = (a[j] + c[j]) + b[j];
+    } else {
+        for (; j + 16 <= h; j += 16) STOREV(ro + j, LOADV(a + j) + LOADV(b + j));
+        for (; j < h; j++) ro[j] = a[j] + b[j];
+    }
+}
+
+/* ---- GEMV by a thread team, and the small row loops of a decoder layer ------------- */
+
+/* A linear's weight as the GEMVs read it: float32 [n/64][k][64] (W_F32) or bf16 [n/32][k/2][32][2]
+ * (W_BF16, with the bf16 dot product `impl`). */
+enum { W_F32 = 0, W_BF16 = 1 };
+
+/* Inside a parallel region, every thread calling: y[m, n] = x[m, k] W^T (+ bias) on the packed
+ * W (of dtype wdt; for W_BF16, xp holds x as bf16 pairs, see pack_x_bf16). The buffer is cut
+ * into one contiguous range of block rows per thread (64 outputs a block in float32, 32 in
+ * bf16), equal to within a row, so each thread streams its own part of memory front to back and
+ * none waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a
+ * ninth of the time). A block a thread enters mid-way is summed into part[t] (m x 64, part_blk[t]
+ * = the block, else -1) rather than into y: after the caller's barrier, a reader takes y
+ * through fixed_range, which adds those parts. No barrier inside. */
+static inline void gemv_team(const float* x, int64_t ldx, const uint32_t* xp, const void* w, int wdt, int impl,
+                             const float* bias, float* y, int64_t m, int64_t n, int64_t k, float* part,
+                             int64_t* part_blk) {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t bw = wdt == W_BF16 ? 32 : 64, kk = wdt == W_BF16 ? k / 2 : k; /* outputs, rows a block */
+    const int64_t units = (n / bw) * kk;
+    const int64_t u1 = units * (t + 1) / nt;
+    int64_t u = units * t / nt;
+    part_blk[t] = -1;
+    while (u < u1) {
+        const int64_t b = u / kk, k0 = u % kk;
+        const int64_t k1 = (b + 1) * kk <= u1 ? kk : u1 - b * kk;
+        float* out = k0 == 0 ? y + b * bw : part + t * m * 64; /* only a thread's first piece can start mid-block */
+        const int64_t ldo = k0 == 0 ? n : 64;
+        const float* bb = k0 == 0 && bias ? bias + b * bw : NULL;
+        if (wdt == W_BF16)
+            gemv_bf16_rows(xp, k / 2, (const uint16_t*)w + b * k * 32, k0, k1, out, ldo, bb, m, impl);
+        else
+            gemv_rows(x, ldx, (const float*)w + b * k * 64, k0, k1, out, ldo, bb, m);
+        if (k0 != 0) part_blk[t] = b;
+        u = b * kk + k1;
+    }
+}
+
+/* dst[0, j1 - j0) = columns [j0, j1) of row r of a gemv_team output (row yrow, m rows in all;
+ * blocks of bw outputs), with the parts of split blocks added in thread order. */
+static inline void fixed_range(float* dst, const float* yrow, int64_t j0, int64_t j1, const float* part,
+                               const int64_t* part_blk, int nt, int64_t m, int64_t r, int64_t bw) {
+    memcpy(dst, yrow + j0, sizeof(float) * (size_t)(j1 - j0));
+    for (int i = 0; i < nt; i++) {
+        if (part_blk[i] < 0) continue;
+        const int64_t b0 = part_blk[i] * bw, lo = b0 > j0 ? b0 : j0, hi = b0 + bw < j1 ? b0 + bw : j1;
+        const float* pr = part + (i * m + r) * 64 - b0;
+        for (int64_t j = lo; j < hi; j++) dst[j - j0] += pr[j];
+    }
+}
+
+/* Rotate one head (adjacent pairs (x[2i], x[2i+1]) by the angle whose cos/sin are cs[i] and
+ * cs[rot/2 + i]; Su et al., 2021), in place. */
+static inline void rope_head(float* x, const float* cs, int64_t rot) {
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float c = cs[i], s = cs[half + i], a = x[2 * i], b = x[2 * i + 1];
+        x[2 * i] = a * c - b * s;
+        x[2 * i + 1] = a * s + b * c;
+    }
+}
+
+/* silu(g) * u for n floats (SwiGLU, Shazeer 2020): g * sigmoid(g), the exponent taken of -|g|
+ * so vexp stays in its range. */
+static inline void silu_mul_row(float* o, const float* g, const float* u, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v16 gv = LOADV(g + j);
+        const v16i neg = gv < 0;
+        const v16 ax = (v16)((v16i)gv & 0x7fffffff); /* |g|: the sign bit cleared */
+        const v16 e = vexp((v16){0} - ax);
+        const v16 num = (v16)(((v16i)e & neg) | ((v16i)((v16){0} + 1.0f) & ~neg));
+        STOREV(o + j, gv * (num / (1.0f + e)) * LOADV(u + j));
+    }
+    for (; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+#endif /* PKGD_KERNELS_H */

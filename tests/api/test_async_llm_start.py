@@ -1,0 +1,58 @@
+"""`AsyncLLM.start` while the engine core loads: one info line saying it waits, no warning."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import structlog
+
+from pkgd.frontend import async_llm
+from pkgd.frontend.async_llm import AsyncLLM
+from pkgd.config.vllm_config import VllmConfig
+
+from .fakes import FakeEngineClient
+
+pytestmark = pytest.mark.anyio
+
+
+class LoadingClient(FakeEngineClient):
+    """An engine client whose core answers its handshake only after ``load_s`` seconds."""
+
+    def __init__(self, sink, load_s: float) -> None:
+        super().__init__(sink, lambda req: [])
+        self.answer, self.handshake, self.load_s = self.handshake, None, load_s
+
+    async def start(self, timeout: float = 0) -> bool:
+        asyncio.get_running_loop().call_later(self.load_s, setattr, self, "handshake", self.answer)
+        await asyncio.sleep(min(timeout, self.load_s))
+        return self.handshake is not None
+
+    def unavailable(self) -> list[str]:
+        return [] if self.handshake else ["ipc:///loading"]
+
+
+async def test_a_loading_engine_is_waited_for_without_a_warning(tokenizer, monkeypatch):
+    monkeypatch.setattr(async_llm, "WAIT_NOTICE_S", 0.05)
+    monkeypatch.setattr(async_llm, "ALL_CORES_WAIT_S", 0.1)
+    llm = AsyncLLM(VllmConfig(), ["ipc:///loading"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 0.4))
+    with structlog.testing.capture_logs() as logs:
+        await llm.start(handshake_timeout=5)
+    assert llm.is_ready()
+    waiting = [e for e in logs if e["event"] == "waiting_for_engine"]
+    assert len(waiting) == 1 and waiting[0]["log_level"] == "info"
+    assert waiting[0]["loading"] == ["ipc:///loading"] and waiting[0]["timeout_key"] == "supervisor.engine_ready_timeout"
+    assert [e for e in logs if e["log_level"] != "info"] == []
+
+
+async def test_a_quick_engine_is_not_announced(tokenizer):
+    llm = AsyncLLM(VllmConfig(), ["ipc:///x"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 0.0))
+    with structlog.testing.capture_logs() as logs:
+        await llm.start(handshake_timeout=5)
+    assert llm.is_ready() and not [e for e in logs if e["event"] == "waiting_for_engine"]
+
+
+async def test_an_engine_that_never_answers_times_out(tokenizer):
+    llm = AsyncLLM(VllmConfig(), ["ipc:///x"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 60))
+    with pytest.raises(TimeoutError, match="no engine core answered within 1 s"):
+        await llm.start(handshake_timeout=1)

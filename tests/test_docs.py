@@ -1,0 +1,32 @@
+"""The project carries its own docs: every relative link in README.md and docs/ resolves in a
+clone, and nothing points outside the repository."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_relative_links_resolve():
+    broken = []
+    for doc in DOCS:
+        for target in LINK.findall(doc.read_text()):
+            if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+                continue  # a URL or an anchor in the same page
+            path = (doc.parent / target.split("#", 1)[0]).resolve()
+            if not path.exists() or not path.is_relative_to(ROOT):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken
+
+
+def test_no_reference_outside_the_repository():
+    for doc in DOCS:
+        assert "../shared" not in doc.read_text() and "DESIGN.md" not in doc.read_text(), doc
+
+
+def test_readme_keeps_two_set_up_commands():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Set up and run", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert [line.split()[0] for line in block.strip().splitlines()] == ["./scripts/serve", "./scripts/test"]
