@@ -19,7 +19,9 @@ from .test_serving_e2e import MODEL, Daemon
 
 pytestmark = pytest.mark.slow
 SETTINGS = {
-    "model": {"max_model_len": 512, "runner": "pooling", "enable_sleep_mode": True},
+    # float32 on both sides: the comparison is serving path against offline path, and bf16's
+    # batch-shape-dependent rounding (auto picks it on some hosts) would swamp the tolerance.
+    "model": {"max_model_len": 512, "runner": "pooling", "enable_sleep_mode": True, "dtype": "float32"},
     "frontend": {"server_dev_mode": True, "enable_tokenizer_info_endpoint": True},
     "cache": {"num_blocks": 256},
 }
@@ -38,7 +40,7 @@ def daemon(tmp_path_factory):
 def offline():
     from pkgd import LLM
 
-    llm = LLM(runner="pooling", max_model_len=512, num_blocks=64)
+    llm = LLM(runner="pooling", max_model_len=512, num_blocks=64, dtype="float32")
     yield llm
     llm.shutdown()
 

@@ -94,7 +94,7 @@ class FakeEngineCore:
         return not self.requests
 
     def sleep(self, level: int = 1) -> None:
-        from pkgd.engine.core import EngineBusyError
+        from pkgd.engine.errors import EngineBusyError
 
         if self.requests:
             raise EngineBusyError(f"{len(self.requests)} requests are still running")

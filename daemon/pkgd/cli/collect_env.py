@@ -36,7 +36,7 @@ LIBRARIES = ("pkgd", "torch", "triton", "transformers", "tokenizers", "safetenso
 X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8")
 ARM_FLAGS = ("asimd", "sve", "bf16", "i8mm")
-ENV_SHOWN = ("PKGD_CPU_KERNELS", "PKGD_KERNEL_CACHE", "PKGD_HUGEPAGES", "THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS",
+ENV_SHOWN = ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS",
              "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "CC", "PROMETHEUS_MULTIPROC_DIR")
 
 

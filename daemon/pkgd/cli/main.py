@@ -14,15 +14,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-# Before anything imports torch: its CPU allocator then puts every allocation of 2 MiB or more
-# on transparent huge pages (it reads this once, at its first allocation), and the engine
-# processes the supervisor starts inherit it. Decode streams all weights from DRAM every token
-# and reads them faster on 2 MiB pages (`pkgd.runner.allocator`). An operator's own setting
-# wins (THP_MEM_ALLOC_ENABLE=0: 4 KiB pages); PKGD_HUGEPAGES=0 turns both this and the engine's
-# collapse off.
-if os.environ.get("PKGD_HUGEPAGES", "1") != "0":
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 from pkgd.cli.base import CLISubcommand, add_config_source_args  # noqa: E402
 from pkgd.cli.flags import split_argv  # noqa: E402
 from pkgd.cli.parser import ArgumentParser  # noqa: E402

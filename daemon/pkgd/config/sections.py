@@ -171,6 +171,25 @@ class ParallelConfig(Section):
         aliases=("--cpu-threads",),
         ge=1,
     )
+    cpu_kernels: bool = field(
+        True,
+        "On CPU, build (once per host, then cached) and use pkgd's C kernels for decode; false = "
+        "the PyTorch forms of the same ops only (slower).",
+        reload=E,
+    )
+    cpu_kernel_cache: str | None = field(
+        None,
+        "Directory the built C kernels are cached in (each library beside its .sha256; a cache "
+        "filled in advance needs no compiler); null = KERNELS under model.cache_dir's default.",
+        reload=E,
+        min_length=1,
+    )
+    cpu_huge_pages: bool = field(
+        True,
+        "On Linux CPU hosts, put the weights and the KV cache on 2 MiB transparent huge pages "
+        "(decode streams them from memory every token); false = 4 KiB pages.",
+        reload=E,
+    )
     enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel", "-ep"))
     enable_elastic_ep: bool = field(False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",))
     remote_engines: list[str] = field(

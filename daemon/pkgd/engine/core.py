@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from pkgd import host
 from pkgd.config.vllm_config import VllmConfig
+from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
@@ -49,14 +50,6 @@ class ModelRunnerLike(Protocol):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-class EngineSleepingError(RuntimeError):
-    """The engine is in sleep mode (`EngineCore.sleep`): it takes no request until woken."""
-
-
-class EngineBusyError(ValueError):
-    """A utility call that needs an idle engine came while requests run (an HTTP 409)."""
 
 
 SLEEP_TAGS = ("weights", "kv_cache")

@@ -34,8 +34,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pkgd import log, phases
-from pkgd.engine.core import EngineBusyError, EngineSleepingError
+from pkgd import host, log, phases
+from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,
@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
         ready.failed(ROLE, f"cannot read config {source.describe()}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE, dp_rank=args.engine_index)
+    host.set_torch_huge_pages(config.parallel.cpu_huge_pages)  # before torch's first allocation
     # one progress bar per terminal: the first engine core of this node draws it
     phases.allow_bars(args.engine_index == config.serve_plan().dp_start_rank)
     ctx = zmq.Context()

@@ -184,8 +184,9 @@ class AsyncLLM:
             self._forget(rid, abort=False)
             raise
         if self.metrics is not None:
+            params = processed.sampling_params  # None for a pooling request
             self.metrics.track(rid, engine_ids, engine_index, prompt_len=stream.prompt_len,
-                               max_tokens=processed.sampling_params.max_tokens)
+                               max_tokens=None if params is None else params.max_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from pkgd import log
+from pkgd import host, log
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.engine.core import EngineCore, RunnerFactory
@@ -64,6 +64,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: VllmConfig | None = None,
                  runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
         self.config = build_llm_config(model, config=config, **kwargs)
+        host.set_torch_huge_pages(self.config.parallel.cpu_huge_pages)  # if torch has not allocated yet
         log.ensure_configured(role="offline")  # start-up lines (model_phase …) on stderr
         self.engine = EngineCore(self.config, runner_factory=runner_factory)
         self.tokenizer = _load_tokenizer(self.config, self.engine.model_files)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,7 +132,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
-                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
+                self.cpu_kernels = self._load_cpu_kernels(config)
         self.dtype_choice = self._choose_dtype()
         self.dtype = self.dtype_choice.dtype
         self.runner_type = config.model.runner_type
@@ -174,13 +175,18 @@ class ModelRunner:
         return choice
 
     @staticmethod
-    def _load_cpu_kernels(cache_dir):
+    def _load_cpu_kernels(config: VllmConfig):
         """The C kernels (`pkgd_kernels.cpu.CpuKernels`) for the model, or None (logged with
-        the reason; the ops' PyTorch forms then run)."""
+        the reason; the ops' PyTorch forms then run): from ``parallel.cpu_kernel_cache``, else
+        ``kernels/`` under the model cache; none with ``parallel.cpu_kernels: false``."""
         from pkgd_kernels import cpu
 
+        if not config.parallel.cpu_kernels:
+            logger.info("cpu_kernels_unavailable", reason="disabled by parallel.cpu_kernels: false", fallback="pytorch")
+            return None
+        cache = config.parallel.cpu_kernel_cache
         try:
-            return cpu.load(cache_dir)
+            return cpu.load(Path(cache) if cache else default_cache_dir(config.model.cache_dir) / "kernels")
         except cpu.CpuKernelsUnavailable as e:
             logger.warning("cpu_kernels_unavailable", reason=str(e), fallback="pytorch")
             return None
@@ -276,9 +282,11 @@ class ModelRunner:
         if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
             self.initialize_kv_cache(self.num_blocks, self.block_size)
 
-    @staticmethod
-    def _to_huge_pages(what: str, spans: list[tuple[int, int]]) -> None:
-        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and log it."""
+    def _to_huge_pages(self, what: str, spans: list[tuple[int, int]]) -> None:
+        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and
+        log it; nothing with ``parallel.cpu_huge_pages: false``."""
+        if not self.config.parallel.cpu_huge_pages:
+            return
         t0 = time.perf_counter()
         done = collapse_to_huge_pages(spans)
         logger.info("huge_pages", memory=what, bytes=done, of_bytes=sum(n for _, n in spans),
