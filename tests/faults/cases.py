@@ -91,6 +91,7 @@ def kill_api_server(d: Daemon) -> Case:
     victim, survivor = pids["api-server-1"], pids["api-server-0"]
     port = int(d.url.rsplit(":", 1)[1])
     os.kill(victim, signal.SIGSTOP)  # freeze its connections while they are listed
+    _wait_stopped(victim)  # kill() returns before a busy process stops: it could still accept
     on_victim, on_survivor = client_ports(victim, port), client_ports(survivor, port)
     mark = d.mark()
     killed_at = time.time()
@@ -131,6 +132,23 @@ def sigterm(d: Daemon) -> Case:
 
 def _since(wall: float, event: dict[str, Any]) -> float:
     return round(datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp() - wall, 2)
+
+
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (state ``T`` in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout} s of SIGSTOP")
 
 
 def client_ports(pid: int, server_port: int) -> set[int]:

@@ -12,8 +12,9 @@ connection per client, reused request after request, as SDK clients do), sending
 * ``cut`` — the connection broke before the stream's end (reset, EOF, protocol error);
 * ``hang`` — no byte for ``read_timeout`` seconds.
 
-Each outcome has its start and end (``time.monotonic()``) and the client's local port, so a
-test can tell which requests were on a process it killed. httpx only: no torch here.
+Each outcome has its start and end (``time.monotonic()``) and the client's local port (of the
+connection the request went on, even when no response came), so a test can tell which
+requests were on a process it killed. httpx only: no torch here.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class StreamClients:
         self.stop_on = stop_on
         self.outcomes: list[Outcome] = []
         self.inflight: dict[int, tuple[float, int | None]] = {}  # thread index -> (started, port)
+        self._ports: dict[int, int | None] = {}  # thread index -> local port of its connection
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True, name=f"stream-client-{i}") for i in range(n)]
@@ -111,11 +113,19 @@ class StreamClients:
 
     def _one(self, client: httpx.Client, index: int) -> Outcome:
         started = time.monotonic()
+        conn: dict[str, int | None] = {"port": self._ports.get(index)}  # a reused connection's
+
+        def trace(event: str, info: dict[str, Any]) -> None:  # httpcore's trace extension
+            if event == "connection.connect_tcp.complete":  # a new connection: its port
+                addr = info["return_value"].get_extra_info("client_addr")
+                conn["port"] = self._ports[index] = addr[1] if addr else None
+
         port = None
         with self._lock:
             self.inflight[index] = (started, None)
         try:
-            with client.stream("POST", f"{self.url}/v1/completions", json={**self.body, "stream": True}) as r:
+            with client.stream("POST", f"{self.url}/v1/completions", json={**self.body, "stream": True},
+                               extensions={"trace": trace}) as r:
                 port = _client_port(r)
                 with self._lock:
                     self.inflight[index] = (started, port)
@@ -127,9 +137,9 @@ class StreamClients:
             kind = "refused" if "refused" in str(exc).lower() else "cut"
             return Outcome(kind, started, time.monotonic(), port, str(exc))
         except httpx.ReadTimeout as exc:
-            return Outcome("hang", started, time.monotonic(), port, str(exc))
+            return Outcome("hang", started, time.monotonic(), port or conn["port"], str(exc))
         except (httpx.TransportError, httpx.StreamError) as exc:
-            return Outcome("cut", started, time.monotonic(), port, f"{type(exc).__name__}: {exc}")
+            return Outcome("cut", started, time.monotonic(), port or conn["port"], f"{type(exc).__name__}: {exc}")
 
     def _read_stream(self, r: httpx.Response, started: float, port: int | None) -> Outcome:
         tokens, error, done = 0, None, False
