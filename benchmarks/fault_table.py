@@ -240,7 +240,7 @@ def main() -> int:
         rows.append(show(kill_api_server(d)))
         rows.append(show(kill_engine_core(d)))
         for name in ("frontend reload", "engine reload"):
-            mine = [x for x in rows if x["case"] == name]
+            mine = [x for x in rows if x.get("case") == name]
             print(f"{name:<22} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} {sum(x['failed'] for x in mine):>7}")
         print()
         rows.append(show(sigterm(d)))
