@@ -73,6 +73,20 @@ def test_cache_smaller_than_one_sequence_is_refused():
         engine({"num_blocks": 4, "block_size": 16})
 
 
+def test_max_model_len_above_the_models_limit_is_refused():
+    """As vLLM does (not clamped silently): the runner reports the model's own limit."""
+    cfg = VllmConfig.model_validate({"model": {"max_model_len": 1024}, "cache": {"num_blocks": 64, "block_size": 16}})
+
+    def clamping(config):
+        files, runner = fake_factory()(VllmConfig())  # the model's limit: 256
+        return files, runner
+
+    with pytest.raises(ValueError, match="model.max_model_len 1024 is greater than the model's limit of 256 tokens"):
+        EngineCore(cfg, runner_factory=clamping)
+    assert EngineCore(VllmConfig.model_validate({"model": {"max_model_len": 128}, "cache": {"num_blocks": 64}}),
+                      runner_factory=fake_factory()).max_model_len == 128
+
+
 def test_kv_cache_larger_than_available_memory_is_refused_before_allocating(monkeypatch):
     import pkgd.engine.core as core
 

@@ -199,8 +199,9 @@ class EngineCore:
         runner_factory: loads the model; default `load_model_runner`. Tests pass a fake.
 
     Raises:
-        ValueError: the KV cache cannot hold one ``max_model_len`` sequence, or (on CPU) needs
-            more memory than is available.
+        ValueError: ``model.max_model_len`` is above the model's own limit (refused, as vLLM
+            refuses it: positions past the trained range give garbage), the KV cache cannot
+            hold one ``max_model_len`` sequence, or (on CPU) needs more memory than is available.
         Whatever the runner raises for a missing or unsupported model.
     """
 
@@ -209,6 +210,12 @@ class EngineCore:
         self.engine_index = engine_index
         self.model_files, self.model_runner = (runner_factory or load_model_runner)(config)
         info = self.model_runner.model_info
+        configured = config.model.max_model_len
+        if configured is not None and configured > info.max_model_len:
+            raise ValueError(
+                f"model.max_model_len {configured} is greater than the model's limit of {info.max_model_len} "
+                "tokens (max_position_embeddings in its config); lower model.max_model_len or leave it null"
+            )
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.eos_token_id: int | None = info.eos_token_id
@@ -274,7 +281,7 @@ class EngineCore:
             return
         if self.runner_type == "pooling":
             raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
-        request.sampling_params.verify(max_logprobs=self.vocab_size)
+        request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
         # The frontend validates the prompt and max_tokens against max_model_len with the
         # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
         # wire client that skipped it from overrunning a request's block table.
