@@ -1,7 +1,7 @@
-"""The sections of the `VllmConfig` tree (DESIGN.md §2).
+"""The sections of the `VllmConfig` tree.
 
 Every model is frozen and forbids unknown keys: the tree is validated once, then never
-touched (STYLE.md practice 4). What start-up discovers (KV block count, EOS id, effective
+touched. What start-up discovers (KV block count, EOS id, effective
 ``max_model_len``) lives in runtime objects beside the config, not in it.
 
 Field names follow vLLM's where they exist; the vLLM flag spelling is recorded as a CLI alias.

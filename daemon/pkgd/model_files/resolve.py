@@ -1,6 +1,6 @@
 """Turn ``model.source`` into an HF-layout directory (`ModelFiles`). Torch-free.
 
-Three kinds of source (DESIGN.md §5 "Weights"):
+Three kinds of source:
 
 * ``pkg:PACKAGE/FILE``: a file (or directory) shipped inside an installed Python package.
   The package is found with `importlib.util.find_spec` on its top-level name and never

@@ -4,7 +4,7 @@ Layouts are chosen for the batch-1 (memory-bound) matrix-vector product, where M
 depends on the shape; for batches both layouts reach the same GEMM speed. Measured here (fp32,
 one thread, best of 7, weights far beyond the caches): wide outputs (QKV 576->1728, gate/up
 576->3072, LM head 576->49152) read 21-26 GB/s as ``x @ W`` with ``W [in, out]`` against 12 GB/s
-with ``F.linear`` on ``[out, in]`` (DESIGN.md §5 "CPU specifics"), while the narrow
+with ``F.linear`` on ``[out, in]`` (docs/kernels.md), while the narrow
 row-parallel outputs (down 1536->576) read 15-17 GB/s with ``F.linear`` against 13-14 as
 ``x @ W``. So column-parallel weights are stored ``[in, out]`` and row-parallel ones
 ``[out, in]``.
