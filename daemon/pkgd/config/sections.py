@@ -57,6 +57,13 @@ class ModelConfig(Section):
         aliases=("--dtype",),
     )
     max_model_len: int | None = field(None, "Context length in tokens (prompt + output); null = the model's own limit.", aliases=("--max-model-len",), ge=16)
+    quantization: Literal["auto", "none"] = field(
+        "auto",
+        "Quantized GGUF weights: 'auto' keeps them quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; CPU, "
+        "no tensor parallelism) when kernels exist for every tensor type of the file, else "
+        "dequantizes; 'none' always dequantizes to the model dtype. vLLM's 'gguf' means 'auto'.",
+        aliases=("--quantization", "-q"),
+    )
     chat_template: str | None = field(None, "Jinja chat template: a file path or the template text; null = the tokenizer's.", aliases=("--chat-template",), reload=A)
     seed: int = field(0, "Seed of the engine's random state for requests without a seed.", aliases=("--seed",), ge=0)
     trust_remote_code: bool = field(False, "Refused when true: pkgd never runs code shipped with a model.", aliases=("--trust-remote-code",))
@@ -67,6 +74,19 @@ class ModelConfig(Section):
         aliases=("--download-dir",),
     )
     generation: GenerationDefaults = section(GenerationDefaults, "Sampling defaults for requests.")
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _vllm_quantization(cls, v: object) -> object:
+        """vLLM's ``--quantization gguf`` is pkgd's auto; its other methods have no kernels here."""
+        if isinstance(v, str) and v.lower() == "gguf":
+            return "auto"
+        if isinstance(v, str) and v.lower() not in ("auto", "none"):
+            raise ValueError(
+                f"auto, none or gguf (vLLM's name for auto); pkgd has no kernels for {v!r}: it runs GGUF "
+                "files' own quantized types, not AWQ, GPTQ, FP8, bitsandbytes or other methods"
+            )
+        return v
 
 
 class ParallelConfig(Section):

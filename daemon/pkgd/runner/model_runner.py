@@ -34,7 +34,8 @@ from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import resolve_dtype
-from pkgd.model_files.resolve import ModelFiles, default_cache_dir
+from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
+from pkgd.runner.loader.gguf_weights import choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
@@ -53,6 +54,9 @@ class ModelInfo:
 
     ``max_model_len`` is effective: ``min(model.max_model_len, max_position_embeddings)``, in
     tokens. Head counts are the whole model's; ``num_kv_heads_per_rank`` what one rank caches.
+    ``num_params`` counts weights (a quantized matrix's elements, not its bytes);
+    ``weight_bytes`` is what they take in memory; ``quantization`` is ``none`` or ``gguf:``
+    and the quantized types kept (``gguf:Q4_1,Q8_0``).
     """
 
     architecture: str
@@ -69,6 +73,8 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     num_params: int
+    quantization: str = "none"
+    weight_bytes: int = 0
 
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -124,9 +130,20 @@ class ModelRunner:
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
                 self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
-        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
-            self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
-                                    progress=p, kernels=self.cpu_kernels)
+        self.quantization, gguf = choose_quantization(config.model.quantization, model_files.gguf_path, self.arch, device=self.device,
+                                                      tp_size=world_size, kernels=self.cpu_kernels)
+        logger.info("quantization_choice", quantized=self.quantization.quantized, reason=self.quantization.reason,
+                    tensor_types=self.quantization.tensor_types)
+        if gguf is not None and config.model.dtype == "auto":
+            self.dtype = torch.float32  # the activations: the weights stay in the file's types
+        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch."),
+                          quantized=gguf is not None) as p:
+            if gguf is not None:
+                self.model = load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=p)
+            else:
+                ensure_float_weights(model_files)
+                self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
+                                        progress=p, kernels=self.cpu_kernels)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         if self.cpu_kernels is not None:
@@ -157,7 +174,10 @@ class ModelRunner:
         a = self.arch
         configured = self.config.model.max_model_len
         max_len = a.max_position_embeddings if configured is None else min(configured, a.max_position_embeddings)
-        num_params = sum(p.numel() for p in self.model.parameters())  # this rank's share
+        quantized = [m for m in self.model.modules() if hasattr(m, "qweight")]
+        num_params = sum(p.numel() for p in self.model.parameters() if p.is_floating_point())  # this rank's share
+        num_params += sum(m.num_weights for m in quantized)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return ModelInfo(
             architecture=a.architecture,
             max_model_len=max_len,
@@ -173,6 +193,8 @@ class ModelRunner:
             hidden_size=a.hidden_size,
             dtype=str(self.dtype).removeprefix("torch."),
             num_params=num_params,
+            quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()})) if quantized else "none",
+            weight_bytes=weight_bytes,
         )
 
     # ---- KV cache ------------------------------------------------------------------------

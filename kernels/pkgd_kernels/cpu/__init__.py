@@ -17,7 +17,10 @@ PyTorch form, which computes the same thing:
 * `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
   read in place through the block table instead of gathering K/V copies;
 * `CpuKernels.rms_norm` / `CpuKernels.fused_add_rms_norm`: RMSNorm (with the residual add
-  fused), one pass over each row (at batch 1 PyTorch's composite op cost ~25 us a call).
+  fused), one pass over each row (at batch 1 PyTorch's composite op cost ~25 us a call);
+* `CpuKernels.quant_linear` / `CpuKernels.quant_gather`: linears and lookups on GGUF
+  quantized weights, from a library of their own (``quant.c``, `CpuKernels.quant`, built on
+  first use; `pkgd_kernels.cpu.quant`).
 
 A model family can build a fused step of its own on the same loops (`CpuKernels.load_library`
 with a `build.LibrarySpec` whose source includes ``kernels.h``), e.g. Llama's one-call decode
@@ -30,6 +33,7 @@ OpenMP thread pool and ``torch.set_num_threads`` sizes both.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from pathlib import Path
 
@@ -110,6 +114,33 @@ class CpuKernels:
             CpuKernelsUnavailable: as `load`, or the library disagrees with ``spec``.
         """
         return open_library(spec, self.cache_dir)[0]
+
+    @functools.cached_property
+    def quant(self):
+        """The quantized-weight kernels (`pkgd_kernels.cpu.quant.QuantKernels`), built and loaded
+        on first use.
+
+        Raises:
+            CpuKernelsUnavailable: that library cannot be built or loaded.
+        """
+        from pkgd_kernels.cpu.quant import QuantKernels
+
+        return QuantKernels(self)
+
+    def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """C form of `pkgd_kernels.quant_linear` (`pkgd_kernels.cpu.quant.QuantKernels.quant_linear`)."""
+        return self.quant.quant_linear(x, weight, bias)
+
+    def quant_gather(self, weight, ids: torch.Tensor) -> torch.Tensor:
+        """C form of `pkgd_kernels.quant_gather` (`pkgd_kernels.cpu.quant.QuantKernels.quant_gather`)."""
+        return self.quant.quant_gather(weight, ids)
+
+    @staticmethod
+    def takes_quant_linear(x: torch.Tensor, weight) -> bool:
+        """Whether `quant_linear` takes these (`pkgd_kernels.cpu.quant.takes_quant_linear`)."""
+        from pkgd_kernels.cpu.quant import takes_quant_linear
+
+        return takes_quant_linear(x, weight)
 
     # ---- which tensors each C form takes ----------------------------------------------------
 
