@@ -121,8 +121,8 @@ def quant_gather_ref(weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
 
 
 def quant_gather(weight: QuantWeight, ids: torch.Tensor, *, kernels=None) -> torch.Tensor:
-    """Rows ``W[ids]``: the C form when ``kernels`` is given, else :func:`quant_gather_ref`."""
+    """Rows ``W[ids]``: the C form when ``kernels`` takes them, else :func:`quant_gather_ref`."""
     _check_gather(weight, ids)
-    if kernels is not None:
+    if kernels is not None and kernels.takes_quant_gather(weight, ids):
         return kernels.quant_gather(weight, ids)
     return quant_gather_ref(weight, ids)

@@ -142,6 +142,13 @@ class CpuKernels:
 
         return takes_quant_linear(x, weight)
 
+    @staticmethod
+    def takes_quant_gather(weight, ids: torch.Tensor) -> bool:
+        """Whether `quant_gather` takes these: a contiguous quantized weight, 1-D int64 ``ids`` on CPU."""
+        from pkgd_kernels.quant_layout import QuantWeight
+
+        return isinstance(weight, QuantWeight) and weight.data.is_contiguous() and ids.dtype == torch.int64 and ids.dim() == 1 and not ids.is_cuda
+
     # ---- which tensors each C form takes ----------------------------------------------------
 
     @staticmethod
