@@ -26,7 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-# as under `pkgd` (pkgd.cli.main): torch's allocations of 2 MiB or more on huge pages
+# as in an engine process (parallel.cpu_huge_pages, pkgd.host.set_torch_huge_pages)
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402

@@ -30,3 +30,16 @@ def test_readme_keeps_two_set_up_commands():
     text = (ROOT / "README.md").read_text()
     block = text.split("## Set up and run", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     assert [line.split()[0] for line in block.strip().splitlines()] == ["./scripts/serve", "./scripts/test"]
+
+
+def test_no_merge_conflict_markers_left():
+    """A half-resolved merge is not caught by any other test when it lands in prose or YAML."""
+    marker = re.compile(r"^(<{7}|>{7}) ", re.M)
+    suffixes = {".md", ".py", ".yaml", ".yml", ".toml", ".json", ".c", ".h", ".sh", ".service", ".socket"}
+    hit = [
+        str(path.relative_to(ROOT))
+        for top in ("README.md", "docs", "daemon", "kernels", "configs", "tests", "benchmarks", "schemas", "scripts", "systemd")
+        for path in ([ROOT / top] if (ROOT / top).is_file() else (ROOT / top).rglob("*"))
+        if path.is_file() and path.suffix in suffixes and marker.search(path.read_text(errors="replace"))
+    ]
+    assert not hit

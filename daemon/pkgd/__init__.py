@@ -16,8 +16,13 @@ _LAZY = {
     "SamplingParams": "pkgd.sampling_params",
     "BeamSearchParams": "pkgd.sampling_params",
     "RequestOutputKind": "pkgd.sampling_params",
+    "PoolingParams": "pkgd.pooling_params",
     "StructuredOutputsParams": "pkgd.sampling_params",
     "RequestOutput": "pkgd.outputs",
+    "PoolingOutput": "pkgd.outputs",
+    "PoolingRequestOutput": "pkgd.outputs",
+    "EmbeddingOutput": "pkgd.outputs",
+    "EmbeddingRequestOutput": "pkgd.outputs",
     "CompletionOutput": "pkgd.outputs",
     "Logprob": "pkgd.outputs",
     "BeamSearchOutput": "pkgd.offline.beam_search",
@@ -31,7 +36,16 @@ if TYPE_CHECKING:
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.offline.beam_search import BeamSearchOutput, BeamSearchSequence
     from pkgd.offline.llm import LLM
-    from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
+    from pkgd.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from pkgd.pooling_params import PoolingParams
     from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 

@@ -103,6 +103,10 @@ def configure(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(level, logging.WARNING))
+    # The HTTP server's own lines (vLLM's --uvicorn-log-level); "trace" is uvicorn's level
+    # below debug, which hypercorn does not have.
+    http_level = cfg.http_server_level if cfg is not None else "warning"
+    logging.getLogger("hypercorn").setLevel(_LEVELS.get(http_level, logging.DEBUG))
 
 
 class _CurrentStderr:

@@ -1,4 +1,5 @@
-"""`RequestOutput` / `CompletionOutput`: what `LLM.generate` returns and `AsyncLLM` yields.
+"""`RequestOutput` / `CompletionOutput`: what `LLM.generate` returns and `AsyncLLM` yields;
+`PoolingRequestOutput` / `EmbeddingRequestOutput`: what `LLM.encode` / `LLM.embed` return.
 
 Same shape and names as vLLM's ``vllm.outputs`` so user code ports unchanged. Torch-free.
 """
@@ -6,6 +7,7 @@ Same shape and names as vLLM's ``vllm.outputs`` so user code ports unchanged. To
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -60,3 +62,62 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] | None = None
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """The pooled vector of a pooling request: ``data`` is float32 ``[D]`` (a
+    ``torch.Tensor`` from the offline `LLM`, a ``numpy.ndarray`` in the torch-free API
+    server), ``D`` the hidden size or the request's ``dimensions``."""
+
+    data: Any
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` returns (vLLM's ``PoolingRequestOutput``)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        data = pooling_output.data
+        if getattr(data, "ndim", 1) != 1:
+            raise ValueError("the pooled data is not a 1-D embedding vector")
+        return EmbeddingOutput(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns (vLLM's ``EmbeddingRequestOutput``): ``outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_id=request_output.request_id,
+            outputs=EmbeddingOutput.from_base(request_output.outputs),
+            prompt_token_ids=request_output.prompt_token_ids,
+            finished=request_output.finished,
+            num_cached_tokens=request_output.num_cached_tokens,
+        )

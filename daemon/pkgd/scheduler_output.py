@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
 
@@ -22,15 +23,18 @@ class NewRequestData:
     ``prompt_token_ids`` are the prompt's; ``output_token_ids`` the tokens generated before a
     preemption (empty otherwise) -- the runner recomputes them as part of the prefill.
     ``block_ids`` is the whole block table; ``num_computed_tokens`` counts tokens whose KV is
-    already in the cache (prefix-cache hits), so computation starts there.
+    already in the cache (prefix-cache hits), so computation starts there. A pooling request
+    has ``pooling_params`` instead of ``sampling_params``: the runner pools its hidden states
+    instead of sampling.
     """
 
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclasses.dataclass

@@ -42,24 +42,26 @@ def answer_script(tokenizer, text: str = ANSWER) -> Callable:
 
 
 @contextlib.asynccontextmanager
-async def served(tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None) -> AsyncIterator:
+async def served(tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None,
+                 runner: str = "generate") -> AsyncIterator:
     """(httpx client on the app, ServerState, FakeEngineClient)."""
     from pkgd.api.app import build_app
     from pkgd.frontend.async_llm import AsyncLLM
-    from pkgd.frontend.metrics import Metrics
+    from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
     from pkgd.api.state import ServerState
 
     config = config or VllmConfig()
     fakes: list[FakeEngineClient] = []
 
     def factory(sink):
-        fakes.append(FakeEngineClient(sink, script or answer_script(tokenizer)))
+        fakes.append(FakeEngineClient(sink, script or answer_script(tokenizer), runner=runner))
         return fakes[0]
 
     llm = AsyncLLM(config, ["ipc:///unused"], tokenizer=tokenizer, client_factory=factory)
     await llm.start(handshake_timeout=1)
-    state = ServerState(config, llm, Metrics("SmolLM2-135M-Instruct"))
+    state = ServerState(config, llm, Metrics("SmolLM2-135M-Instruct", max_model_len=2048))
     llm.metrics = state.metrics
+    state.engine_collector = EngineStatsCollector("SmolLM2-135M-Instruct", llm.client.engine_info, cache_config_labels(config))
     transport = httpx.ASGITransport(app=build_app(state))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         yield http, state, fakes[0]

@@ -1,5 +1,6 @@
 """A test double for `pkgd.ipc.client.EngineClient`: an in-process engine that "generates" a
-scripted token sequence, so the app's behaviour can be checked without a model.
+scripted token sequence, so the app's behaviour can be checked without a model. With
+``runner="pooling"`` it answers pooling requests with `fake_vector` (a function of the prompt).
 
 Token rule: a request generates ``script(request)`` one token per event-loop turn, stopping
 at ``max_tokens`` ("length"), at EOS unless ``ignore_eos``, or at a ``stop_token_ids`` token
@@ -10,11 +11,21 @@ at ``max_tokens`` ("length"), at EOS unless ``ignore_eos``, or at a ``stop_token
 from __future__ import annotations
 
 import asyncio
+import struct
+import time
 from collections.abc import Callable
 
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 from pkgd.logprobs import TokenLogprobs
-from pkgd.ipc.messages import EngineCoreOutput, EngineCoreRequest, EngineOutputs, FinishReason, Handshake, SchedulerStats
+from pkgd.ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineOutputs,
+    FinishReason,
+    Handshake,
+    SchedulerStats,
+    UtilityResult,
+)
 
 EOS = 2
 MAX_MODEL_LEN = 2048
@@ -26,15 +37,26 @@ def _entry(tok: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(ids, [-0.1] + [-float(j) for j in range(1, k + 1)], 1)
 
 
+HIDDEN = 8
+
+
+def fake_vector(prompt: list[int], dimensions: int | None = None) -> list[float]:
+    """The fake engine's "embedding" of a prompt (exact in float32)."""
+    return [float(len(prompt) + i) / 4 for i in range(dimensions or HIDDEN)]
+
+
 class FakeEngineClient:
-    def __init__(self, sink, script: Callable[[EngineCoreRequest], list[int]]) -> None:
+    def __init__(self, sink, script: Callable[[EngineCoreRequest], list[int]], *, runner: str = "generate") -> None:
         self.sink = sink
         self.script = script
         self.available = True
         self.handshake = Handshake(
             version=1, engine_index=0, pid=0, model_name="SmolLM2-135M-Instruct", max_model_len=MAX_MODEL_LEN,
             vocab_size=VOCAB, eos_token_id=EOS, num_kv_blocks=128, block_size=16,
+            runner=runner, hidden_size=HIDDEN, matryoshka=True,
         )
+        self.utility_calls: list[tuple[str, dict]] = []
+        self.utility_answers: dict[str, UtilityResult] = {}  # method -> answer (default: result None)
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
         self.fail: dict[str, EngineRequestError] = {}  # engine request id -> error after 1 token
@@ -54,6 +76,9 @@ class FakeEngineClient:
     def engine_stats(self) -> dict[int, SchedulerStats]:
         return {0: SchedulerStats(num_running_reqs=len(self._tasks), kv_cache_usage=0.25)}
 
+    def engine_info(self):
+        return {0: (self.handshake, self.engine_stats()[0])}
+
     def num_inflight(self) -> int:
         return len(self._tasks)
 
@@ -72,7 +97,18 @@ class FakeEngineClient:
                 self.aborted.append(rid)
                 task.cancel()
 
+    async def call_utility(self, method: str, args: dict | None = None, *, timeout: float = 600.0) -> list[UtilityResult]:
+        self.utility_calls.append((method, dict(args or {})))
+        return [self.utility_answers.get(method, UtilityResult(call_id=0, engine_index=0))]
+
     async def _run(self, req: EngineCoreRequest) -> None:
+        if req.pooling_params is not None:
+            await asyncio.sleep(self.delay)
+            vec = struct.pack(f"<{HIDDEN}f", *fake_vector(req.prompt_token_ids))[: 4 * (req.pooling_params.dimensions or HIDDEN)]
+            self._tasks.pop(req.request_id, None)
+            out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.STOP, pooling_output=vec)
+            self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None))
+            return
         sp = req.sampling_params
         tokens = self.script(req)
         for i, tok in enumerate(tokens):
@@ -86,8 +122,10 @@ class FakeEngineClient:
                 finish = FinishReason.STOP
             elif i + 1 >= (sp.max_tokens or len(tokens)) or i + 1 == len(tokens):
                 finish = FinishReason.LENGTH
+            now = time.time()
             out = EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[tok], finish_reason=finish,
+                queued_ts=now - 0.002 if i == 0 else 0.0, scheduled_ts=now - 0.001 if i == 0 else 0.0,
                 new_logprobs=[_entry(tok, sp.logprobs)] if sp.logprobs is not None else None,
                 new_prompt_logprobs=(
                     [None] + [_entry(t, sp.prompt_logprobs) for t in req.prompt_token_ids[1:]]
@@ -96,6 +134,6 @@ class FakeEngineClient:
             )
             if finish is not None:
                 self._tasks.pop(req.request_id, None)
-            self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None))
+            self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None, timestamp=now))
             if finish is not None:
                 return

@@ -68,8 +68,8 @@ async def test_metrics_use_vllm_names_and_count_requests(tokenizer):
                      "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                      "vllm:request_success_total"):
             assert name in text, name
-        assert 'vllm:generation_tokens_total{model_name="SmolLM2-135M-Instruct"} 4.0' in text
-        assert 'vllm:request_success_total{finished_reason="length",model_name="SmolLM2-135M-Instruct"} 1.0' in text
+        assert 'vllm:generation_tokens_total{engine="0",model_name="SmolLM2-135M-Instruct"} 4.0' in text
+        assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="SmolLM2-135M-Instruct"} 1.0' in text
         assert 'vllm:kv_cache_usage_perc{engine="0",model_name="SmolLM2-135M-Instruct"} 0.25' in text
 
 

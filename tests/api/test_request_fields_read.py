@@ -17,11 +17,12 @@ from pathlib import Path
 from pydantic import BaseModel
 
 import pkgd
-from pkgd.api import protocol
+from pkgd.api import protocol, protocol_embeddings, protocol_responses
 
 ROOT = Path(pkgd.__file__).parent
 SERVING = [ROOT / "api", ROOT / "frontend", ROOT / "parsers"]
-REQUESTS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest, protocol.DetokenizeRequest]
+REQUESTS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest, protocol.DetokenizeRequest,
+            protocol_embeddings.EmbeddingRequest, protocol_responses.ResponsesRequest]
 # Read whole: tools go to the chat template as dicts (``model_dump``), so every field reaches it.
 READ_WHOLE = {protocol.ChatTool, protocol.FunctionDefinition}
 

@@ -78,11 +78,24 @@ def test_ready_frame_then_sighup_reloads_live_fields(tmp_path, procs, tokenizer_
     assert api.proc.wait(10) == 0
 
 
+def _wait_until_catching(pid: int, signum: int, timeout: float = 60.0) -> None:
+    """Wait until process ``pid`` has a handler for ``signum`` (``SigCgt`` in /proc/PID/status)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        if caught >> (signum - 1) & 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} installed no handler for signal {signum} within {timeout} s")
+
+
 def test_sigterm_while_waiting_for_the_engine_exits_promptly(tmp_path, procs, tokenizer_ready):
     cfg = write_config(tmp_path)
     sock = listen_socket()
     procs.append(api := spawn_api_server(cfg, sock, [transport.ipc_address(tmp_path, 0)]))  # nothing there
-    time.sleep(2.0)
+    _wait_until_catching(api.proc.pid, signal.SIGTERM)  # its handler is in place (a busy host starts slowly)
+    time.sleep(0.5)
     t0 = time.monotonic()
     api.proc.send_signal(signal.SIGTERM)
     assert api.proc.wait(5) == 0 and time.monotonic() - t0 < 2

@@ -7,6 +7,7 @@ import pytest
 
 from pkgd.cli.main import SUBCOMMANDS, available_subcommands, build_parser, main
 from pkgd.config.schema import alias_index
+from pkgd.config.vllm_flags import reference_nargs
 
 AVAILABLE = available_subcommands()
 
@@ -40,7 +41,7 @@ def _options(parser: argparse.ArgumentParser):
 def test_no_subcommand_option_shadows_a_config_flag(name):
     parser, commands = build_parser(name, with_help_text=False)
     assert name in commands
-    clashes = set(_options(parser)) & set(alias_index())
+    clashes = set(_options(parser)) & {*alias_index(), *reference_nargs()}
     assert not clashes, f"options of `pkgd {name}` are config flags, taken out before argparse: {clashes}"
 
 

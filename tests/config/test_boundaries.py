@@ -77,3 +77,19 @@ def test_trust_remote_code_is_refused():
 def test_all_broken_rules_are_reported_together():
     message = refused(model={"trust_remote_code": True}, frontend={"headless": True, "api_server_count": 2})
     assert "trust_remote_code" in message and "headless" in message
+
+
+def test_runner_and_convert_flags_choose_the_pooling_runner():
+    from pkgd.config.overrides import parse_flags
+
+    def runner(*flags: str) -> str:
+        ops, problems = parse_flags(list(flags))
+        assert not problems
+        model = {op.key.split(".", 1)[1]: op.value for op in ops}
+        return cfg(model=model).model.runner_type
+
+    assert runner() == "generate"
+    assert runner("--runner", "pooling") == "pooling"
+    assert runner("--convert", "embed") == "pooling"  # vLLM's --convert embed
+    assert runner("--runner", "generate", "--convert", "none") == "generate"
+    assert "conflicts with model.runner: generate" in refused(model={"runner": "generate", "convert": "embed"})

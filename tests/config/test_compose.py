@@ -207,3 +207,11 @@ def test_profiles_overlay_any_section_and_stay_below_the_system_tree(tree):
     assert (prod.config.logging.format, prod.config.logging.level) == ("json", "warning")
     assert prod.config.supervisor.drain_timeout == 30.0
     assert prod.sources["logging.level"] == "system:pkgd.yaml"
+
+
+def test_cpu_knobs_are_config_keys_with_an_environment_form():
+    c = run(env={"PKGD_PARALLEL__CPU_KERNELS": "false", "PKGD_PARALLEL__CPU_HUGE_PAGES": "0",
+                 "PKGD_PARALLEL__CPU_KERNEL_CACHE": "/srv/kernels"})
+    p = c.config.parallel
+    assert (p.cpu_kernels, p.cpu_huge_pages, p.cpu_kernel_cache) == (False, False, "/srv/kernels")
+    assert c.sources["parallel.cpu_kernels"] == "env"

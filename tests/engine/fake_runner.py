@@ -108,6 +108,15 @@ class FakeModelRunner:
         top = [(tok + j) % self.model_info.vocab_size for j in range(k)]
         return [TokenLogprobs([tok, *top], [-0.5, *(-0.5 - 0.7 * j for j in range(k))], 1)]
 
+    def sleep(self, level: int) -> None:
+        self.slept = getattr(self, "slept", []) + [level]
+        self.cache = []
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.woken = getattr(self, "woken", []) + [list(tags)]
+        if "kv_cache" in tags:
+            self.initialize_kv_cache(self.num_blocks, self.block_size)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
         self.step_log.append(so)

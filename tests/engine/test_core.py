@@ -114,3 +114,43 @@ def test_shutdown_aborts_everything():
     e.step()
     e.shutdown()
     assert not e.has_unfinished_requests() and e.kv_cache_manager.get_num_free_blocks() == 64
+
+
+def test_sleep_mode_releases_refuses_and_restores():
+    from pkgd.engine.core import EngineBusyError, EngineSleepingError
+
+    with pytest.raises(ValueError, match="sleep mode is off"):
+        engine().sleep(1)
+    e = engine(enable_sleep_mode=True)
+    e.add_request(request("a", prompt=range(1, 21), max_tokens=3))
+    with pytest.raises(EngineBusyError, match="still running"):
+        e.sleep(1)
+    while e.has_unfinished_requests():
+        e.step()
+    assert e.kv_cache_manager.block_pool.cached_blocks  # a prefix is cached
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        e.sleep(3)
+    e.sleep(2)
+    assert e.is_sleeping() and e.model_runner.slept == [2] and not e.kv_cache_manager.block_pool.cached_blocks
+    with pytest.raises(EngineSleepingError):
+        e.add_request(request("b"))
+    e.wake_up(["weights"])
+    assert e.is_sleeping()  # the KV cache is still released
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        e.wake_up(["gpu"])
+    e.wake_up()
+    assert not e.is_sleeping() and e.model_runner.woken == [["weights"], ["kv_cache"]]
+    e.add_request(request("c", max_tokens=2))
+    while e.has_unfinished_requests():
+        assert e.step() is not None
+
+
+def test_pooling_requests_are_refused_by_a_generating_engine_and_vice_versa():
+    from pkgd.pooling_params import PoolingParams
+
+    pooled = EngineCoreRequest(request_id="p", prompt_token_ids=[1, 2], pooling_params=PoolingParams())
+    with pytest.raises(ValueError, match="embeddings need model.runner: pooling"):
+        engine().add_request(pooled)
+    both = EngineCoreRequest(request_id="x", prompt_token_ids=[1], sampling_params=SamplingParams(), pooling_params=PoolingParams())
+    with pytest.raises(ValueError, match="exactly one"):
+        engine().add_request(both)

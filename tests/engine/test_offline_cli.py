@@ -55,3 +55,14 @@ def test_run_batch_writes_one_result_per_line(tmp_path):
     assert "Paris" in res[0]["response"]["body"]["choices"][0]["message"]["content"]
     assert res[1]["response"]["body"]["usage"]["completion_tokens"] == 4
     assert res[2]["response"]["status_code"] == 400
+
+
+def test_bench_latency_percentiles_over_iterations(tmp_path):
+    out_json = tmp_path / "lat.json"
+    p = pkgd("bench", "latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--n", "2",
+             "--num-iters", "3", "--num-iters-warmup", "1", "--output-json", str(out_json), *SMALL)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Avg latency:" in p.stdout and "99% percentile latency:" in p.stdout
+    fig = json.loads(out_json.read_text())
+    assert len(fig["latencies"]) == 3 and set(fig["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert min(fig["latencies"]) <= fig["percentiles"]["50"] <= max(fig["latencies"])

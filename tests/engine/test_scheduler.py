@@ -279,3 +279,28 @@ def test_stress_small_cache_matches_large_cache(policy, seed):
     e, got = _stress(seed, num_blocks=10, max_model_len=40, policy=policy, lookahead=0, batched=8, seqs=4)
     assert got == want
     assert e.kv_cache_manager.get_num_free_blocks() == 10
+
+
+def test_outputs_carry_engine_timestamps_and_stats_count_tokens_per_step():
+    """For /metrics: when a request was received and first scheduled (first output), its
+    preemptions (last output), and a cumulative histogram of tokens per step."""
+    import time
+
+    from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS
+
+    e = make_engine(batched=32)
+    before = time.time()
+    add(e, "long", range(1, 51), max_tokens=3)
+    outs = []
+    while e.has_unfinished_requests():
+        outs += e.step()
+    first, last = outs[0], outs[-1]
+    assert before <= first.queued_ts <= first.scheduled_ts <= time.time()
+    assert outs[1].queued_ts == 0.0 and last.finish_reason is not None and last.num_preemptions == 0
+    stats = e.stats()
+    steps = e.model_runner.step_log
+    assert sum(stats.iteration_tokens_counts) == len(steps) and stats.iteration_tokens_sum == 50 + 2
+    by_bucket = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+    for s in steps:  # 32 + 18 prompt tokens, then 1 + 1 decodes
+        by_bucket[next(i for i, b in enumerate(ITERATION_TOKENS_BUCKETS) if s.total_num_scheduled_tokens <= b)] += 1
+    assert stats.iteration_tokens_counts == by_bucket

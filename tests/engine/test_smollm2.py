@@ -1,7 +1,9 @@
 """The engine on the real SmolLM2-135M-Instruct: what a user of `LLM` would notice.
 
-One `LLM()` (no arguments: the embedded default model) is shared by the module; the
-preemption test builds a second engine with a KV cache of a few blocks.
+One `LLM()` (no arguments: the embedded default model, its Q4_1 weights kept quantized) is
+shared by the module; the preemption test builds a second engine with a KV cache of a few
+blocks, and the comparison with transformers one on the dequantized float weights
+(``quantization="none"``: transformers computes in float32 on them too).
 """
 
 import gc
@@ -45,14 +47,21 @@ def test_greedy_matches_transformers_token_for_token(llm):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # all 8 batched together
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_files.model_dir), dtype=torch.float32).eval()
+    assert llm.engine.model_runner.quantization.quantized  # the default: what a user gets
+    floats = LLM(quantization="none")
+    try:
+        assert floats.engine.model_files.has_float_weights() and not floats.engine.model_runner.quantization.quantized
+        outs = floats.generate(PROMPTS, GREEDY, use_tqdm=False)  # all 8 batched together
+        eos = floats.engine.eos_token_id
+    finally:
+        floats.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(str(floats.engine.model_files.model_dir), dtype=torch.float32).eval()
     try:
         for out in outs:
             ids = torch.tensor([out.prompt_token_ids])
             with torch.inference_mode():
                 gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                  eos_token_id=llm.engine.eos_token_id, pad_token_id=llm.engine.eos_token_id)
+                                  eos_token_id=eos, pad_token_id=eos)
             assert out.outputs[0].token_ids == gen[0, ids.shape[1] :].tolist(), out.prompt
     finally:
         del hf

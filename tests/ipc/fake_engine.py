@@ -89,6 +89,20 @@ class FakeEngineCore:
                 del self.requests[rid]
         return outputs
 
+    # utility calls (the real core's names and refusals)
+    def reset_prefix_cache(self) -> bool:
+        return not self.requests
+
+    def sleep(self, level: int = 1) -> None:
+        from pkgd.engine.errors import EngineBusyError
+
+        if self.requests:
+            raise EngineBusyError(f"{len(self.requests)} requests are still running")
+        self.sleeping = level
+
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self, "sleeping", 0))
+
     def shutdown(self) -> None:
         pass
 

@@ -230,3 +230,26 @@ def test_cores_are_reachable_over_tcp(engines, runtime):
         asyncio.run(main())
     finally:
         e.stop()
+
+
+def test_utility_calls_reach_every_core_and_carry_refusals(engines, runtime):
+    tmp = runtime[0]
+    for i in (0, 1):
+        engines(i, env={"FAKE_STEP_SECONDS": "0.05"}).wait_ready(30)
+
+    async def main():
+        sink = Sink()
+        client = EngineClient([transport.ipc_address(tmp, i) for i in (0, 1)], sink)
+        assert await client.start(10)
+        results = await client.call_utility("reset_prefix_cache")
+        assert sorted(r.engine_index for r in results) == [0, 1] and all(r.result is True for r in results)
+        client.add_requests([request("long", (10,), 40)])
+        busy = await client.call_utility("sleep", {"level": 1})
+        assert sorted(r.error_status for r in busy) == [0, 409]  # the core running "long" refuses
+        bad = await client.call_utility("sleep", {"lvl": 1})
+        assert all(r.error_status == 400 and r.error for r in bad)
+        assert [r.result for r in await client.call_utility("is_sleeping")].count(True) == 1
+        await sink.wait_for(["long"])
+        await client.close()
+
+    asyncio.run(main())

@@ -22,10 +22,15 @@ def tiny_dirs(tmp_path_factory):
     return get
 
 
-def make_runner(model_dir, **model_kw):
+# Whether runners built by `make_runner` load the C kernels (the `cpu_path` fixture turns it off).
+C_KERNELS = {"enabled": True}
+
+
+def make_runner(model_dir, *, cpu_kernels=None, **model_kw):
     from pkgd.runner.model_runner import ModelRunner
 
-    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw})
+    enabled = C_KERNELS["enabled"] if cpu_kernels is None else cpu_kernels
+    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw}, parallel={"cpu_kernels": enabled})
     return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
 
 
@@ -59,10 +64,10 @@ def c_kernels():
 @pytest.fixture(params=["c-kernels", "pytorch"])
 def cpu_path(request, monkeypatch):
     """Run a test on both CPU paths: the C kernels (skipped where they cannot be built) and
-    plain PyTorch (``PKGD_CPU_KERNELS=0``, so a runner built in the test loads none). Returns
-    the kernels handle for layers a test builds itself (None on the PyTorch path)."""
+    plain PyTorch (``parallel.cpu_kernels: false``, so a runner `make_runner` builds loads
+    none). Returns the kernels handle for layers a test builds itself (None on the PyTorch path)."""
     if request.param == "pytorch":
-        monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+        monkeypatch.setitem(C_KERNELS, "enabled", False)
         return None
     return request.getfixturevalue("c_kernels")
 

@@ -56,16 +56,13 @@ def _huge_kib(addr: int, nbytes: int) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise only")
-def test_collapse_moves_a_tensor_onto_huge_pages_and_keeps_its_contents(monkeypatch):
+def test_collapse_moves_a_tensor_onto_huge_pages_and_keeps_its_contents():
     from pkgd.runner.allocator import HUGE_PAGE_BYTES, collapse_to_huge_pages, tensor_span
 
     import torch
 
     t = torch.arange(3 * HUGE_PAGE_BYTES // 4 + 1000, dtype=torch.float32)  # spans >= 2 whole huge pages
     want = t.clone()
-    monkeypatch.setenv("PKGD_HUGEPAGES", "0")
-    assert collapse_to_huge_pages([tensor_span(t)]) == 0
-    monkeypatch.delenv("PKGD_HUGEPAGES")
     done = collapse_to_huge_pages([tensor_span(t)])
     if done == 0:
         pytest.skip("this kernel does not collapse (MADV_COLLAPSE needs Linux 6.1 and THP not 'never')")
@@ -108,3 +105,31 @@ def test_the_runner_puts_weights_and_kv_cache_on_huge_pages_and_logs_it(tiny_dir
     if sys.platform.startswith("linux") and kv["bytes"] == 0:
         pytest.skip("this kernel does not collapse")
     assert kv["bytes"] >= kv["of_bytes"] // 2  # the cache is a few large allocations
+
+
+def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkeypatch):
+    from pkgd.runner import model_runner
+
+    from tests.runner.conftest import make_runner
+
+    calls = []
+    monkeypatch.setattr(model_runner, "collapse_to_huge_pages", lambda spans: calls.append(spans) or 0)
+    model_dir, _ = tiny_dirs("llama")
+    runner = make_runner(model_dir)
+    assert calls  # on by default: the weights
+    calls.clear()
+    runner.config = runner.config.model_copy(update={"parallel": runner.config.parallel.model_copy(update={"cpu_huge_pages": False})})
+    runner.initialize_kv_cache(4, 16)
+    assert calls == []
+
+
+def test_torch_huge_pages_follow_the_config_unless_the_operator_chose(monkeypatch):
+    import os
+
+    from pkgd import host
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    host.set_torch_huge_pages(False)
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    host.set_torch_huge_pages(True)  # the first choice (or the operator's) stands
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"

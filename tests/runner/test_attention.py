@@ -4,7 +4,6 @@ tests/kernels."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from pkgd.runner import attention as A

@@ -107,10 +107,10 @@ def test_steps_it_does_not_serve_fall_back_to_the_per_layer_forward(tiny_dirs, c
     assert step(runner.model.embed_tokens(ids), positions, runner.kv_caches, meta) is None
 
 
-def test_not_built_without_the_c_kernels(tiny_dirs, monkeypatch):
-    monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
+def test_not_built_without_the_c_kernels(tiny_dirs):
     model_dir, _ = tiny_dirs("qwen3")
-    assert make_runner(model_dir).model.cpu_decode is None
+    runner = make_runner(model_dir, cpu_kernels=False)
+    assert runner.cpu_kernels is None and runner.model.cpu_decode is None
 
 
 def test_new_caches_are_picked_up(tiny_dirs, c_kernels):
@@ -137,13 +137,12 @@ def test_the_log_says_the_kernels_and_the_one_call_step_are_in_use(tiny_dirs, c_
     assert runner.model.cpu_decode is not None and runner.model.kernels is runner.cpu_kernels
 
 
-def test_the_per_layer_reference_needs_no_c_kernels(tiny_dirs, c_kernels, monkeypatch):
+def test_the_per_layer_reference_needs_no_c_kernels(tiny_dirs, c_kernels):
     """The one-call step against the per-layer forward of a runner built without any C kernel
     (every op in its PyTorch form), on the same weights, caches and step."""
     model_dir, _ = tiny_dirs("qwen3")
     fused = make_runner(model_dir)
-    monkeypatch.setenv("PKGD_CPU_KERNELS", "0")
-    plain = make_runner(model_dir)
+    plain = make_runner(model_dir, cpu_kernels=False)
     assert plain.cpu_kernels is None and plain.model.cpu_decode is None
     ids, positions, meta = _random_step(fused, [5, 13, 2], seed=5)
     plain.kv_caches = [(k.clone(), v.clone()) for k, v in fused.kv_caches]

@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from pkgd.config.sections import ModelConfig
 from pkgd.model_files import resolve as R
-from pkgd.runner.loader.dtype import cpu_has_native_bf16, resolve_dtype
 from pkgd.model_files.resolve import ModelSourceError, ensure_float_weights, resolve_model
 from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
@@ -190,22 +189,6 @@ def test_resolve_is_torch_free(tiny_dirs):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 
-
-def test_dtype_auto_resolution():
-    avx2 = {"avx", "avx2", "fma"}
-    bf16 = avx2 | {"avx512f", "avx512_bf16"}
-    assert not cpu_has_native_bf16(avx2) and cpu_has_native_bf16(bf16) and cpu_has_native_bf16({"amx_bf16"})
-    assert resolve_dtype("auto", "bfloat16", "cpu", flags=avx2) == torch.float32
-    assert resolve_dtype("auto", "float16", "cpu", flags=avx2) == torch.float32
-    assert resolve_dtype("auto", "bfloat16", "cpu", flags=bf16) == torch.bfloat16
-    assert resolve_dtype("auto", "float16", "cpu", flags=bf16) == torch.bfloat16
-    assert resolve_dtype("auto", "float32", "cpu", flags=bf16) == torch.float32
-    assert resolve_dtype("auto", None, "cpu", flags=bf16) == torch.float32
-    assert resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
-    assert resolve_dtype("auto", "float16", "cuda") == torch.float16
-    assert resolve_dtype("float16", "float32", "cpu", flags=avx2) == torch.float16
-    with pytest.raises(ValueError, match="model.dtype"):
-        resolve_dtype("int8", None, "cpu")
 
 
 def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):

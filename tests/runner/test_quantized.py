@@ -89,6 +89,18 @@ def test_auto_keeps_every_type_quantized_and_writes_no_float_copy(tiny_quantized
     assert not runner.model_files.has_float_weights()  # nothing dequantized to disk
     float_bytes = 4 * runner.model_info.num_params
     assert runner.model_info.weight_bytes < float_bytes / 3.5
+    assert runner.dtype == torch.float32 and "quantized" in runner.dtype_choice.reason  # no bf16 measurement
+
+
+def test_sleep_level_2_reloads_the_quantized_weights(tiny_quantized):
+    runner = _runner(tiny_quantized["legacy"])
+    _, before = _logits(runner, [[5, 6, 7]], 3)
+    runner.sleep(2)
+    assert runner.model is None
+    runner.wake_up(["weights"])
+    assert isinstance(runner.model.lm_head, QuantizedLMHead) and not runner.model_files.has_float_weights()
+    _, after = _logits(runner, [[5, 6, 7]], 3)
+    assert after == before
 
 
 def _logits(runner, prompts, steps):
@@ -212,6 +224,8 @@ def test_what_keeps_a_file_dequantized_is_logged_and_runs_in_float(tiny_quantize
         (("auto", path), dict(device=torch.device("cuda"), tp_size=1, kernels=kernels), "CPU, not cuda"),
         (("auto", path), dict(device=cpu, tp_size=2, kernels=kernels), "tensor parallelism"),
         (("auto", path), dict(device=cpu, tp_size=1, kernels=None), "C kernels are unavailable"),
+        (("auto", path), dict(device=cpu, tp_size=1, kernels=kernels, dtype="bfloat16"), "model.dtype is bfloat16"),
+        (("auto", path), dict(device=cpu, tp_size=1, kernels=kernels, pooling=True), "pooling runner"),
     ]
     for (requested, gguf), kw, reason in cases:
         choice, weights = choose_quantization(requested, gguf, cfg, **kw)

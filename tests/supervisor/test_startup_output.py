@@ -45,7 +45,6 @@ HEADLINE = re.compile(r"pkgd ready: (http://127\.0\.0\.1:\d+) \(SmolLM2-135M-Ins
 
 def _env(workdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PKGD_", "JOURNAL_STREAM", "CACHE_DIRECTORY"))}
-    env.pop("PKGD_KERNEL_CACHE", None)
     return env
 
 

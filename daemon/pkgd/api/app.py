@@ -4,8 +4,10 @@ Outermost `LiveCORS` (Starlette's ``CORSMiddleware`` rebuilt when ``frontend.cor
 changes), then `GuardMiddleware`: the request body limit (``frontend.max_request_body_bytes``,
 413), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
 `hmac.compare_digest`) and, while draining, ``Connection: close`` on every response. Both read ``state.config`` on every request, so a SIGHUP reload of
-these live fields needs no restart. The index (``/``), ``/health``, ``/version``, ``/metrics``
-and the OpenAPI docs (``/docs``) are open; everything else needs a key when keys are configured.
+these live fields needs no restart. The index (``/``), ``/health``, ``/ping``, ``/version``,
+``/metrics`` and the OpenAPI docs (``/docs``) are open; everything else needs a key when keys
+are configured (vLLM checks keys on ``/v1`` routes only; pkgd also guards its admin and
+SageMaker ``/invocations`` routes).
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pkgd.api import errors
 from pkgd.api.routes import router
+from pkgd.api.routes_admin import router as admin_router
 from pkgd.api.state import ServerState
 
-OPEN_PATHS = frozenset({"/", "/health", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+OPEN_PATHS = frozenset({"/", "/health", "/ping", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 
 
 def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None = None) -> ASGIApp:
@@ -36,6 +39,7 @@ def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None =
     app.state.pkgd = state
     errors.install(app)
     app.include_router(router)
+    app.include_router(admin_router)
     return LiveCORS(GuardMiddleware(app, state), state)
 
 

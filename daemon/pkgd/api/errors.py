@@ -2,8 +2,9 @@
 "code"}}`` with a fitting status, and never takes the server down.
 
 Status by cause: invalid body or values 400, missing/wrong API key 401, unknown model or
-route 404, wrong method 405, body over ``frontend.max_request_body_bytes`` 413, no engine
-core available 503, a failure inside pkgd 500.
+route 404, wrong method 405, an admin call the engine cannot take now (requests still
+running) 409, body over ``frontend.max_request_body_bytes`` 413, no engine core available or
+an engine asleep 503, a failure inside pkgd 500.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",

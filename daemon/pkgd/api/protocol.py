@@ -3,7 +3,7 @@
 Requests validate ranges here, so a bad value is a 400 naming the field before anything
 reaches the engine (limits that depend on the config, such as ``frontend.max_logprobs`` and
 ``model.max_model_len``, are checked when the request is converted). An unknown top-level
-field of a completion or chat request is a 400 naming it (OpenAI's "Unrecognized request
+field of a completion, chat, embeddings or responses request is a 400 naming it (OpenAI's "Unrecognized request
 argument"), so nothing a client asks for is silently ignored; unknown fields inside nested
 objects (messages, tools) are ignored. Responses mirror the shapes the official ``openai`` client
 parses (``openai.types.completion``, ``openai.types.chat``).
@@ -44,8 +44,8 @@ class StructuredOutputsRequest(OpenAIModel):
     disable_any_whitespace: bool = False
 
 
-class SamplingFields(OpenAIModel):
-    """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
+class KnownFieldsModel(OpenAIModel):
+    """A request body whose unknown top-level fields are a 400 naming them."""
 
     @model_validator(mode="before")
     @classmethod
@@ -57,6 +57,10 @@ class SamplingFields(OpenAIModel):
                 more = f" (also: {', '.join(unknown[1:])})" if len(unknown) > 1 else ""
                 raise ValueError(f"{unknown[0]}: unrecognized request argument, pkgd does not implement it{more}")
         return data
+
+
+class SamplingFields(KnownFieldsModel):
+    """Fields both completion endpoints share (OpenAI's, then vLLM's extras)."""
 
     @model_validator(mode="after")
     def _stream_options(self) -> SamplingFields:

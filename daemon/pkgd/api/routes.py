@@ -22,7 +22,11 @@ from pkgd.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pkgd.api.protocol_embeddings import EmbeddingRequest
+from pkgd.api.protocol_responses import ResponsesRequest
 from pkgd.api.serving import process
+from pkgd.api.serving_embedding import create_embedding
+from pkgd.api.serving_responses import create_response, retrieve_response
 from pkgd.api.serving_chat import create_chat_completion
 from pkgd.api.serving_completion import create_completion
 from pkgd.api.state import ServerState
@@ -51,14 +55,44 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return await create_chat_completion(body, request, get_state(request))
 
 
+@router.post("/v1/embeddings", responses=_ERRORS, tags=["openai"])
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    """Embeddings of strings or token ids (a model served with ``model.runner: pooling``)."""
+    return await create_embedding(body, request, get_state(request))
+
+
+@router.post("/v1/responses", responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
+async def responses(body: ResponsesRequest, request: Request) -> Any:
+    """OpenAI's Responses API over the chat template (``stream: true`` answers Responses events)."""
+    return await create_response(body, request, get_state(request))
+
+
+@router.get("/v1/responses/{response_id}", responses=_ERRORS, tags=["openai"])
+async def get_response(response_id: str, request: Request) -> Any:
+    """A response stored with ``store: true`` (``frontend.responses_store_size``)."""
+    return await retrieve_response(response_id, get_state(request))
+
+
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    hs = state.llm.handshake
+    max_len = hs.max_model_len if hs is not None else None
+    return [ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in state.served_model_names()]
+
+
 @router.get("/v1/models", response_model=ModelList, tags=["openai"])
 async def models(request: Request) -> Any:
     """The served model names."""
+    return JSONResponse(ModelList(data=_model_cards(get_state(request))).model_dump())
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS, tags=["openai"])
+async def model(model_id: str, request: Request) -> Any:
+    """One served model (404, OpenAI-shaped, for a name that is not served)."""
     state = get_state(request)
-    hs = state.llm.handshake
-    max_len = hs.max_model_len if hs is not None else None
-    cards = [ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in state.served_model_names()]
-    return JSONResponse(ModelList(data=cards).model_dump())
+    card = next((c for c in _model_cards(state) if c.id == model_id), None)
+    if card is None:
+        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+    return JSONResponse(card.model_dump())
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["utilities"])
@@ -128,10 +162,10 @@ async def version() -> Any:
 
 @router.get("/metrics", tags=["admin"])
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition (vLLM's metric names); the daemon's totals across API servers."""
+    """Prometheus exposition (vLLM's metric names); the daemon's totals across API servers.
+    Empty with ``logging.log_stats: false`` (vLLM's --disable-log-stats)."""
     state = get_state(request)
     if state.metrics is None:
-        raise APIError(404, "metrics are disabled")
-    state.metrics.set_engine_stats(state.llm.client.engine_stats())
-    data, content_type = state.metrics.render()
+        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+    data, content_type = state.metrics.render(state.engine_collector)
     return Response(data, media_type=content_type)

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -40,7 +41,7 @@ from hypercorn.config import Config as HypercornConfig
 from pkgd import log
 from pkgd.api.app import build_app
 from pkgd.frontend.async_llm import AsyncLLM
-from pkgd.frontend.metrics import Metrics
+from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
 from pkgd.api.state import ServerState
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.ipc import child
@@ -97,8 +98,12 @@ class ApiServer:
         if start.exception() is not None:  # TimeoutError, TokenizerError, ModelSourceError
             self.startup_error = start.exception()
             raise self.startup_error
-        metrics = Metrics(self.state.served_model_names()[0])
-        self.llm.metrics = self.state.metrics = metrics
+        if cfg.logging.log_stats:
+            hs = self.llm.handshake
+            name = self.state.served_model_names()[0]
+            metrics = Metrics(name, max_model_len=hs.max_model_len if hs else cfg.model.max_model_len or 131072)
+            self.llm.metrics = self.state.metrics = metrics
+            self.state.engine_collector = EngineStatsCollector(name, self.llm.client.engine_info, cache_config_labels(cfg))
         tasks = [asyncio.create_task(self._drain_on_stop()), asyncio.create_task(self._reload_loop())]
         hs = self.llm.handshake
         logger.info("api_server_ready", server_index=self.args.server_index, model=hs.model_name if hs else None,
@@ -194,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if server is not None and server.start_cancelled:  # hypercorn wraps the lifespan's error
             logger.info("start_cancelled")
-            return 0
+            # Nothing was served; don't let the interpreter join a tokenizer load still running
+            # in an executor thread (seconds on a busy host): SIGTERM during start exits now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         cause = server.startup_error if server is not None and server.startup_error else _root_cause(exc)
         message = f"API server {args.server_index} failed to start: {type(cause).__name__}: {cause}"
         logger.error("api_server_failed", error=message)

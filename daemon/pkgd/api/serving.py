@@ -54,10 +54,11 @@ def sampling_params(
     body: SamplingFields, state: ServerState, *, max_tokens: int | None, logprobs: int | None, stream: bool,
     logprobs_field: str = "logprobs",
 ) -> SamplingParams:
-    """The request's `SamplingParams`, unset fields from ``model.generation`` then vLLM's
-    defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
+    """The request's `SamplingParams`, unset fields from ``model.generation``, then
+    ``model.generation_config``'s file, then vLLM's defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
     ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits."""
     gen = state.config.model.generation
+    file = state.llm.generation_defaults  # model.generation_config's, below model.generation
     max_logprobs = state.config.frontend.max_logprobs
     if body.user is not None:  # OpenAI's end-user id: on this request's log lines
         structlog.contextvars.bind_contextvars(user=body.user)
@@ -72,18 +73,18 @@ def sampling_params(
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
     params = SamplingParams(
         n=body.n,
-        temperature=_first(body.temperature, gen.temperature, 1.0),
-        top_p=_first(body.top_p, gen.top_p, 1.0),
-        top_k=_first(body.top_k, gen.top_k, 0),
+        temperature=_first(body.temperature, gen.temperature, file.get("temperature"), 1.0),
+        top_p=_first(body.top_p, gen.top_p, file.get("top_p"), 1.0),
+        top_k=_first(body.top_k, gen.top_k, file.get("top_k"), 0),
         min_p=body.min_p,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        repetition_penalty=_first(body.repetition_penalty, gen.repetition_penalty, 1.0),
+        repetition_penalty=_first(body.repetition_penalty, gen.repetition_penalty, file.get("repetition_penalty"), 1.0),
         seed=body.seed,
         stop=body.stop_list(),
         stop_token_ids=list(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
-        max_tokens=max_tokens if max_tokens is not None else gen.max_tokens,
+        max_tokens=_first(max_tokens, gen.max_tokens, file.get("max_tokens"), None),
         min_tokens=body.min_tokens,
         logprobs=logprobs,
         prompt_logprobs=body.prompt_logprobs,
@@ -98,6 +99,19 @@ def sampling_params(
     except ValueError as exc:
         raise from_value_error(exc) from None
     return params
+
+
+def require_runner(state: ServerState, runner: str, api: str) -> None:
+    """Raise a 400 (as vLLM) when the served model's runner is not ``runner``
+    (``generate`` or ``pooling``); ``api`` names the endpoint family in the message."""
+    hs = state.llm.handshake
+    actual = hs.runner if hs is not None else state.config.model.runner_type
+    if actual == runner:
+        return
+    how = ("as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
+           if actual == "pooling" else
+           "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner pooling)")
+    raise APIError(400, f"this model does not support the {api}: it is served {how}")
 
 
 async def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
@@ -123,7 +137,7 @@ def continuous_usage(body: SamplingFields) -> bool:
 
 
 def _first(*values: Any) -> Any:
-    return next(v for v in values if v is not None)
+    return next((v for v in values if v is not None), None)
 
 
 def process(state: ServerState, build: Any) -> ProcessedRequest:

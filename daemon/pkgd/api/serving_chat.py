@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Any:
     state.check_ready()
     model = state.resolve_model(body.model)
+    serving.require_runner(state, "generate", "Chat Completions API")
     use_tools = _use_tool_parser(body, state)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = serving.sampling_params(body, state, max_tokens=body.effective_max_tokens(), logprobs=top,

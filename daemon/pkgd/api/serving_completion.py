@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
     state.check_ready()
     model = state.resolve_model(body.model)
+    serving.require_runner(state, "generate", "Completions API")
     score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
     params = serving.sampling_params(body, state, max_tokens=1 if score_only else body.max_tokens,
                                      logprobs=body.logprobs, stream=body.stream)
@@ -126,8 +127,8 @@ class _Formatter:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            out.token_logprobs.append(d[token_id].logprob)
-            out.top_logprobs.append({self._token_str(t, d): lp.logprob for t, lp in d.items()})
+            out.token_logprobs.append(_finite(d[token_id].logprob))
+            out.top_logprobs.append({self._token_str(t, d): _finite(lp.logprob) for t, lp in d.items()})
         return out
 
     def _token_str(self, token_id: int, d: dict[int, Logprob] | None) -> str:
@@ -169,3 +170,8 @@ class _Formatter:
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
         return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token masked out (structured outputs) reads -9999.0, as in vLLM."""
+    return max(logprob, -9999.0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pkgd.api.errors import APIError
+from pkgd.api.responses_store import ResponseStore
 from pkgd.frontend.structured_outputs import ConstraintValidator
 from pkgd.parsers import load_parser
 
@@ -24,11 +25,13 @@ class ServerState:
         self.config = config
         self.llm = llm
         self.metrics = metrics
+        self.engine_collector: Any = None  # the engine cores' /metrics series (frontend.metrics)
         self.server_index = server_index
         self.draining = False
         f = config.frontend
         self.tool_parser: type | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
         self.reasoning_parser: type | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+        self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
         self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
 
     # ---- models ----------------------------------------------------------------------------

@@ -65,6 +65,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
                    help="input and output tokens of the single-stream run")
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
+    p.add_argument("--dtypes", default=None, metavar="LIST",
+                   help="comma-separated model.dtype values (auto, float32, bfloat16, float16): one engine each in this "
+                        "process, the workload (and single stream) through each in turn, --repeats times in alternating "
+                        "order; prints each one's output and single-stream tokens/s as ratios against the first")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
                         "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
@@ -74,13 +78,14 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     plot.add_plot_args(p)
 
 
-def offline_llm(args: argparse.Namespace) -> Any:
+def offline_llm(args: argparse.Namespace, dtype: str | None = None) -> Any:
     """The offline `LLM` of a CLI command.
 
     Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
     tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
     run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
-    way the engine uses every core unless ``parallel.cpu_threads`` is set.
+    way the engine uses every core unless ``parallel.cpu_threads`` is set. ``dtype`` replaces
+    ``model.dtype``.
     """
     from pkgd.offline.llm import LLM
 
@@ -88,13 +93,18 @@ def offline_llm(args: argparse.Namespace) -> Any:
     if request is not None:
         from pkgd.config.compose import compose
 
-        return LLM(config=compose(request).config)
+        config = compose(request).config
+        if dtype is not None:
+            config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": dtype})})
+        return LLM(config=config)
     kwargs: dict[str, Any] = {}
     for item in getattr(args, "overrides", None) or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"{item!r}: expected KEY=VALUE")
         kwargs[key.strip()] = yaml.safe_load(value)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     return LLM(**kwargs)
 
 
@@ -103,6 +113,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from pkgd.benchmarks import hardware, throughput
 
+    if args.dtypes:
+        return run_dtype_comparison(args)
     llm = offline_llm(args)
     engine = llm.engine
     torch.set_num_threads(llm.config.parallel.cpu_threads)
@@ -174,6 +186,48 @@ def run_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def run_dtype_comparison(args: argparse.Namespace) -> int:
+    """``--dtypes``: one engine per dtype, compared in one run (`pkgd.benchmarks.dtype_compare`)."""
+    import torch
+
+    from pkgd.benchmarks import dtype_compare, throughput
+
+    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in names if d not in DTYPES]
+    if bad or len(set(names)) != len(names) or not names:
+        raise SystemExit(f"--dtypes: each of {', '.join(DTYPES)} at most once, got {args.dtypes!r}")
+    llms = {d: offline_llm(args, d) for d in names}
+    first = llms[names[0]]
+    torch.set_num_threads(first.config.parallel.cpu_threads)
+    engine, tok = first.engine, first.get_tokenizer()
+    workload = throughput.make_workload(
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
+        prompt_kind=args.prompts, tokenizer=tok, seed=first.config.model.seed,
+    )
+    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    for llm in llms.values():
+        throughput.run_pkgd(llm, warm, ignore_eos=True)
+    rows = dtype_compare.compare_dtypes(
+        llms, workload, repeats=args.repeats, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        single_stream_len=None if args.skip_single_stream else args.single_stream_len, vocab_size=engine.vocab_size,
+        progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else (lambda _: None))
+    print(f"pkgd bench throughput --dtypes: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
+          f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, {torch.get_num_threads()} threads, "
+          f"fastest of {args.repeats} alternating run(s) each")
+    print("\n".join(dtype_compare.format_rows(rows)))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump({"dtypes": rows}, f, indent=2)
+    for llm in llms.values():
+        llm.shutdown()
+    return 0
+
+
 def _roofline(engine: Any, res: Any, single: Any, bandwidth: float) -> dict[str, Any]:
     """GEMM FLOP/s and achieved FLOP/s; with a single-stream run, its bound from ``bandwidth``
     (bytes/s read around that run)."""
@@ -201,9 +255,13 @@ def _hf_runner(llm: Any, workload: Any, args: argparse.Namespace) -> Any:
     from pkgd.benchmarks.hf_baseline import load_hf_model, run_hf
 
     engine = llm.engine
-    model_dir = getattr(engine.model_files, "model_dir", None)
+    from pkgd.model_files.resolve import ensure_float_weights
+
+    files = engine.model_files
+    model_dir = getattr(files, "model_dir", None)
     if model_dir is None:
         raise SystemExit("--baseline hf needs a model directory with safetensors")
+    ensure_float_weights(files)  # a GGUF served quantized has no float copy until now
     model = load_hf_model(model_dir)
     tok = llm.get_tokenizer()
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (engine.eos_token_id or 0)
@@ -247,14 +305,14 @@ def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 class BenchSubcommand(CLISubcommand):
-    """``pkgd bench {throughput,serve}``."""
+    """``pkgd bench {throughput,serve,latency}``."""
 
     name = "bench"
-    help = "benchmark the offline engine (throughput) or a running server (serve)"
+    help = "benchmark the offline engine (throughput, latency) or a running server (serve)"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
-        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve}")
+        sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency}")
         t = sub.add_parser("throughput", help="offline throughput of the engine (vllm bench throughput)",
                            description=THROUGHPUT_DESCRIPTION, epilog=THROUGHPUT_EXAMPLES)
         add_throughput_args(t)
@@ -265,6 +323,12 @@ class BenchSubcommand(CLISubcommand):
                            description=bench_serve.DESCRIPTION, epilog=bench_serve.EXAMPLES)
         bench_serve.add_serve_args(s)
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
+        from pkgd.cli import bench_latency  # light: argparse only until it runs
+
+        lat = sub.add_parser("latency", help="latency of one batch (vllm bench latency)",
+                             description=bench_latency.DESCRIPTION, epilog=bench_latency.EXAMPLES)
+        bench_latency.add_latency_args(lat)
+        lat.set_defaults(bench_dispatch=lambda a: bench_latency.run_latency(a, offline_llm))
         return parser
 
     def validate(self, args: argparse.Namespace) -> None:

@@ -7,8 +7,10 @@ argparse parses what is left:
 * Hydra overrides: a token starting with ``+`` or ``~``, or ``KEY=VALUE`` whose KEY is a
   dotted name (``parallel.tp=2``, ``model=qwen``, ``model.source=/a/b``);
 * the vLLM flags listed in the schema's ``x-cli-aliases`` (``--port 9000``, ``--port=9000``,
-  ``--headless``, ``--no-enable-prefix-caching``, ``-tp 2``);
-* ``--config-dir DIR`` and ``--config-name NAME``.
+  ``--headless``, ``--disable-prefix-caching``, ``-tp 2``, ``--served-model-name a b``: a
+  list key's flag takes the words after it up to the next option, override or command), and
+  every other flag of ``vllm serve``, which `pkgd.config.vllm_flags` answers;
+* ``--config-dir DIR`` and ``--config-name NAME``; ``--config FILE`` (vLLM's YAML of flags).
 
 A ``--`` ends the scan: what follows goes to the subcommand untouched (``pkgd serve -- a=b``
 serves a model directory named ``a=b``).
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pkgd.config.errors import ConfigError
 
@@ -35,6 +37,7 @@ class SplitArgv:
     flags: list[str] = dataclasses.field(default_factory=list)
     config_dir: str | None = None
     config_name: str | None = None
+    vllm_config: str | None = None
 
 
 def is_override(token: str) -> bool:
@@ -42,13 +45,17 @@ def is_override(token: str) -> bool:
     return token.startswith(("+", "~")) or bool(_OVERRIDE.match(token))
 
 
-def split_argv(argv: Sequence[str]) -> SplitArgv:
+def split_argv(argv: Sequence[str], commands: Collection[str] = ()) -> SplitArgv:
     """Take the configuration arguments out of ``argv`` (see the module docstring).
 
+    ``commands``: subcommand names, where a flag's list of values ends.
+
     Raises:
-        ConfigError: a config flag or ``--config-dir``/``--config-name`` lacks its value.
+        ConfigError: a config flag or ``--config-dir``/``--config-name``/``--config`` lacks
+            its value.
     """
-    from pkgd.config.overrides import flag_takes_value
+    from pkgd.config import schema
+    from pkgd.config.overrides import VLLM_CONFIG_FLAG, flag_arity, normalize_flag
 
     out = SplitArgv(rest=[])
     tokens = list(argv)
@@ -60,21 +67,39 @@ def split_argv(argv: Sequence[str]) -> SplitArgv:
             out.rest += tokens[i - 1:]
             break
         name, eq, inline = token.partition("=")
-        if name in _SOURCE_OPTIONS:
+        if name in (*_SOURCE_OPTIONS, VLLM_CONFIG_FLAG):
             if not eq:
                 if i >= len(tokens):
                     raise ConfigError([f"{name}: expects a value"])
                 inline, i = tokens[i], i + 1
-            setattr(out, name[2:].replace("-", "_"), inline)
+            field = "vllm_config" if name == VLLM_CONFIG_FLAG else name[2:].replace("-", "_")
+            setattr(out, field, inline)
             continue
-        takes_value = flag_takes_value(token) if token.startswith("-") else None
-        if takes_value is None:
+        arity = flag_arity(token) if token.startswith("-") and token != "-" else None
+        if arity is None:
             (out.overrides if is_override(token) else out.rest).append(token)
             continue
         out.flags.append(token)
-        if takes_value:
-            if i >= len(tokens):
-                raise ConfigError([f"{token}: expects a value"])
+        if arity == 0:
+            continue
+        # a config key's list stops at an override too; the values of a flag pkgd refuses
+        # (``--lora-modules name=path``) are taken whole so its one-line answer is the error
+        overrides_end = normalize_flag(token).partition("=")[0] in schema.alias_index()
+        if arity in (1, "+") and (i >= len(tokens) or (
+                arity == "+" and _ends_values(tokens[i], commands, overrides_end=overrides_end))):
+            raise ConfigError([f"{token}: expects a value"])
+        if arity == 1:
             out.flags.append(tokens[i])
             i += 1
+            continue
+        while i < len(tokens) and not _ends_values(tokens[i], commands, overrides_end=overrides_end):
+            out.flags.append(tokens[i])
+            i += 1
+            if arity == "?":
+                break
     return out
+
+
+def _ends_values(token: str, commands: Collection[str], *, overrides_end: bool = True) -> bool:
+    """Whether ``token`` ends a flag's list of values: an option, an override, a command."""
+    return token.startswith("-") or (overrides_end and is_override(token)) or token in commands

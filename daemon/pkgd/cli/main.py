@@ -14,15 +14,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-# Before anything imports torch: its CPU allocator then puts every allocation of 2 MiB or more
-# on transparent huge pages (it reads this once, at its first allocation), and the engine
-# processes the supervisor starts inherit it. Decode streams all weights from DRAM every token
-# and reads them faster on 2 MiB pages (`pkgd.runner.allocator`). An operator's own setting
-# wins (THP_MEM_ALLOC_ENABLE=0: 4 KiB pages); PKGD_HUGEPAGES=0 turns both this and the engine's
-# collapse off.
-if os.environ.get("PKGD_HUGEPAGES", "1") != "0":
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
 from pkgd.cli.base import CLISubcommand, add_config_source_args  # noqa: E402
 from pkgd.cli.flags import split_argv  # noqa: E402
 from pkgd.cli.parser import ArgumentParser  # noqa: E402
@@ -34,10 +25,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pkgd.cli.serve", "serve the configured model over the OpenAI-compatible API (default)"),
     "config": ("pkgd.cli.config_cmd", "show, validate or diff the configuration; list its keys; print its JSON schema"),
     # Written by other parts of pkgd on `pkgd.cli.base.CLISubcommand`:
-    "bench": ("pkgd.cli.bench", "benchmark the offline engine (throughput) or a running server (serve)"),
+    "bench": ("pkgd.cli.bench", "benchmark offline throughput or latency, or a running server"),
     "run-batch": ("pkgd.cli.run_batch", "run a JSONL file of OpenAI requests offline"),
     "status": ("pkgd.cli.ctl", "show the running daemon's processes and configuration"),
     "reload": ("pkgd.cli.ctl", "make the running daemon compose its configuration again"),
+    "collect-env": ("pkgd.cli.collect_env", "print the versions, hardware, kernels and config digest a bug report needs"),
+    "launch": ("pkgd.cli.launch", "launch render: print the prompt a chat request becomes, without an engine"),
 }
 DEFAULT_SUBCOMMAND = "serve"
 _HELP = ("-h", "--help")
@@ -145,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        split = split_argv(argv)
+        split = split_argv(argv, commands=available_subcommands())
         rest, command = _command_of(split.rest, list(available_subcommands()))
         wants_help = any(t in (*_HELP, "--version") for t in rest)
         parser, commands = build_parser(command, with_help_text=wants_help)
@@ -153,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.compose_request = ComposeRequest(
             config_dir=split.config_dir,
             config_name=split.config_name,
+            vllm_config=split.vllm_config,
             overrides=tuple(split.overrides),
             flags=tuple(split.flags),
         )

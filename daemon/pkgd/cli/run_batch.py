@@ -172,14 +172,14 @@ def _completion_logprobs(c: Any) -> dict[str, Any] | None:
     tokens, token_lps, tops = [], [], []
     for tid, entry in zip(c.token_ids, c.logprobs, strict=False):
         tokens.append(entry[tid].decoded_token)
-        token_lps.append(entry[tid].logprob)
-        tops.append({v.decoded_token: v.logprob for v in entry.values()})
+        token_lps.append(max(entry[tid].logprob, -9999.0))  # JSON has no -inf (masked tokens)
+        tops.append({v.decoded_token: max(v.logprob, -9999.0) for v in entry.values()})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": None}
 
 
 def _token_info(lp: Any) -> dict[str, Any]:
     text = lp.decoded_token or ""
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode())}
 
 
 def _chat_logprobs(c: Any, top_k: int) -> dict[str, Any] | None:

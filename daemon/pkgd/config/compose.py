@@ -13,8 +13,8 @@ Layers, lowest first (DESIGN.md §2):
    ``DIR/conf.d/*.yaml`` in name order. A file may start with a defaults list choosing group
    options (``defaults: [{model: qwen}]``); ``DIR/GROUP/OPTION.yaml`` adds options to a group;
 4. the environment, ``PKGD_<SECTION>__<FIELD>`` (``env``; see `pkgd.config.layers`);
-5. the command line (``cli``): Hydra overrides, then vLLM-style flags (see
-   `pkgd.config.overrides`).
+5. the command line (``cli``): vLLM's ``--config FILE`` of flags (`pkgd.config.vllm_yaml`),
+   then Hydra overrides, then vLLM-style flags (see `pkgd.config.overrides`).
 
 Group options are presets: wherever an option is chosen (packaged defaults < system files <
 command line), its values sit in layer 2, so a value set in the system tree, the environment
@@ -50,8 +50,9 @@ class ComposeRequest:
     ``config_dir``: the system tree (None = /etc/pkgd if it exists); ``config_name``: its root
     file (None = ``pkgd``; a name given explicitly must exist); ``overrides``: Hydra
     overrides in order; ``flags``: vLLM-style flag tokens in order (applied after the
-    overrides; ``pkgd serve MODEL`` appends ``--model MODEL``); ``env``: a snapshot of the
-    environment, None = ``os.environ`` at compose time.
+    overrides; ``pkgd serve MODEL`` appends ``--model MODEL``); ``vllm_config``: vLLM's
+    ``--config`` YAML file of flags (applied before the overrides and flags); ``env``: a
+    snapshot of the environment, None = ``os.environ`` at compose time.
     """
 
     config_dir: str | None = None
@@ -59,6 +60,7 @@ class ComposeRequest:
     overrides: tuple[str, ...] = ()
     flags: tuple[str, ...] = ()
     env: Mapping[str, str] | None = None
+    vllm_config: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +151,12 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     problems += bad
     flag_ops, bad = parse_flags(request.flags)
     problems += bad
+    file_ops: list[ValueOp] = []
+    if request.vllm_config is not None:
+        from pkgd.config import vllm_yaml
+
+        file_ops, bad = vllm_yaml.load(request.vllm_config)
+        problems += bad
     env_values, env_details, warns, bad = layers.read_env(env)
     problems += bad
     choices = [GroupChoice(g, o, f.label) for f in files for g, o in f.choices] + cli_choices
@@ -164,7 +172,7 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     for f in files:
         tree.merge(f.values, f.label)
     tree.merge(env_values, "env", env_details)
-    problems = _apply(tree, override_ops + flag_ops)
+    problems = _apply(tree, file_ops + override_ops + flag_ops)
     data, bad = _resolve(tree) if not problems else ({}, [])
     problems += bad
     if problems:

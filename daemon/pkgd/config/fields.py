@@ -15,6 +15,7 @@ source (STYLE.md practices 5 and 7).
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 from pydantic import Field
@@ -55,9 +56,32 @@ def field(
     return Field(default, description=description, json_schema_extra=extra, **constraints)
 
 
-def section(model: type, description: str) -> Any:
+def section(model: type, description: str, *, aliases: tuple[str, ...] = ()) -> Any:
     """Declare a nested section (a model whose own fields are the leaves).
 
     A section has no reload class of its own: reload planning looks at its leaves.
+    ``aliases``: vLLM flags whose value is a JSON object of the section's keys
+    (``--override-generation-config '{"temperature": 0.5}'``).
     """
-    return Field(default_factory=model, description=description)
+    extra = {"x-cli-aliases": list(aliases)} if aliases else None
+    return Field(default_factory=model, description=description, json_schema_extra=extra)
+
+
+_HUMAN_INT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT])\s*$")
+_DECIMAL_EXP = {"k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def human_int(value: Any) -> Any:
+    """vLLM's human-readable integers (its ``human_readable_int``): ``"2k"`` = 2000, ``"2K"`` =
+    2048, ``"25.6k"`` = 25600 (a fraction only with a decimal multiplier). Anything else is
+    returned unchanged for pydantic to validate (a plain ``"2048"`` or an int)."""
+    if not isinstance(value, str) or not (m := _HUMAN_INT.match(value)):
+        return value
+    number, unit = m.groups()
+    exp = _DECIMAL_EXP[unit.lower()]
+    if unit.islower():
+        scaled = float(number) * 1000**exp
+        return int(scaled) if scaled.is_integer() else value
+    if "." in number:
+        return value  # "1.5K": pydantic rejects it with the input shown
+    return int(number) * 1024**exp

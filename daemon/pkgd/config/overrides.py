@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from pkgd.config import schema
+from pkgd.config import schema, vllm_flags
 from pkgd.config.errors import closest, did_you_mean
 
 
@@ -86,17 +87,60 @@ def parse_overrides(overrides: Iterable[str], groups: Collection[str]) -> tuple[
     return choices, ops, problems
 
 
-def flag_takes_value(token: str) -> bool | None:
-    """For an argv token: None if it is no config flag, else whether the next token is its value."""
-    name, eq, _ = token.partition("=")
+_OPTIMIZATION_LEVEL = re.compile(r"^-O(\d)$")  # vLLM's "-O3" for "--optimization-level 3"
+
+
+def normalize_flag(token: str) -> str:
+    """A flag token as the alias tables spell it: vLLM's parser also takes underscores
+    (``--max_model_len=2048`` is ``--max-model-len=2048``) and ``-O3``."""
+    if m := _OPTIMIZATION_LEVEL.match(token):
+        return f"--optimization-level={m.group(1)}"
+    name, eq, value = token.partition("=")
+    if name.startswith("--") and "_" in name:
+        name = name.replace("_", "-")
+    return name + eq + value
+
+
+def flag_arity(token: str) -> int | str | None:
+    """For an argv token: None if it is no config flag, else how many values follow it.
+
+    0 for a switch or a ``--flag=value`` token; 1 for one value; ``"+"`` for one or more (a
+    list key's flag, as vLLM's ``nargs="+"``: ``--served-model-name a b``; also vLLM flags
+    that pkgd answers and vLLM gives ``nargs="+"``); ``"?"`` for an optional one
+    (``--hf-token``). vLLM flags without a config key count too (`pkgd.config.vllm_flags`), so
+    their values never reach argparse and their one-line answer is the only error.
+    """
+    name, eq, _ = normalize_flag(token).partition("=")
     entry = schema.alias_index().get(name)
-    if entry is None:
-        return None
-    return not eq and entry[1] is None
+    if entry is not None:
+        leaf, const = entry
+        if eq or const is not None:
+            return 0
+        return "+" if leaf.is_list else 1
+    if name in schema.section_aliases():
+        return 0 if eq else 1
+    if name == VLLM_CONFIG_FLAG or name.partition(".")[0] in vllm_flags.reference_nargs() or vllm_flags.answer(name):
+        if eq:
+            return 0
+        nargs = vllm_flags.reference_nargs().get(name.partition(".")[0], 1)
+        return 1 if nargs is None else nargs
+    return None
+
+
+def flag_takes_value(token: str) -> bool | None:
+    """For an argv token: None if it is no config flag, else whether values follow it."""
+    arity = flag_arity(token)
+    return None if arity is None else arity != 0
 
 
 def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
-    """Translate vLLM-style flag tokens (``["--port", "9000", "--headless"]``) to value ops."""
+    """Translate vLLM-style flag tokens (``["--port", "9000", "--headless"]``) to value ops.
+
+    Each flag takes as many of the following tokens as `flag_arity` says (``+``: up to the
+    next one starting with ``-``), as `split_argv` put them there. A vLLM flag that no config key
+    maps is answered by `pkgd.config.vllm_flags`: accepted without an op when satisfied,
+    else a problem line.
+    """
     if not tokens:
         return [], []
     index = schema.alias_index()
@@ -106,17 +150,17 @@ def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
     switches: dict[str, tuple[str, str]] = {}  # leaf -> (flag, constant) of enum switches
     i = 0
     while i < len(tokens):
-        token = tokens[i]
-        i += 1
+        token = normalize_flag(tokens[i])
         name, eq, inline = token.partition("=")
+        values, i = _take_values(tokens, i + 1, flag_arity(token), bool(eq))
+        if eq:
+            values = [inline, *values]
         if name not in index:
-            problems.append(f"{name}: unknown option{did_you_mean(name, index)}")
-            if not eq and i < len(tokens) and not tokens[i].startswith("-"):
-                i += 1  # most likely its value
+            problems += _unmapped_flag(name, values, ops)
             continue
         leaf, const = index[name]
         if const is not None and not leaf.is_bool:
-            if eq:
+            if values:
                 problems.append(f"{token}: {name} is a switch and takes no value")
                 continue
             previous = switches.setdefault(leaf.key, (name, const))
@@ -124,21 +168,21 @@ def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
                 problems.append(f"{previous[0]} and {name} are mutually exclusive (both set {leaf.key})")
                 continue
             value: Any = const
-        elif eq or const is not None:
-            value = inline if eq else const
-        elif i < len(tokens):
-            value = tokens[i]
-            i += 1
+        elif const is not None:
+            value = values[0] if eq else const
+        elif values:
+            value = values[0]
         else:
             problems.append(f"{name}: expects a value ({leaf.key}: {leaf.type_label})")
             continue
         if isinstance(value, str) and leaf.nullable and value.lower() in ("null", "none"):
             value = None
         origin = f"cli {name}"
-        if leaf.is_list and isinstance(value, str):
-            items = _json_list(value)
-            if items is None:
-                items = [value]
+        if leaf.is_list and values:
+            items: list[Any] = []
+            for text in values:
+                found = _json_list(text)
+                items += [text] if found is None else found
             if leaf.key in lists:
                 j = lists[leaf.key]
                 ops[j] = dataclasses.replace(ops[j], value=ops[j].value + items)
@@ -147,6 +191,59 @@ def parse_flags(tokens: Sequence[str]) -> tuple[list[ValueOp], list[str]]:
             value = items
         ops.append(ValueOp(leaf.key, value, origin=origin))
     return ops, problems
+
+
+def _take_values(tokens: Sequence[str], i: int, arity: int | str | None, inline: bool) -> tuple[list[str], int]:
+    """The values of the flag before ``tokens[i]`` and the index after them."""
+    if arity is None:  # an unknown flag: the next word is most likely its value
+        skip = not inline and i < len(tokens) and not tokens[i].startswith("-")
+        return [], i + skip
+    if arity == 1 and i < len(tokens):
+        return [tokens[i]], i + 1  # "-1" too
+    values: list[str] = []
+    if arity in ("+", "?"):
+        while i < len(tokens) and not tokens[i].startswith("-") and not (arity == "?" and values):
+            values.append(tokens[i])
+            i += 1
+    return values, i
+
+
+VLLM_CONFIG_FLAG = "--config"  # vLLM's YAML of flags: a layer of its own (`pkgd.config.vllm_yaml`)
+
+
+def _unmapped_flag(name: str, values: list[str], ops: list[ValueOp]) -> list[str]:
+    """A flag that no leaf maps: a section's JSON flag, an answered vLLM flag, or unknown."""
+    section = schema.section_aliases().get(name)
+    if section is not None:
+        if len(values) != 1:
+            return [f"{name}: expects one JSON object of {section} keys"]
+        return _section_ops(name, section, values[0], ops)
+    base = name.partition(".")[0]  # vLLM's --json-flag.key VALUE form
+    found = vllm_flags.answer(base)
+    if found is not None:
+        problem = found.problem(values[0] if values else None)
+        return [problem] if problem else []
+    if base in vllm_flags.reference_nargs():
+        return [f"{name}: a vLLM flag pkgd does not support"]  # a newer vLLM flag without an answer yet
+    candidates = [*schema.alias_index(), *schema.section_aliases()]
+    return [f"{name}: unknown option{did_you_mean(name, candidates)}"]
+
+
+# vLLM's generation_config.json / --override-generation-config spelling of pkgd's keys
+_GENERATION_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def _section_ops(flag: str, section: str, text: str, ops: list[ValueOp]) -> list[str]:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return [f"{flag}: expects a JSON object of {section} keys ({exc})"]
+    if not isinstance(data, dict):
+        return [f"{flag}: expects a JSON object of {section} keys, got {type(data).__name__}"]
+    for key, value in data.items():
+        key = _GENERATION_NAMES.get(key, key) if section == "model.generation" else key
+        ops.append(ValueOp(f"{section}.{key}", value, origin=f"cli {flag}"))
+    return []
 
 
 def _json_list(text: str) -> list[Any] | None:

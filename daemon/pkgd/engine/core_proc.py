@@ -31,7 +31,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from pkgd import log, phases
+from pkgd import host, log, phases
+from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,
@@ -45,6 +46,8 @@ from pkgd.ipc.messages import (
     Message,
     SchedulerStats,
     Shutdown,
+    UtilityRequest,
+    UtilityResult,
     decode_client,
     encode,
 )
@@ -77,6 +80,7 @@ class EngineCoreProc:
             Hello: self._on_hello,
             AddRequest: self._on_add,
             AbortRequests: self._on_abort,
+            UtilityRequest: self._on_utility,
             Shutdown: self._on_shutdown,
         }
 
@@ -174,6 +178,9 @@ class EngineCoreProc:
         except ValueError as exc:
             self._reject(identity, req.request_id, str(exc))
             return
+        except EngineSleepingError as exc:  # not the caller's fault: a 503
+            self._reject(identity, req.request_id, str(exc), rejected=False)
+            return
         self.owner[req.request_id] = identity
         self.clients[identity].add(req.request_id)
 
@@ -182,6 +189,21 @@ class EngineCoreProc:
         if mine:
             self.core.abort_requests(mine)
             self._forget(mine)
+
+    def _on_utility(self, identity: bytes, msg: UtilityRequest) -> None:
+        """Run one `EngineCore` utility method between steps and answer the caller."""
+        answer = UtilityResult(call_id=msg.call_id, engine_index=self.engine_index)
+        method = getattr(self.core, msg.method, None)
+        if method is None:
+            answer.error, answer.error_status = f"engine core {self.engine_index} has no {msg.method}", 400
+        else:
+            try:
+                answer.result = method(**msg.args)
+            except (ValueError, TypeError) as exc:
+                answer.error, answer.error_status = str(exc), 409 if isinstance(exc, EngineBusyError) else 400
+            else:
+                logger.info("utility_call", method=msg.method, args=msg.args, result=answer.result)
+        self._send(identity, answer)
 
     def _on_shutdown(self, identity: bytes, msg: Shutdown) -> None:
         logger.info("shutdown_requested")
@@ -318,6 +340,7 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
         ready.failed(ROLE, f"cannot read config {args.config_file}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE, dp_rank=args.engine_index)
+    host.set_torch_huge_pages(config.parallel.cpu_huge_pages)  # before torch's first allocation
     # one progress bar per terminal: the first engine core of this node draws it
     phases.allow_bars(args.engine_index == config.serve_plan().dp_start_rank)
     ctx = zmq.Context()

@@ -79,10 +79,10 @@ class KVCacheManager:
 
         Returns ``(blocks, num_computed_tokens)``; no side effects besides extending
         ``request.block_hashes``. At least the last token is always left to compute (its
-        logits are needed), and requests asking for prompt logprobs get no hits (every prompt
-        position must be computed).
+        logits or its pooled hidden state are needed), and requests asking for prompt logprobs
+        or marked ``skip_prefix_cache`` get no hits (every prompt position must be computed).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.wants_prompt_logprobs or request.skip_prefix_cache:
             return [], 0
         hashes = self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

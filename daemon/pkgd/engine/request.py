@@ -13,6 +13,7 @@ import enum
 import itertools
 from typing import Any
 
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 from pkgd.logprobs import TokenLogprobs
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason
@@ -53,12 +54,16 @@ class Request:
     Attributes:
         request_id: unique among the engine's live requests.
         prompt_token_ids: the prompt (never empty).
-        sampling_params: how it is sampled and when it stops.
+        sampling_params: how it is sampled and when it stops; None for a pooling request.
+        pooling_params: set for a pooling request (prefill only: it finishes when its
+            prompt is computed, with the pooled vector as its output).
+        skip_prefix_cache: take no prefix-cache hits (pooling over every position, mean or
+            cls, needs each position computed).
         eos_token_id: end-of-sequence token, None when the model has none.
         arrival_time: Unix time in seconds (FCFS order, priority tie-break).
         priority: lower runs first under ``scheduler.policy: priority``.
         max_tokens: output limit: the sampling ``max_tokens``, else ``max_model_len - prompt
-            length``.
+            length``; 0 for a pooling request.
         num_computed_tokens: tokens whose KV is in the cache or scheduled to be written this
             step (the scheduler advances it when it schedules them).
         status: a `RequestStatus`. stop_reason: the stop token id that ended it.
@@ -67,6 +72,8 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache when first scheduled;
             -1 until then.
         num_preemptions: how often it lost its blocks.
+        queued_ts, scheduled_ts: Unix times in seconds when the scheduler received it and
+            first scheduled it (0.0 until then).
         prompt_logprobs: prompt-position logprobs gathered from the runner, sent with the
             first output.
         structured_output: the constraint's compiled grammar and matcher
@@ -77,25 +84,34 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         *,
         max_model_len: int,
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
+        skip_prefix_cache: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        if (sampling_params is None) == (pooling_params is None):
+            raise ValueError(f"request {request_id!r}: give exactly one of sampling_params and pooling_params")
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.skip_prefix_cache = skip_prefix_cache
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
         self.arrival_seq = next(_arrival_counter)  # creation order, the final tie-break
         # EngineCore.validate_request has checked prompt + max_tokens against max_model_len.
-        wanted = sampling_params.max_tokens
-        self.max_tokens = max_model_len - len(self.prompt_token_ids) if wanted is None else wanted
+        if sampling_params is None:
+            self.max_tokens = 0
+        else:
+            wanted = sampling_params.max_tokens
+            self.max_tokens = max_model_len - len(self.prompt_token_ids) if wanted is None else wanted
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -103,12 +119,14 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.queued_ts = 0.0
+        self.scheduled_ts = 0.0
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.sent_first_output = False
         self.structured_output: Any = None
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest, *, max_model_len: int) -> Request:
+    def from_engine_core_request(cls, req: EngineCoreRequest, *, max_model_len: int, skip_prefix_cache: bool = False) -> Request:
         return cls(
             req.request_id,
             req.prompt_token_ids,
@@ -117,7 +135,17 @@ class Request:
             eos_token_id=req.eos_token_id,
             arrival_time=req.arrival_time,
             priority=req.priority,
+            pooling_params=req.pooling_params,
+            skip_prefix_cache=skip_prefix_cache,
         )
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -148,6 +176,7 @@ class Request:
         unless ``ignore_eos``, then ``stop_token_ids``, then ``max_tokens`` / ``max_model_len``.
         """
         sp = self.sampling_params
+        assert sp is not None, "a pooling request never samples"
         if self.num_output_tokens >= sp.min_tokens:
             last = self.all_token_ids[-1]
             if not sp.ignore_eos and last == self.eos_token_id:

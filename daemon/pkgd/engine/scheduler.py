@@ -28,11 +28,16 @@ cache before any attention of that layer reads it.
 `update_from_output` appends the runner's sampled tokens, applies the stop rules
 (`Request.check_stop`; a constrained request also stops when its grammar is complete, after
 its matcher accepted the token: `pkgd.engine.structured_output`), frees finished requests at once (their blocks stay cached) and
-returns one `EngineCoreOutput` per request that produced tokens. Torch-free.
+returns one `EngineCoreOutput` per request that produced tokens. A pooling request is a
+prefill that samples nothing: it is scheduled like any prompt (chunked, batched with the
+others) and finishes on the step that computes its last prompt token, with the runner's
+pooled vector as its one output; its blocks are freed in that same update. Torch-free.
 """
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Iterable
 
 from pkgd.config.sections import SchedulerConfig
@@ -40,7 +45,7 @@ from pkgd.engine.kv_cache_manager import KVCacheManager, cdiv
 from pkgd.engine.request import Request, RequestStatus
 from pkgd.engine.request_queue import create_request_queue
 from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pkgd.ipc.messages import EngineCoreOutput, SchedulerStats
+from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
 
 # Admission lookahead, in tokens (see the module docstring). Chosen by simulating 256 requests
@@ -83,6 +88,9 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        # tokens per step, vLLM's vllm:iteration_tokens_total (bucket counts, see SchedulerStats)
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
     # ---- requests in and out ------------------------------------------------------------
 
@@ -91,6 +99,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.queued_ts = time.time()
         self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -126,6 +135,8 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            iteration_tokens_counts=list(self.iteration_tokens_counts),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -144,6 +155,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                pooling_params=r.pooling_params,
             )
             for r in step.new
         ]
@@ -154,12 +166,16 @@ class Scheduler:
             cached.num_computed_tokens.append(r.num_computed_tokens)
         for r in (*step.running, *step.new):
             r.num_computed_tokens += step.num_tokens[r.request_id]
+        total = self.max_num_batched_tokens - step.budget
+        if total:
+            self.iteration_tokens_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, total)] += 1
+            self.iteration_tokens_sum += total
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=step.num_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - step.budget,
+            total_num_scheduled_tokens=total,
             finished_req_ids=finished,
         )
 
@@ -226,6 +242,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
+        now = time.time()
         reserve = sum(self._growth_blocks(r) for r in self.running) if self.admission_lookahead else 0
         while len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
@@ -249,6 +266,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            request.scheduled_ts = request.scheduled_ts or now
             self.running.append(request)
             kv.cache_blocks(request, num_hit + num_new)
             step.add(request, num_new, block_ids, new=True)
@@ -267,6 +285,13 @@ class Scheduler:
         for i, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if request.is_pooling:
+                pooled = runner_output.pooler_output.get(req_id)
+                if pooled is not None:  # its whole prompt is computed: done, blocks freed now
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    stopped.append(request)
+                    outputs.append(self._make_output(request, [], None, pooling_output=pooled))
                 continue
             prompt_lps = runner_output.prompt_logprobs.get(req_id)
             if prompt_lps and not request.sent_first_output:
@@ -302,18 +327,23 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
 
-    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None) -> EngineCoreOutput:
+    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None, *,
+                     pooling_output: bytes | None = None) -> EngineCoreOutput:
         out = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
             new_logprobs=logprobs[: len(new_ids)] if logprobs else None,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            pooling_output=pooling_output,
         )
+        if out.finish_reason is not None:
+            out.num_preemptions = request.num_preemptions
         if not request.sent_first_output:
             request.sent_first_output = True
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
-            if request.sampling_params.prompt_logprobs is not None:
+            out.queued_ts, out.scheduled_ts = request.queued_ts, request.scheduled_ts
+            if request.wants_prompt_logprobs:
                 out.new_prompt_logprobs = request.prompt_logprobs
         return out
 

@@ -8,8 +8,8 @@ incrementally, applies stop strings and aggregates ``n > 1``; the resulting `Req
 go to one `RequestStream` per client request. Requests that hit a stop string are aborted in
 the engine, and so is a request whose consumer stops iterating (the HTTP client went away).
 
-Timing for ``/metrics`` (TTFT, inter-token latency, end-to-end) is measured here with the
-monotonic clock, from the moment a request is handed to `generate`.
+`Metrics` (``/metrics``) follows each request from the moment it is handed to `generate`:
+the engine core it went to, every step's outputs, and its end.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from pkgd import log
 from pkgd.ipc.client import EngineClient, EngineRequestError
-from pkgd.ipc.messages import EngineOutputs, Handshake
+from pkgd.frontend.pooling import pooling_request_output
+from pkgd.ipc.messages import EngineCoreOutput, EngineOutputs, Handshake
+from pkgd.outputs import PoolingRequestOutput
 
 if TYPE_CHECKING:
     from pkgd.frontend.metrics import Metrics
@@ -37,12 +39,14 @@ ALL_CORES_WAIT_S = 10.0  # how long start() waits for every core before it goes 
 
 
 class RequestStream:
-    """Outputs of one client request, in order; an error ends it."""
+    """Outputs of one client request, in order; an error ends it. ``processed`` is kept for a
+    pooling request, whose one output bypasses the `OutputProcessor`."""
 
-    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens", "finished")
+    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens",
+                 "finished", "pooling")
 
-    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int) -> None:
-        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
+    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int, pooling: ProcessedRequest | None = None) -> None:
+        self._items: collections.deque[Any] = collections.deque()
         self._event = asyncio.Event()
         self.request_id = request_id
         self.engine_ids = engine_ids
@@ -51,12 +55,13 @@ class RequestStream:
         self.t_last: float | None = None
         self.num_tokens = 0
         self.finished = False
+        self.pooling = pooling
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | PoolingRequestOutput | BaseException) -> None:
         self._items.append(item)
         self._event.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> Any:
         while not self._items:
             self._event.clear()
             await self._event.wait()
@@ -87,6 +92,8 @@ class AsyncLLM:
         self.input_processor: InputProcessor | None = None
         self.output_processor: Any = None
         self.handshake: Handshake | None = None
+        # sampling defaults of model.generation_config (pkgd.model_files.generation)
+        self.generation_defaults: dict[str, Any] = {}
         self._streams: dict[str, RequestStream] = {}  # client request id -> stream
         self._client_of: dict[str, str] = {}  # engine request id -> client request id
 
@@ -117,10 +124,11 @@ class AsyncLLM:
         InputProcessor, OutputProcessor = await preload  # noqa: N806 - classes
         self.handshake = hs = self.client.handshake
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_frontend_tokenizer, self.config)
+            self.tokenizer, self.generation_defaults = await asyncio.to_thread(load_frontend_model, self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
             eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.max_logprobs,
+            hidden_size=hs.hidden_size or None, matryoshka=hs.matryoshka, matryoshka_dimensions=hs.matryoshka_dimensions,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -143,20 +151,37 @@ class AsyncLLM:
             pkgd.ipc.client.EngineRequestError: the core refused or failed the request.
             TimeoutError: ``timeout`` seconds passed (the request is aborted).
         """
+        async for out in self._run(processed, timeout):
+            yield out
+
+    async def encode(self, processed: ProcessedRequest, *, timeout: float | None = None) -> PoolingRequestOutput:
+        """Run pooling request ``processed`` (`InputProcessor.process_pooling`) to its
+        `PoolingRequestOutput`. Raises as `generate` does."""
+        async for out in self._run(processed, timeout):
+            return out
+        raise EngineRequestError("the engine ended a pooling request without its vector")
+
+    async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncIterator[Any]:
         rid = processed.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         engine_ids = [r.request_id for r in processed.engine_requests]
-        stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids))
-        self.output_processor.add_request(processed)
+        pooling = processed if processed.pooling_params is not None else None
+        stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids), pooling)
+        if pooling is None:
+            self.output_processor.add_request(processed)
         self._streams[rid] = stream
         for eid in engine_ids:
             self._client_of[eid] = rid
         try:
-            self.client.add_requests(processed.engine_requests)
+            engine_index = self.client.add_requests(processed.engine_requests)
         except BaseException:
             self._forget(rid, abort=False)
             raise
+        if self.metrics is not None:
+            params = processed.sampling_params  # None for a pooling request
+            self.metrics.track(rid, engine_ids, engine_index, prompt_len=stream.prompt_len,
+                               max_tokens=None if params is None else params.max_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -180,11 +205,13 @@ class AsyncLLM:
 
     def _forget(self, rid: str, *, abort: bool) -> None:
         stream = self._streams.pop(rid, None)
+        if self.metrics is not None:
+            self.metrics.end(rid)
         if stream is None:
             return
         for eid in stream.engine_ids:
             self._client_of.pop(eid, None)
-        engine_ids = self.output_processor.abort_requests([rid])
+        engine_ids = self.output_processor.abort_requests([rid]) if stream.pooling is None else stream.engine_ids
         if abort and engine_ids:
             self.client.abort_requests(engine_ids)
 
@@ -193,8 +220,13 @@ class AsyncLLM:
     def on_outputs(self, msg: EngineOutputs) -> None:
         now = time.monotonic()
         for out in msg.outputs:
-            self._count_tokens(out.request_id, len(out.new_token_ids), now)
+            if out.pooling_output is not None:
+                self._pooled(out)
+            else:
+                self._count_tokens(out.request_id, len(out.new_token_ids), now)
         result = self.output_processor.process_outputs(msg.outputs)
+        if self.metrics is not None:
+            self.metrics.on_outputs(msg.outputs, msg.timestamp, result.reqs_to_abort)
         if result.reqs_to_abort:
             self.client.abort_requests(result.reqs_to_abort)
         for ro in result.request_outputs:
@@ -205,6 +237,18 @@ class AsyncLLM:
                 stream.finished = True
                 self._finished(stream, _finish_reason(ro))
             stream.put(ro)
+
+    def _pooled(self, out: EngineCoreOutput) -> None:
+        stream = self._streams.get(self._client_of.get(out.request_id, ""))
+        if stream is None or stream.pooling is None:
+            return
+        try:
+            item: Any = pooling_request_output(stream.pooling, out)
+        except ValueError as exc:
+            item = EngineRequestError(str(exc))
+        stream.finished = True
+        self._finished(stream, "stop")
+        stream.put(item)
 
     def on_request_error(self, request_ids: list[str], error: EngineRequestError) -> None:
         for rid in {self._client_of[eid] for eid in request_ids if eid in self._client_of}:
@@ -217,20 +261,12 @@ class AsyncLLM:
         stream = self._streams.get(self._client_of.get(engine_id, ""))
         if stream is None or not num:
             return
-        if self.metrics is not None:
-            if stream.t_last is None:
-                self.metrics.first_token(now - stream.t_arrival, stream.prompt_len)
-                self.metrics.tokens(num, None)
-            else:
-                self.metrics.tokens(num, now - stream.t_last)
         stream.t_last = now
         stream.num_tokens += num
 
     def _finished(self, stream: RequestStream, reason: str) -> None:
-        """Count a finished request; with ``logging.log_requests`` log one line for it."""
+        """With ``logging.log_requests``, log one line for a finished request."""
         latency = time.monotonic() - stream.t_arrival
-        if self.metrics is not None:
-            self.metrics.finished(reason, latency)
         if self.config.logging.log_requests:
             logger.info("request_finished", request_id=stream.request_id, finish_reason=reason,
                         prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
@@ -263,8 +299,16 @@ def load_frontend_tokenizer(config: VllmConfig) -> Any:
     The engine core resolved (and, for a GGUF, converted) the model before any API server
     started, so this only reads the cached files.
     """
+    return load_frontend_model(config)[0]
+
+
+def load_frontend_model(config: VllmConfig) -> tuple[Any, dict[str, Any]]:
+    """The served model's tokenizer and the sampling defaults of ``model.generation_config``
+    (`pkgd.model_files.generation`), from the resolved model directory."""
     from pkgd.frontend.tokenizer import load_tokenizer
+    from pkgd.model_files.generation import generation_defaults
     from pkgd.model_files.resolve import resolve_model
 
     files = resolve_model(config.model)
-    return load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)
+    tokenizer = load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)
+    return tokenizer, generation_defaults(config.model.generation_config, files.model_dir)

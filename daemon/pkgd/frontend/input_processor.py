@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.messages import EngineCoreRequest
 
@@ -34,16 +35,18 @@ class ProcessedRequest:
     """One client request, ready for the engine and the `OutputProcessor`.
 
     ``engine_requests`` has one entry per completion: the request itself when ``n == 1``,
-    else ``n`` children. ``sampling_params`` is the client's with ``max_tokens`` filled in.
+    else ``n`` children. ``sampling_params`` is the client's with ``max_tokens`` filled in;
+    a pooling request has ``pooling_params`` instead (and one engine request).
     ``arrival_time`` is Unix time in seconds.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     engine_requests: list[EngineCoreRequest]
     arrival_time: float
+    pooling_params: PoolingParams | None = None
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -61,6 +64,8 @@ class InputProcessor:
         vocab_size: token ids must be below it (None: the tokenizer's size).
         eos_token_id: the engine's EOS (the handshake's); None: the tokenizer's.
         max_logprobs: the largest ``logprobs`` / ``prompt_logprobs`` a request may ask for.
+        hidden_size, matryoshka, matryoshka_dimensions: a pooling model's vector size and
+            which ``dimensions`` it accepts (the handshake's); None skips the check.
     """
 
     def __init__(
@@ -71,6 +76,9 @@ class InputProcessor:
         vocab_size: int | None = None,
         eos_token_id: int | None = None,
         max_logprobs: int = 20,
+        hidden_size: int | None = None,
+        matryoshka: bool = False,
+        matryoshka_dimensions: list[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -79,6 +87,9 @@ class InputProcessor:
             eos_token_id = tokenizer.eos_token_id
         self.eos_token_id = eos_token_id
         self.max_logprobs = max_logprobs
+        self.hidden_size = hidden_size
+        self.matryoshka = matryoshka
+        self.matryoshka_dimensions = matryoshka_dimensions
 
     # ---- text → tokens ---------------------------------------------------------------------
 
@@ -176,13 +187,63 @@ class InputProcessor:
         text = self.render_chat(messages, **chat_kwargs)
         return self.process(request_id, text, params, add_special_tokens=False, arrival_time=arrival_time, priority=priority)
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """Build the engine request of a pooling (embedding) prompt: text or token ids.
+
+        ``truncate_prompt_tokens`` keeps the last k prompt tokens (vLLM's; -1 = the last
+        ``max_model_len``). Raises `ValueError`: ``dimensions`` the model does not accept, an
+        empty prompt, token ids outside the vocabulary, or a prompt longer than
+        ``max_model_len`` (the prompt is the whole request: nothing is generated after it).
+        """
+        params = params if params is not None else PoolingParams()
+        if self.hidden_size:
+            params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka, matryoshka_dimensions=self.matryoshka_dimensions)
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if keep < 1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+            token_ids = token_ids[-keep:]
+        self._check_tokens(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens, more than max_model_len {self.max_model_len} "
+                "(truncate_prompt_tokens shortens it)"
+            )
+        arrival = time.time() if arrival_time is None else arrival_time
+        engine_request = EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=token_ids, pooling_params=params,
+            arrival_time=arrival, priority=priority,
+        )
+        return ProcessedRequest(
+            request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=None,
+            engine_requests=[engine_request], arrival_time=arrival, pooling_params=params,
+        )
+
+    def _check_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if self.vocab_size is not None:
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        self._check_tokens(token_ids)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "

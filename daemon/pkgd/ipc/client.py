@@ -44,6 +44,9 @@ from pkgd.ipc.messages import (
     Hello,
     Message,
     SchedulerStats,
+    UtilityMethod,
+    UtilityRequest,
+    UtilityResult,
     decode_engine,
     encode,
 )
@@ -119,6 +122,8 @@ class EngineClient:
         ]
         self._owner: dict[str, _Core] = {}  # request id -> core running it
         self._rotation = itertools.count()
+        self._calls = itertools.count(1)
+        self._pending: dict[int, tuple[_Core, asyncio.Future[UtilityResult]]] = {}  # call id -> (core, answer)
         self._tasks: list[asyncio.Task] = []
         self._changed = asyncio.Event()
 
@@ -176,6 +181,10 @@ class EngineClient:
         requests failed), of the cores that ever handshook."""
         return {c.engine_index: c.stats for c in self._cores if c.engine_index is not None}
 
+    def engine_info(self) -> dict[int, tuple[Handshake | None, SchedulerStats]]:
+        """`engine_stats` with each core's handshake (None while it is down)."""
+        return {c.engine_index: (c.handshake, c.stats) for c in self._cores if c.engine_index is not None}
+
     def num_inflight(self) -> int:
         return len(self._owner)
 
@@ -214,6 +223,34 @@ class EngineClient:
                 by_core.setdefault(core.position, []).append(rid)
         for position, ids in by_core.items():
             self._send(self._cores[position], AbortRequests(request_ids=ids))
+
+    async def call_utility(self, method: UtilityMethod, args: dict | None = None, *, timeout: float = 600.0) -> list[UtilityResult]:
+        """Call ``method`` on every available engine core at once; their answers in core order.
+
+        Raises:
+            EngineUnavailableError: no core is available, a core went away before answering,
+                or ``timeout`` seconds passed (a sleep or wake-up reloading weights is slow).
+        """
+        cores = [c for c in self._cores if c.available]
+        if not cores:
+            raise EngineUnavailableError("no engine core is available (starting or restarting); retry shortly")
+        loop = asyncio.get_running_loop()
+        ids: list[int] = []
+        for core in cores:
+            call_id = next(self._calls)
+            fut: asyncio.Future[UtilityResult] = loop.create_future()
+            self._pending[call_id] = (core, fut)
+            ids.append(call_id)
+            if not self._send(core, UtilityRequest(call_id=call_id, method=method, args=args or {})):
+                fut.set_exception(EngineUnavailableError(f"engine core at {core.address} is not reachable"))
+        waits = [self._pending[i][1] for i in ids]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*waits), timeout))
+        except TimeoutError:
+            raise EngineUnavailableError(f"the engine cores did not answer {method} within {timeout:.0f} s") from None
+        finally:
+            for call_id in ids:
+                self._pending.pop(call_id, None)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -271,6 +308,10 @@ class EngineClient:
             self._on_error(core, msg)
         elif isinstance(msg, Handshake):
             self._on_handshake(core, msg)
+        elif isinstance(msg, UtilityResult):
+            _, fut = self._pending.pop(msg.call_id, (None, None))
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     def _on_handshake(self, core: _Core, msg: Handshake) -> None:
         if msg.version != PROTOCOL_VERSION:
@@ -311,6 +352,9 @@ class EngineClient:
             self._sink.on_request_error(ids, EngineRequestError(msg.message, rejected=msg.rejected))
 
     def _fail_core(self, core: _Core, message: str) -> None:
+        for call_id, (target, fut) in list(self._pending.items()):
+            if target is core and not fut.done():
+                fut.set_exception(EngineUnavailableError(message))
         ids = list(core.inflight)
         core.inflight.clear()
         for rid in ids:

@@ -6,8 +6,9 @@ dispatches by type through a table. ``PROTOCOL_VERSION`` is checked in the hands
 client speaking another version is refused with a clear error.
 
 Directions:
-    API server -> engine core: `Hello`, `AddRequest`, `AbortRequests`, `Shutdown`.
-    engine core -> API server: `Handshake`, `EngineOutputs`, `EngineError`.
+    API server -> engine core: `Hello`, `AddRequest`, `AbortRequests`, `UtilityRequest`,
+        `Shutdown`.
+    engine core -> API server: `Handshake`, `EngineOutputs`, `EngineError`, `UtilityResult`.
     child -> supervisor (ready pipe, one frame then close): `Handshake` (engine core) or
         `ApiServerReady` (API server) once serving, or `ChildFailed` when start-up failed.
 """
@@ -18,11 +19,22 @@ import enum
 
 import msgspec
 
+from typing import Any, Literal
+
 from pkgd.logprobs import TokenLogprobs
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
 # 2: SamplingParams.structured_outputs (an engine speaking 1 would ignore the constraint).
-PROTOCOL_VERSION = 2
+# 3: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
+# 4: per-request engine timestamps and preemptions on EngineCoreOutput; the per-step token
+# histogram in SchedulerStats.
+PROTOCOL_VERSION = 4
+
+# Upper bounds of the SchedulerStats.iteration_tokens_counts buckets (tokens per engine step),
+# vLLM v1's ``vllm:iteration_tokens_total`` buckets (vllm/v1/metrics/buckets.py); the last
+# count is the +Inf bucket.
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class FinishReason(enum.IntEnum):
@@ -54,13 +66,15 @@ class Hello(Message, tag="hello"):
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     """A tokenized request. ``eos_token_id`` None means the model has none.
 
-    ``arrival_time`` is Unix time in seconds; lower ``priority`` runs first under
-    ``scheduler.policy: priority``.
+    Exactly one of ``sampling_params`` (generate) and ``pooling_params`` (a prefill-only
+    pooling request, ``model.runner: pooling``) is set. ``arrival_time`` is Unix time in
+    seconds; lower ``priority`` runs first under ``scheduler.policy: priority``.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
@@ -74,6 +88,19 @@ class AbortRequests(Message, tag="abort"):
     """Abort these requests (client gone, stop string hit, timeout); unknown ids are ignored."""
 
     request_ids: list[str]
+
+
+UtilityMethod = Literal["reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+
+
+class UtilityRequest(Message, tag="utility"):
+    """Call an `EngineCore` method between steps; the core answers `UtilityResult` with the
+    same ``call_id``. ``args`` are the method's keyword arguments (``sleep``: ``level``;
+    ``wake_up``: ``tags``)."""
+
+    call_id: int
+    method: UtilityMethod
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class Shutdown(Message, tag="shutdown"):
@@ -99,14 +126,23 @@ class Handshake(Message, tag="handshake"):
     eos_token_id: int | None
     num_kv_blocks: int
     block_size: int
+    runner: Literal["generate", "pooling"] = "generate"
+    hidden_size: int = 0
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+    enable_sleep_mode: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     """New tokens of one request this step; ``finish_reason`` set on its last output.
 
     ``stop_reason`` is the stop token id that ended it, None for EOS/length.
-    ``num_cached_tokens`` (prompt tokens hit in the prefix cache) is sent with the first
-    output.
+    ``num_cached_tokens`` (prompt tokens hit in the prefix cache), ``queued_ts`` (when the
+    engine core received the request) and ``scheduled_ts`` (when it was first scheduled) are
+    sent with the first output, as Unix times in seconds of the engine's clock;
+    ``num_preemptions`` (how often it lost its KV blocks) with the last. A pooling request has
+    one output, its last, with ``pooling_output``: the pooled vector as little-endian float32
+    bytes (4 x its dimensions) and no tokens.
     """
 
     request_id: str
@@ -116,13 +152,20 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    pooling_output: bytes | None = None
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    num_preemptions: int = 0
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Engine gauges and counters for ``/metrics`` (vLLM's metric meanings).
 
     ``kv_cache_usage`` is the used fraction of KV blocks in [0, 1]; the prefix-cache and
-    preemption counters are cumulative since the engine started.
+    preemption counters are cumulative since the engine started, and so is the histogram of
+    tokens per step: ``iteration_tokens_counts[i]`` steps with at most
+    ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before; the last entry
+    counts the rest), ``iteration_tokens_sum`` their tokens.
     """
 
     num_running_reqs: int = 0
@@ -131,6 +174,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 class EngineOutputs(Message, tag="outputs"):
@@ -161,6 +206,18 @@ class EngineError(Message, tag="error"):
     rejected: bool = False
 
 
+class UtilityResult(Message, tag="utility_result"):
+    """The answer to `UtilityRequest` ``call_id``: ``result`` (JSON-able), or ``error`` when
+    the core refused the call (``error_status``: 400 bad arguments, 409 not now, e.g. requests
+    still running)."""
+
+    call_id: int
+    engine_index: int
+    result: Any = None
+    error: str | None = None
+    error_status: int = 0
+
+
 class ApiServerReady(Message, tag="api_ready"):
     """An API server is accepting connections on its inherited socket(s)."""
 
@@ -175,8 +232,8 @@ class ChildFailed(Message, tag="failed"):
     message: str
 
 
-ClientMessage = Hello | AddRequest | AbortRequests | Shutdown
-EngineMessage = Handshake | EngineOutputs | EngineError
+ClientMessage = Hello | AddRequest | AbortRequests | UtilityRequest | Shutdown
+EngineMessage = Handshake | EngineOutputs | EngineError | UtilityResult
 ReadyMessage = Handshake | ApiServerReady | ChildFailed
 
 _encoder = msgspec.msgpack.Encoder()

@@ -136,6 +136,9 @@ def model_source_problems(model_cfg: ModelConfig) -> list[str]:
             _locate(value)
         except ModelSourceError as e:
             problems.append(f"model.{key}: {e}")
+    setting = model_cfg.generation_config
+    if setting not in ("auto", "vllm") and not (Path(setting).expanduser() / "generation_config.json").is_file():
+        problems.append(f"model.generation_config: {setting!r} is neither auto, vllm nor a directory holding a generation_config.json")
     return problems
 
 

@@ -8,6 +8,9 @@
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     llm.generate(["A person:"], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
 
+    emb = LLM(runner="pooling")                  # an embedding model (vLLM's --runner pooling)
+    print(len(emb.embed(["Hello"])[0].outputs.embedding))   # 576: SmolLM2's hidden size
+
 All requests go to the engine at once, so they are batched continuously; outputs come back
 in input order. The frontend half is the same `InputProcessor` / `OutputProcessor` the API
 servers use. Offline there is no API process to leave a core for, so the engine uses every
@@ -23,16 +26,18 @@ from typing import Any
 
 import msgspec
 
-from pkgd import log
+from pkgd import host, log
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.engine.core import EngineCore, RunnerFactory
 from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
+from pkgd.frontend.pooling import pooling_request_output
 from pkgd.frontend.structured_outputs import check as check_constraint
-from pkgd.outputs import Logprob, RequestOutput
+from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
 from pkgd.offline.progress import ProgressBar, UseTqdm
+from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
@@ -59,6 +64,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, config: VllmConfig | None = None,
                  runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
         self.config = build_llm_config(model, config=config, **kwargs)
+        host.set_torch_huge_pages(self.config.parallel.cpu_huge_pages)  # if torch has not allocated yet
         log.ensure_configured(role="offline")  # start-up lines (model_phase …) on stderr
         self.engine = EngineCore(self.config, runner_factory=runner_factory)
         self.tokenizer = _load_tokenizer(self.config, self.engine.model_files)
@@ -68,6 +74,9 @@ class LLM:
             vocab_size=self.engine.vocab_size,
             eos_token_id=self.engine.eos_token_id,
             max_logprobs=self.config.frontend.max_logprobs,
+            hidden_size=self.engine.hidden_size or None,
+            matryoshka=self.engine.matryoshka,
+            matryoshka_dimensions=self.engine.matryoshka_dimensions,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -77,9 +86,13 @@ class LLM:
         return self.tokenizer
 
     def default_sampling_params(self) -> SamplingParams:
-        """`SamplingParams` with ``model.generation`` defaults applied."""
-        gen = self.config.model.generation
-        fields = {k: v for k, v in gen.model_dump().items() if v is not None}
+        """`SamplingParams` with ``model.generation`` defaults applied, over those of
+        ``model.generation_config`` (the model's generation_config.json by default)."""
+        from pkgd.model_files.generation import generation_defaults
+
+        model_dir = getattr(self.engine.model_files, "model_dir", None)
+        fields = generation_defaults(self.config.model.generation_config, model_dir) if model_dir else {}
+        fields.update((k, v) for k, v in self.config.model.generation.model_dump().items() if v is not None)
         return SamplingParams(**fields)
 
     # ---- generation -----------------------------------------------------------------------
@@ -162,6 +175,89 @@ class LLM:
                 for seq in out.sequences:
                     seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return results
+
+    # ---- pooling (model.runner: pooling) ----------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+    ) -> list[PoolingRequestOutput]:
+        """Pool each prompt's hidden states (``model.pooler``); one `PoolingRequestOutput`
+        per prompt, in order, whose ``outputs.data`` is a float32 ``torch.Tensor [D]``.
+
+        Prompts are as for `generate`; ``pooling_params`` one for all or one per prompt.
+        Raises `ValueError` (nothing runs) for bad input or when the model is not served
+        with ``model.runner: pooling``.
+        """
+        if self.engine.runner_type != "pooling":
+            raise ValueError("LLM.encode/embed need a pooling model: LLM(..., runner='pooling') (vLLM's --runner pooling)")
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"{len(params)} pooling params for {len(prompt_list)} prompts")
+        processed = [
+            self.input_processor.process_pooling(self.next_request_id(), _prompt_of(p), pp, truncate_prompt_tokens=truncate_prompt_tokens)
+            for p, pp in zip(prompt_list, params, strict=True)
+        ]
+        return self._run_pooling(processed, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """`encode` as lists of floats: ``outputs.embedding`` per prompt (vLLM's ``embed``)."""
+        outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def _run_pooling(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm) -> list[PoolingRequestOutput]:
+        import torch
+
+        by_id = {p.request_id: (i, p) for i, p in enumerate(processed)}
+        results: list[PoolingRequestOutput | None] = [None] * len(processed)
+        added: list[str] = []
+        try:
+            for p in processed:
+                self.engine.add_request(p.engine_requests[0])
+                added.append(p.request_id)
+            with ProgressBar(len(processed), use_tqdm=use_tqdm) as bar:
+                remaining = len(processed)
+                while remaining:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError("the engine finished while requests were still open")
+                    for out in self.engine.step():
+                        if out.pooling_output is None or out.request_id not in by_id:
+                            continue
+                        i, p = by_id[out.request_id]
+                        ro = pooling_request_output(p, out)
+                        ro.outputs.data = torch.from_numpy(ro.outputs.data.copy())
+                        results[i] = ro
+                        remaining -= 1
+                        bar.update(ro)
+        except BaseException:
+            self.engine.abort_requests(added)
+            raise
+        return results  # type: ignore[return-value]
+
+    # ---- sleep mode (model.enable_sleep_mode) -----------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache and weights' memory until `wake_up` (`EngineCore.sleep`)."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` released (``tags``: ``"weights"``, ``"kv_cache"``; default both)."""
+        self.engine.wake_up(tags)
 
     # ---- the loop ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pkgd.outputs import RequestOutput
+from pkgd.outputs import PoolingRequestOutput, RequestOutput
 
 DELAY_S = 2.0  # a default bar appears once its batch has run this long
 
@@ -40,11 +40,12 @@ class ProgressBar:
 
             self._bar = tqdm(delay=DELAY_S, **kwargs)
 
-    def update(self, ro: RequestOutput) -> None:
+    def update(self, ro: RequestOutput | PoolingRequestOutput) -> None:
         if self._bar is None:
             return
         self._in += len(ro.prompt_token_ids)
-        self._out += sum(len(c.token_ids) for c in ro.outputs)
+        if isinstance(ro, RequestOutput):
+            self._out += sum(len(c.token_ids) for c in ro.outputs)
         dt = max(time.perf_counter() - self._start, 1e-9)
         self._bar.postfix = f"est. speed input: {self._in / dt:.2f} toks/s, output: {self._out / dt:.2f} toks/s"
         self._bar.update(1)

@@ -61,20 +61,21 @@ def collapse_to_huge_pages(spans: list[tuple[int, int]]) -> int:
     """Back the given memory (``(address, bytes)`` pairs, e.g. `tensor_span` of every weight)
     with 2 MiB transparent huge pages now (``madvise(MADV_HUGEPAGE)`` then ``MADV_COLLAPSE``);
     returns the bytes of it now on huge pages, those that already were included (0 where the
-    kernel or C library cannot, or with ``PKGD_HUGEPAGES=0``).
+    kernel or C library cannot).
 
     Decode streams every weight from DRAM once per token. On 4 KiB pages that stream reads
     slower here: ``torch.sum`` over 128 MiB 26 vs 32 GB/s on 2 MiB pages, and single-stream
     SmolLM2 decode 69 vs 80 tokens/s (same process, alternating runs). Spans closer than
     64 KiB are merged (consecutive allocations), then cut inward to whole huge pages, so no
     memory outside them becomes resident; each page is collapsed on its own, so one that
-    straddles two mappings (refused) leaves the rest. Contents are unchanged. Linux only;
-    ``PKGD_HUGEPAGES=0`` turns it off. (Under ``pkgd``, torch's allocator already puts
-    allocations of 2 MiB or more on huge pages: ``THP_MEM_ALLOC_ENABLE``, `pkgd.cli.main`;
+    straddles two mappings (refused) leaves the rest. Contents are unchanged. Linux only; the
+    runner skips it with ``parallel.cpu_huge_pages: false``. (In engine processes torch's
+    allocator already puts allocations of 2 MiB or more on huge pages:
+    ``THP_MEM_ALLOC_ENABLE``, `pkgd.host.set_torch_huge_pages`;
     tensors under 2 MiB, or not aligned to whole pages, stay on 4 KiB pages: ~70% of
     SmolLM2's weights end up on huge pages.)
     """
-    if os.environ.get("PKGD_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return 0
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

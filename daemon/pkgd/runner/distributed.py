@@ -37,6 +37,12 @@ class TPGroup:
         torch.distributed.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` becomes rank 0's, in place; returns ``x``."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=0)
+        return x
+
     def shard(self, total: int, what: str) -> int:
         """``total // size``; raises `ValueError` naming ``what`` when it does not divide."""
         if total % self.size:

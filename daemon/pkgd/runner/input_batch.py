@@ -7,7 +7,8 @@ sampling parameters and generator in a `RequestState`, and appends its own sampl
 `build_batch` orders the scheduled requests with one-token queries first (decodes; see
 `pkgd.runner.attention`) and produces the flattened inputs: ``input_ids``/``positions``
 (int64 ``[T]``), ``slot_mapping`` (int64 ``[T]``), per-sequence block tables and lengths, the
-rows whose logits are sampled and the rows whose logits give prompt logprobs.
+rows whose logits are sampled, the rows whose logits give prompt logprobs, and the rows of
+pooling requests (`pkgd.runner.pooler`), which sample nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from pkgd.pooling_params import PoolingParams
+from pkgd.runner.pooler import PoolingSpan
 from pkgd.sampling_params import SamplingParams
 from pkgd.scheduler_output import NewRequestData, SchedulerOutput
 
@@ -29,19 +32,21 @@ class RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     token_ids: list[int]  # prompt + outputs
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
     # Prompt logprobs are produced once: not again when a preempted request is recomputed.
     prompt_logprobs_pending: bool
     prompt_logprobs_started: bool = False
+    pooling_params: PoolingParams | None = None
+    pool_acc: torch.Tensor | None = None  # mean: float32 sum so far; cls: the first row
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RequestState:
         p = new.sampling_params
         gen = None
-        if p.seed is not None and not p.greedy:
+        if p is not None and p.seed is not None and not p.greedy:
             gen = torch.Generator()
         return cls(
             req_id=new.req_id,
@@ -52,7 +57,8 @@ class RequestState:
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=gen,
-            prompt_logprobs_pending=p.prompt_logprobs is not None and not new.output_token_ids,
+            prompt_logprobs_pending=p is not None and p.prompt_logprobs is not None and not new.output_token_ids,
+            pooling_params=new.pooling_params,
         )
 
     def append(self, token: int) -> None:
@@ -89,6 +95,7 @@ class StepBatch:
     sample_rows: list[int]  # token rows whose logits are sampled
     sample_states: list[RequestState]
     prompt_logprobs: list[PromptLogprobsSpan]
+    pooling: list[PoolingSpan] = dataclasses.field(default_factory=list)  # rows of pooling requests
 
 
 def update_states(states: dict[str, RequestState], so: SchedulerOutput) -> None:
@@ -134,7 +141,9 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
         batch.query_lens.append(n)
         batch.seq_lens.append(end)
         batch.block_table_rows.append(st.block_ids)
-        if end == len(st.token_ids):
+        if st.pooling_params is not None:
+            batch.pooling.append(PoolingSpan(st, offset, offset + n, start, end == len(st.token_ids)))
+        elif end == len(st.token_ids):
             batch.sample_rows.append(offset + n - 1)
             batch.sample_states.append(st)
         if st.prompt_logprobs_pending:

@@ -20,7 +20,10 @@ generators), so any rank's output may be used.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,16 +36,19 @@ from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
-from pkgd.runner.loader.dtype import resolve_dtype
+from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
-from pkgd.runner.loader.gguf_weights import choose_quantization, load_quantized_model
+from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
+from pkgd.runner.pooler import Pooler, matryoshka_of, resolve_pooling_type
 from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 
 logger = log.get_logger("pkgd.runner")
+
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # broadcast between TP ranks by index
 
 # Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
 PROMPT_LOGPROBS_SLICE = 256
@@ -73,6 +79,10 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     num_params: int
+    runner: str = "generate"  # model.runner, resolved: generate | pooling
+    pooling_type: str = "last"
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
     quantization: str = "none"
     weight_bytes: int = 0
 
@@ -123,27 +133,25 @@ class ModelRunner:
         self.device = device or resolve_device(config.parallel.device)
         self.tp = TPGroup(rank, world_size)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
-        self.dtype = resolve_dtype(config.model.dtype, self.arch.checkpoint_dtype, self.device.type)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None
         if self.device.type == "cpu":
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
-                self.cpu_kernels = self._load_cpu_kernels(default_cache_dir(config.model.cache_dir) / "kernels")
-        self.quantization, gguf = choose_quantization(config.model.quantization, model_files.gguf_path, self.arch, device=self.device,
-                                                      tp_size=world_size, kernels=self.cpu_kernels)
+                self.cpu_kernels = self._load_cpu_kernels(config)
+        self.runner_type = config.model.runner_type
+        self.quantization, self._gguf = choose_quantization(
+            config.model.quantization, model_files.gguf_path, self.arch, device=self.device, tp_size=world_size,
+            kernels=self.cpu_kernels, dtype=config.model.dtype, pooling=self.runner_type == "pooling")
         logger.info("quantization_choice", quantized=self.quantization.quantized, reason=self.quantization.reason,
                     tensor_types=self.quantization.tensor_types)
-        if gguf is not None and config.model.dtype == "auto":
-            self.dtype = torch.float32  # the activations: the weights stay in the file's types
+        self.dtype_choice = self._choose_dtype()
+        self.dtype = self.dtype_choice.dtype
+        pooler_cfg = config.model.pooler
+        self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
         with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch."),
-                          quantized=gguf is not None) as p:
-            if gguf is not None:
-                self.model = load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=p)
-            else:
-                ensure_float_weights(model_files)
-                self.model = load_model(self.arch, model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
-                                        progress=p, kernels=self.cpu_kernels)
+                          quantized=self.quantization.quantized) as p:
+            self.model = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         if self.cpu_kernels is not None:
@@ -157,21 +165,57 @@ class ModelRunner:
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
+        self.num_blocks = 0
+        self._offloaded: dict[torch.Tensor, torch.Tensor] | None = None  # sleep level 1 on a GPU
+
+    def _load_model(self, progress: Any = None) -> torch.nn.Module:
+        """The model: the GGUF's blocks kept quantized when `choose_quantization` said so (the
+        file reopened when `wake_up` reloads it), else the float weights in ``self.dtype``."""
+        if self.quantization.quantized:
+            gguf, self._gguf = self._gguf or GGUFWeights(self.model_files.gguf_path, self.arch), None
+            return load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=progress)
+        ensure_float_weights(self.model_files)
+        return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
+                          progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
+
+    def _choose_dtype(self) -> DtypeChoice:
+        """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
+        broadcast, so every rank of a TP group runs one dtype; float32 activations for weights
+        kept quantized; logged as ``dtype_choice``."""
+        first = self.tp.rank == 0
+        if self.quantization.quantized:  # kept only for model.dtype auto or float32 (choose_quantization)
+            choice = DtypeChoice(torch.float32, self.config.model.dtype, "quantized weights take float32 activations")
+        else:
+            choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
+                                  shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
+        if self.tp.size > 1:
+            codes = list(_DTYPE_CODES)
+            agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]
+            if agreed != choice.dtype or not first:
+                choice = dataclasses.replace(choice, dtype=agreed, reason="rank 0's choice")
+        logger.info("dtype_choice", **choice.as_dict())
+        return choice
 
     @staticmethod
-    def _load_cpu_kernels(cache_dir):
+    def _load_cpu_kernels(config: VllmConfig):
         """The C kernels (`pkgd_kernels.cpu.CpuKernels`) for the model, or None (logged with
-        the reason; the ops' PyTorch forms then run)."""
+        the reason; the ops' PyTorch forms then run): from ``parallel.cpu_kernel_cache``, else
+        ``kernels/`` under the model cache; none with ``parallel.cpu_kernels: false``."""
         from pkgd_kernels import cpu
 
+        if not config.parallel.cpu_kernels:
+            logger.info("cpu_kernels_unavailable", reason="disabled by parallel.cpu_kernels: false", fallback="pytorch")
+            return None
+        cache = config.parallel.cpu_kernel_cache
         try:
-            return cpu.load(cache_dir)
+            return cpu.load(Path(cache) if cache else default_cache_dir(config.model.cache_dir) / "kernels")
         except cpu.CpuKernelsUnavailable as e:
             logger.warning("cpu_kernels_unavailable", reason=str(e), fallback="pytorch")
             return None
 
     def _model_info(self) -> ModelInfo:
         a = self.arch
+        matryoshka, dims = matryoshka_of(self.config.model.pooler.matryoshka, a.raw)
         configured = self.config.model.max_model_len
         max_len = a.max_position_embeddings if configured is None else min(configured, a.max_position_embeddings)
         quantized = [m for m in self.model.modules() if hasattr(m, "qweight")]
@@ -193,6 +237,10 @@ class ModelRunner:
             hidden_size=a.hidden_size,
             dtype=str(self.dtype).removeprefix("torch."),
             num_params=num_params,
+            runner=self.runner_type,
+            pooling_type=self.pooler.pooling_type,
+            matryoshka=matryoshka,
+            matryoshka_dimensions=tuple(dims) if dims else None,
             quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()})) if quantized else "none",
             weight_bytes=weight_bytes,
         )
@@ -219,13 +267,53 @@ class ModelRunner:
                 self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                                        torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
                 p.advance()
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
         if self.device.type == "cpu":
             self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])
 
-    @staticmethod
-    def _to_huge_pages(what: str, spans: list[tuple[int, int]]) -> None:
-        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and log it."""
+    # ---- sleep mode ----------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Release memory until `wake_up` (vLLM's sleep mode; the engine holds no request).
+
+        Level 1 frees the KV cache and moves the weights to host memory (on a CPU they are
+        there already and stay); level 2 frees the KV cache and drops the weights, which
+        `wake_up` reloads from the model files.
+        """
+        self.kv_caches = []
+        self.states.clear()
+        if level >= 2:
+            self.model = None
+            self._offloaded = None
+        elif self.device.type != "cpu" and self._offloaded is None and self.model is not None:
+            # No kernel keeps raw pointers off the CPU, so swapping each tensor's storage is safe.
+            self._offloaded = {}
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                self._offloaded[t] = t.data.to("cpu")
+                t.data = torch.empty(0, dtype=t.dtype, device=self.device)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Restore what `sleep` released: ``"weights"`` and/or ``"kv_cache"`` (zeroed)."""
+        if "weights" in tags:
+            if self.model is None:
+                self.model = self._load_model()
+                if self.device.type == "cpu":
+                    self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
+            elif self._offloaded is not None:
+                for t, host in self._offloaded.items():
+                    t.data = host.to(self.device)
+                self._offloaded = None
+        if "kv_cache" in tags and not self.kv_caches and self.num_blocks:
+            self.initialize_kv_cache(self.num_blocks, self.block_size)
+
+    def _to_huge_pages(self, what: str, spans: list[tuple[int, int]]) -> None:
+        """Back ``spans`` with 2 MiB pages (`pkgd.runner.allocator.collapse_to_huge_pages`) and
+        log it; nothing with ``parallel.cpu_huge_pages: false``."""
+        if not self.config.parallel.cpu_huge_pages:
+            return
         t0 = time.perf_counter()
         done = collapse_to_huge_pages(spans)
         logger.info("huge_pages", memory=what, bytes=done, of_bytes=sum(n for _, n in spans),
@@ -256,12 +344,15 @@ class ModelRunner:
             req_ids=[st.req_id for st in batch.states],
             sampled_token_ids=[sampled.get(st.req_id, []) for st in batch.states],
         )
-        if any(st.sampling_params.logprobs is not None for st in batch.states):
+        if any(st.sampling_params is not None and st.sampling_params.logprobs is not None for st in batch.states):
             out.logprobs = [
-                logprobs.get(st.req_id, []) if st.sampling_params.logprobs is not None else None for st in batch.states
+                logprobs.get(st.req_id, []) if st.sampling_params is not None and st.sampling_params.logprobs is not None else None
+                for st in batch.states
             ]
         if batch.prompt_logprobs:
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if batch.pooling:
+            out.pooler_output = self.pooler(hidden, batch.pooling)
         return out
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:

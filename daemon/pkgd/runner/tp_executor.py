@@ -53,7 +53,15 @@ class ShutdownWorkers(msgspec.Struct, tag="shutdown"):
     pass
 
 
-TPFrame = InitKVCache | ExecuteStep | ShutdownWorkers
+class Sleep(msgspec.Struct, tag="sleep"):
+    level: int
+
+
+class WakeUp(msgspec.Struct, tag="wake_up"):
+    tags: list[str]
+
+
+TPFrame = InitKVCache | ExecuteStep | ShutdownWorkers | Sleep | WakeUp
 _decoder = msgspec.msgpack.Decoder(TPFrame)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -132,6 +140,14 @@ class TPExecutor:
         broadcast_frame(ExecuteStep(scheduler_output))
         return self.runner.execute_model(scheduler_output)
 
+    def sleep(self, level: int) -> None:
+        broadcast_frame(Sleep(level))
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        broadcast_frame(WakeUp(list(tags)))
+        self.runner.wake_up(tags)
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             try:
@@ -177,6 +193,10 @@ def worker_main() -> None:
             break
         if isinstance(frame, InitKVCache):
             runner.initialize_kv_cache(frame.num_blocks, frame.block_size)
+        elif isinstance(frame, Sleep):
+            runner.sleep(frame.level)
+        elif isinstance(frame, WakeUp):
+            runner.wake_up(frame.tags)
         else:
             runner.execute_model(frame.scheduler_output)
     dist.destroy_process_group()

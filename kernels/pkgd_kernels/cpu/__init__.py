@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
@@ -314,18 +313,15 @@ class CpuKernels:
 
 
 def load(cache_dir: Path | None = None) -> CpuKernels:
-    """Build (once per host and source) and load the kernels. ``$PKGD_KERNEL_CACHE`` overrides
-    ``cache_dir``, which defaults to `default_cache_dir`; the same directory gives a handle on
-    the same library.
+    """Build (once per host and source) and load the kernels from ``cache_dir`` (default
+    `default_cache_dir`); the same directory gives a handle on the same library.
 
     Raises:
-        CpuKernelsUnavailable: disabled (``PKGD_CPU_KERNELS=0``), no compiler and nothing
+        CpuKernelsUnavailable: no C kernels for this CPU architecture, no compiler and nothing
             cached, the build failed, or the library disagrees with these bindings (the
             message says which).
     """
     check_enabled()
-    if os.environ.get("PKGD_KERNEL_CACHE") or not cache_dir:
-        cache_dir = default_cache_dir()
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     lib, path = open_library(KERNELS, cache_dir)
     return CpuKernels(lib, path, cache_dir)

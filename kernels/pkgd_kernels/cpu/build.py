@@ -42,7 +42,7 @@ _LAYOUT_CAP = 64
 
 class CpuKernelsUnavailable(RuntimeError):
     """The C kernels cannot be used here; the message says why (no compiler, build error,
-    disabled by ``PKGD_CPU_KERNELS=0``, not an x86-64/aarch64 CPU, a library that disagrees
+    not an x86-64/aarch64 CPU, a library that disagrees
     with its bindings)."""
 
 
@@ -59,19 +59,13 @@ class LibrarySpec:
 
 
 def check_enabled() -> None:
-    """Raise `CpuKernelsUnavailable` when C kernels are switched off (``PKGD_CPU_KERNELS=0``)
-    or this CPU architecture has none."""
-    if os.environ.get("PKGD_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
-        raise CpuKernelsUnavailable("disabled by PKGD_CPU_KERNELS=0")
+    """Raise `CpuKernelsUnavailable` when this CPU architecture has no C kernels."""
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         raise CpuKernelsUnavailable(f"no C kernels for {platform.machine()}")
 
 
 def default_cache_dir() -> Path:
-    """``$PKGD_KERNEL_CACHE``, else ``$CACHE_DIRECTORY`` (systemd, first entry) ``/kernels``,
-    else ``~/.cache/pkgd/kernels``."""
-    if os.environ.get("PKGD_KERNEL_CACHE"):
-        return Path(os.environ["PKGD_KERNEL_CACHE"])
+    """``$CACHE_DIRECTORY`` (systemd, first entry) ``/kernels``, else ``~/.cache/pkgd/kernels``."""
     if os.environ.get("CACHE_DIRECTORY"):
         return Path(os.environ["CACHE_DIRECTORY"].split(":")[0]) / "kernels"
     return Path.home() / ".cache" / "pkgd" / "kernels"

@@ -1,25 +1,46 @@
-"""Resolving ``model.dtype`` to a torch dtype: the one place that decides (DESIGN.md §5).
+"""Resolving ``model.dtype`` to a torch dtype: the one place that decides.
 
 ``auto`` means:
 
 * CUDA: the checkpoint's dtype (``torch_dtype`` in ``config.json``), float32 when unknown.
-* CPU: bfloat16 only when the checkpoint is 16-bit *and* the CPU has native bf16 arithmetic
-  (x86 ``avx512_bf16`` or ``amx_bf16``, Arm ``bf16``); float32 otherwise. Without those
-  instructions bf16 GEMMs go through conversion paths: measured on an AVX2 machine, bf16
-  ``torch.mm`` ran ~200x slower than fp32 (0.3-1.3 vs 125 GFLOP/s). float16 checkpoints run
-  as bf16 on such CPUs (x86 has no fast fp16 GEMM without AMX-FP16), as vLLM's CPU backend does.
-  A float32 checkpoint (every converted GGUF) stays float32.
+* CPU: bfloat16 when the CPU computes bf16 natively (x86 ``amx_bf16`` or ``avx512_bf16``, Arm
+  ``bf16``) **and** a start-up measurement on this model's shapes confirms it: oneDNN's packed
+  GEMMs at the batch sizes the scheduler builds (`BATCH_SIZES` rows) and the decode GEMV (one
+  row, through the C kernel where it is loaded), each at least `BF16_MIN_SPEEDUP` times faster
+  than float32; float32 otherwise, whatever the checkpoint's dtype (vLLM also runs a float32
+  checkpoint in 16 bits by default; SmolLM2's GGUF is 4-bit, so its float32 copy holds nothing
+  bf16 loses). Without those instructions bf16 GEMMs go through conversion paths (measured on
+  an AVX2 machine: bf16 ``torch.mm`` ~200x slower than fp32), so such a host never measures and
+  ``auto`` is float32 there: never slower than float32.
+
+`choose_dtype` returns a `DtypeChoice` (dtype, reason, the CPU features that decided and the
+figures measured), which the runner logs as one ``dtype_choice`` line; `probe_cpu_dtype`
+gives the same for a model's shapes without loading it (what ``pkgd collect-env`` can show).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+REPORTED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "bf16")
+"""The CPU features a `DtypeChoice` reports (those present)."""
+
+BATCH_SIZES = (64, 256)
+"""Rows of the batched GEMMs measured: the decode batches and prefill chunks a busy engine runs."""
+BF16_MIN_SPEEDUP = 1.1
+"""bf16 must beat float32 by this factor on both measurements: a smaller gain is within the
+noise of a shared host and not worth bf16's rounding."""
+
+Shape = tuple[int, int]  # (out_features, in_features) of one linear
 
 
 @functools.cache
@@ -42,20 +63,129 @@ def cpu_has_native_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
     return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else set(flags)))
 
 
-def resolve_dtype(
+@dataclasses.dataclass(frozen=True)
+class DtypeChoice:
+    """What ``model.dtype`` resolved to and why.
+
+    ``reason``: ``requested`` (not ``auto``), ``checkpoint`` (CUDA), ``no native bf16``,
+    ``nothing measured`` (no shapes given), ``bf16 measured faster`` or ``bf16 not faster
+    enough``. ``features``: the `REPORTED_FLAGS`
+    this CPU has. ``figures``: the measurement (`measure_bf16_speedup`), empty when none ran.
+    """
+
+    dtype: torch.dtype
+    requested: str
+    reason: str
+    features: tuple[str, ...] = ()
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``dtype``, ``requested``, ``reason``, ``features``, ``figures``."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "requested": self.requested, "reason": self.reason,
+                "features": list(self.features), "figures": dict(self.figures)}
+
+
+def linear_shapes(arch: Any, tp_size: int = 1) -> list[Shape]:
+    """``(out, in)`` of one decoder layer's linears on one tensor-parallel rank: QKV, o_proj,
+    gate/up, down_proj (the LM head is left out: measuring it would allocate ~170 MB for
+    SmolLM2's vocabulary, and it has the body's shapes' speed)."""
+    d, h, i = arch.head_dim, arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_attention_heads * d // tp_size, max(1, arch.num_key_value_heads // tp_size) * d
+    return [(q + 2 * kv, h), (h, q), (2 * i // tp_size, h), (h, i // tp_size)]
+
+
+def measure_bf16_speedup(shapes: Sequence[Shape], kernels: Any = None, *, repeat: int = 5, threads: int = 1) -> dict[str, float]:
+    """Time one layer's linears in float32 and bfloat16 as the model would run them: oneDNN's
+    packed GEMM at each of `BATCH_SIZES` rows, and one row through the C GEMV of ``kernels``
+    (a `pkgd_kernels.cpu.CpuKernels`) where it reads the packing, else oneDNN. Each call is
+    warmed up once (oneDNN builds its kernels on a shape's first call), then timed ``repeat``
+    times, the float32 and bf16 forms of one call back to back (in alternating order), so a
+    burst of load from other processes hits both alike; a call's best time counts.
+
+    On ``threads`` torch threads (restored after): the ratio is the instruction set's, not the
+    thread count's, and on a shared host a 2-thread OpenMP region stalls whenever another
+    process takes a core (measured here: the same bf16 GEMMs 3-30x slower on two threads
+    than on one in a busy minute), which one thread does not. One layer's weights may sit in
+    the last-level cache, so the decode figure understates bf16's gain from DRAM (half the
+    bytes): a conservative check.
+
+    Returns:
+        ``{"batched_fp32_ms", "batched_bf16_ms", "batched_speedup", "decode_fp32_ms",
+        "decode_bf16_ms", "decode_speedup"}``: milliseconds for the whole layer (batched: summed
+        over the batch sizes), speedups as fp32 time / bf16 time.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(shapes, kernels, repeat)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int) -> dict[str, float]:
+    import pkgd_kernels as pk
+
+    from pkgd.runner.layers.linear import onednn_linear, pack_for_onednn, packed_view
+
+    g = torch.Generator().manual_seed(0)
+    pairs: dict[str, list[list[Callable[[], object]]]] = {"batched": [], "decode": []}
+    for n, k in shapes:
+        weights = {dt: torch.randn(n, k, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16)}
+        packed = {dt: pack_for_onednn(w) for dt, w in weights.items()}
+
+        def gemm(dt, m):
+            x = torch.randn(m, k, generator=g).to(dt)
+            if packed[dt] is None:
+                return functools.partial(torch.nn.functional.linear, x, weights[dt])
+            return functools.partial(onednn_linear, x, packed[dt], None)
+
+        def gemv(dt):
+            view = packed_view(packed[dt], n, k) if packed[dt] is not None else None
+            if kernels is None or view is None:
+                return gemm(dt, 1)
+            return functools.partial(pk.gemv_packed, torch.randn(1, k, generator=g).to(dt), view, None, kernels=kernels)
+
+        pairs["batched"] += [[gemm(dt, m) for dt in (torch.float32, torch.bfloat16)] for m in BATCH_SIZES]
+        pairs["decode"].append([gemv(dt) for dt in (torch.float32, torch.bfloat16)])
+    out: dict[str, float] = {}
+    for kind, calls in pairs.items():
+        total = [0.0, 0.0]
+        for pair in calls:
+            best = [float("inf"), float("inf")]
+            for call in pair:
+                call()
+            for rep in range(repeat):
+                for i in ((0, 1) if rep % 2 == 0 else (1, 0)):
+                    t0 = time.perf_counter()
+                    pair[i]()
+                    best[i] = min(best[i], time.perf_counter() - t0)
+            total = [total[0] + best[0], total[1] + best[1]]
+        out[f"{kind}_fp32_ms"], out[f"{kind}_bf16_ms"] = round(total[0] * 1e3, 3), round(total[1] * 1e3, 3)
+        out[f"{kind}_speedup"] = round(total[0] / total[1], 3)
+    return out
+
+
+def choose_dtype(
     requested: str,
     checkpoint_dtype: str | None,
     device_type: str,
     *,
+    shapes: Sequence[Shape] = (),
+    kernels: Any = None,
     flags: frozenset[str] | set[str] | None = None,
-) -> torch.dtype:
-    """The torch dtype to run in.
+    measure: Callable[..., dict[str, float]] = measure_bf16_speedup,
+) -> DtypeChoice:
+    """The dtype to run in, and why (module docstring for ``auto``).
 
     Args:
         requested: ``model.dtype``: ``auto``, ``float32``, ``bfloat16`` or ``float16``.
         checkpoint_dtype: ``torch_dtype`` of ``config.json`` (None when absent).
         device_type: ``"cpu"`` or ``"cuda"``.
+        shapes: one layer's linears (`linear_shapes`), measured on a bf16-capable CPU; with
+            none given there is nothing to confirm bf16 by, so ``auto`` stays float32.
+        kernels: the loaded `pkgd_kernels.cpu.CpuKernels` (the decode GEMV measured through it).
         flags: CPU feature flags (tests); default: this machine's.
+        measure: the measurement (tests pass a fake): ``measure(shapes, kernels) -> figures``.
 
     Raises:
         ValueError: an unknown ``requested`` value.
@@ -63,10 +193,24 @@ def resolve_dtype(
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"model.dtype {requested!r} is not one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[requested]
-    ckpt = _CHECKPOINT_DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
+        return DtypeChoice(_DTYPES[requested], requested, "requested")
     if device_type == "cuda":
-        return ckpt
-    if ckpt in (torch.bfloat16, torch.float16) and cpu_has_native_bf16(flags):
-        return torch.bfloat16
-    return torch.float32
+        ckpt = _CHECKPOINT_DTYPES.get(str(checkpoint_dtype).removeprefix("torch."), torch.float32)
+        return DtypeChoice(ckpt, requested, "checkpoint")
+    have = cpu_flags() if flags is None else frozenset(flags)
+    features = tuple(f for f in REPORTED_FLAGS if f in have)
+    if not cpu_has_native_bf16(have):
+        return DtypeChoice(torch.float32, requested, "no native bf16", features)
+    if not shapes:
+        return DtypeChoice(torch.float32, requested, "nothing measured", features)
+    figures = measure(list(shapes), kernels)
+    faster = figures["batched_speedup"] >= BF16_MIN_SPEEDUP and figures["decode_speedup"] >= BF16_MIN_SPEEDUP
+    if faster:
+        return DtypeChoice(torch.bfloat16, requested, "bf16 measured faster", features, figures)
+    return DtypeChoice(torch.float32, requested, "bf16 not faster enough", features, figures)
+
+
+def probe_cpu_dtype(arch: Any, tp_size: int = 1, kernels: Any = None, requested: str = "auto") -> DtypeChoice:
+    """`choose_dtype` on this CPU for ``arch`` (an `ArchConfig`) without loading weights: the
+    features, choice and figures a ``collect-env`` report shows."""
+    return choose_dtype(requested, arch.checkpoint_dtype, "cpu", shapes=linear_shapes(arch, tp_size), kernels=kernels)

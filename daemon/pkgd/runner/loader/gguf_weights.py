@@ -121,9 +121,11 @@ def _type_name(qt: int) -> str:
 
 
 def choose_quantization(requested: str, gguf_path: Path | None, cfg: ArchConfig, *, device: torch.device,
-                        tp_size: int, kernels: Any) -> tuple[QuantizationChoice, GGUFWeights | None]:
+                        tp_size: int, kernels: Any, dtype: str = "auto",
+                        pooling: bool = False) -> tuple[QuantizationChoice, GGUFWeights | None]:
     """Whether to keep ``gguf_path``'s weights quantized (module docstring), and the opened
-    file when so.
+    file when so. ``dtype``: ``model.dtype`` (the kernels take float32 activations, so a 16-bit
+    one asked for dequantizes); ``pooling``: ``model.runner`` is pooling (float weights).
 
     Raises:
         ModelSourceError: a GGUF that cannot be read.
@@ -139,6 +141,10 @@ def choose_quantization(requested: str, gguf_path: Path | None, cfg: ArchConfig,
         reason = f"the quantized kernels run on CPU, not {device.type}"
     elif tp_size > 1:
         reason = "tensor parallelism runs float weights"
+    elif dtype not in ("auto", "float32"):
+        reason = f"model.dtype is {dtype}; the quantized kernels take float32 activations"
+    elif pooling:
+        reason = "the pooling runner loads float weights"
     elif kernels is None:
         reason = "the C kernels are unavailable"
     elif problems := weights.problems():

@@ -106,13 +106,25 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
     return t
 
 
+def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of an embedding checkpoint under the ``*ForCausalLM`` names: one saved from the
+    base model (sentence-transformers' Qwen3-Embedding: ``layers.0...``, ``embed_tokens``,
+    ``norm``) gets the ``model.`` prefix; a causal-LM checkpoint passes unchanged."""
+    for name, tensor in weights:
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        yield name, tensor
+
+
 def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
-               progress: Any = None, kernels=None) -> nn.Module:
+               progress: Any = None, kernels=None, pooling: bool = False) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
     ``kernels``: the `pkgd_kernels.cpu.CpuKernels` the model's ops may use (CPU), or None.
 
     ``progress`` (a `pkgd.phases.Phase`) is told one step per tensor read, then one for the
-    post-loading processing (repacking for the CPU kernels).
+    post-loading processing (repacking for the CPU kernels). ``pooling``
+    (``model.runner: pooling``): the LM head is never used, so a checkpoint without one
+    loads, and base-model tensor names are accepted (`pooling_names`).
 
     Raises:
         UnsupportedArchitectureError: the architecture is not registered.
@@ -122,12 +134,13 @@ def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: 
     cls = get_model_class(cfg.architecture)
     with torch.device(device):
         model = cls(cfg, tp=tp, dtype=dtype, kernels=kernels)
+    model.requires_lm_head = not pooling
     tensors = iter_safetensors(model_dir)
     if progress is not None:
         progress.set_total(count_tensors(model_dir) + 1)
         tensors = _counted(tensors, progress)
     with torch.no_grad():
-        model.load_weights(tensors)
+        model.load_weights(pooling_names(tensors) if pooling else tensors)
         # Submodules before the modules holding them (e.g. linear weights repacked for oneDNN
         # on CPU, then the model's one-call decode step over those packed weights).
         for module in reversed(list(model.modules())):

@@ -144,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
     `pkgd_kernels.cpu.CpuKernels` (CPU only; None = PyTorch ops), handed to every layer."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # False for a pooling model (the loader sets it): a checkpoint without lm_head.weight loads.
+    requires_lm_head = True
 
     def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
         super().__init__()
@@ -208,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
     def _expected_names(self) -> list[str]:
-        names = ["model.norm.weight", "lm_head.weight"]
+        names = ["model.norm.weight"]
+        if self.requires_lm_head or self.cfg.tie_word_embeddings:
+            names.append("lm_head.weight")  # tied: loaded from model.embed_tokens.weight
         if not self.cfg.tie_word_embeddings:
             names.append("model.embed_tokens.weight")
         for i, layer in enumerate(self.layers):

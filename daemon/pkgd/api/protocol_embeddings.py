@@ -1,0 +1,49 @@
+"""``/v1/embeddings`` request and response bodies (OpenAI's, with vLLM's extras).
+
+Shapes follow ``openai.types.create_embedding_response``; ``encoding_format: base64`` is the
+little-endian float32 bytes of each vector, base64-encoded (what the official client asks for
+by default and decodes with numpy).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pkgd.api.protocol import KnownFieldsModel
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(KnownFieldsModel):
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # vLLM extras
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> EmbeddingRequest:
+        x = self.input
+        if isinstance(x, str):
+            return self
+        if not x:
+            raise ValueError("input must not be empty")
+        if isinstance(x[0], list | str) and any(not item for item in x):
+            raise ValueError("input must not contain an empty string or an empty token list")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """One prompt per embedding: text, or token ids."""
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]  # type: ignore[arg-type]
+        return list(x)  # type: ignore[arg-type]

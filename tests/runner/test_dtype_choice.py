@@ -1,0 +1,116 @@
+"""``model.dtype: auto`` (`pkgd.runner.loader.dtype`): chosen by the CPU's features and a
+start-up measurement, here with mocked feature sets and mocked measurements; and the
+measurement itself on this host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pkgd.runner.loader import dtype as D
+
+AVX2 = frozenset({"avx", "avx2", "fma"})
+AVX512_BF16 = AVX2 | {"avx512f", "avx512_bf16"}
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def _figures(batched: float, decode: float) -> dict[str, float]:
+    return {"batched_fp32_ms": 10.0, "batched_bf16_ms": 10.0 / batched, "batched_speedup": batched,
+            "decode_fp32_ms": 1.0, "decode_bf16_ms": 1.0 / decode, "decode_speedup": decode}
+
+
+class Measure:
+    """A mocked measurement that counts its calls."""
+
+    def __init__(self, batched: float, decode: float) -> None:
+        self.figures, self.calls = _figures(batched, decode), 0
+
+    def __call__(self, shapes, kernels):
+        assert shapes == SHAPES
+        self.calls += 1
+        return self.figures
+
+
+@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16", "float16", None])
+def test_avx2_only_hosts_stay_float32_without_measuring(checkpoint):
+    """On an AVX2-only host bf16 GEMMs crawl: auto is float32, never slower than float32."""
+    measure = Measure(5.0, 2.0)
+    choice = D.choose_dtype("auto", checkpoint, "cpu", shapes=SHAPES, flags=AVX2, measure=measure)
+    assert choice.dtype == torch.float32 and choice.reason == "no native bf16" and measure.calls == 0
+    assert choice.features == ("avx2",) and choice.figures == {}
+
+
+@pytest.mark.parametrize("flags", [AVX512_BF16, AMX, frozenset({"bf16"})], ids=["avx512_bf16", "amx", "arm-bf16"])
+@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16"])
+def test_bf16_capable_hosts_take_bf16_when_the_measurement_confirms(flags, checkpoint):
+    measure = Measure(4.0, 1.5)
+    choice = D.choose_dtype("auto", checkpoint, "cpu", shapes=SHAPES, flags=flags, measure=measure)
+    assert choice.dtype == torch.bfloat16 and choice.reason == "bf16 measured faster" and measure.calls == 1
+    assert choice.figures == measure.figures and set(choice.features) <= set(flags)
+
+
+@pytest.mark.parametrize("batched,decode", [(0.9, 2.0), (4.0, 1.05), (1.0, 1.0), (0.01, 0.5)])
+def test_bf16_capable_hosts_stay_float32_when_bf16_is_not_faster_on_both(batched, decode):
+    choice = D.choose_dtype("auto", "bfloat16", "cpu", shapes=SHAPES, flags=AMX, measure=Measure(batched, decode))
+    assert choice.dtype == torch.float32 and choice.reason == "bf16 not faster enough"
+    assert choice.figures["batched_speedup"] == batched  # the figures that decided are kept
+
+
+def test_explicit_dtypes_and_cuda_need_no_measurement():
+    never = Measure(9.0, 9.0)
+    assert D.choose_dtype("float16", "float32", "cpu", shapes=SHAPES, flags=AVX2, measure=never).dtype == torch.float16
+    assert D.choose_dtype("float32", None, "cpu", shapes=SHAPES, flags=AMX, measure=never).reason == "requested"
+    assert D.choose_dtype("auto", "bfloat16", "cuda", measure=never).dtype == torch.bfloat16
+    assert D.choose_dtype("auto", "float16", "cuda", measure=never).dtype == torch.float16
+    assert D.choose_dtype("auto", None, "cuda", measure=never).dtype == torch.float32
+    assert D.choose_dtype("auto", "bfloat16", "cpu", shapes=(), flags=AMX, measure=never).reason == "nothing measured"
+    assert never.calls == 0
+    with pytest.raises(ValueError, match="model.dtype"):
+        D.choose_dtype("int8", None, "cpu")
+
+
+def test_the_choice_is_a_json_report():
+    choice = D.choose_dtype("auto", "float32", "cpu", shapes=SHAPES, flags=AMX, measure=Measure(4.0, 1.5))
+    report = choice.as_dict()
+    assert report["dtype"] == "bfloat16" and report["requested"] == "auto" and report["features"] == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert report["figures"]["decode_speedup"] == 1.5
+
+
+def test_layer_shapes_per_tensor_parallel_rank():
+    from types import SimpleNamespace
+
+    arch = SimpleNamespace(head_dim=64, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    assert D.linear_shapes(arch) == SHAPES
+    arch = SimpleNamespace(head_dim=8, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    assert D.linear_shapes(arch, tp_size=2) == [(16 + 16, 64), (64, 16), (96, 64), (64, 48)]
+
+
+def test_the_measurement_on_this_host(monkeypatch):
+    """The real measurement runs on small shapes, restores the thread count and reports
+    positive times; where this CPU has native bf16, the choice follows its figures."""
+    torch.set_num_threads(2)
+    figures = D.measure_bf16_speedup([(128, 64), (64, 96)], repeat=2)
+    assert torch.get_num_threads() == 2
+    assert set(figures) == {f"{k}_{x}" for k in ("batched", "decode") for x in ("fp32_ms", "bf16_ms", "speedup")}
+    assert all(v > 0 for v in figures.values())
+    choice = D.choose_dtype("auto", "float32", "cpu", shapes=[(128, 64)])
+    if D.cpu_has_native_bf16():
+        faster = min(choice.figures["batched_speedup"], choice.figures["decode_speedup"]) >= D.BF16_MIN_SPEEDUP
+        assert (choice.dtype == torch.bfloat16) == faster
+    else:
+        assert choice.dtype == torch.float32 and not choice.figures
+
+
+def test_the_runner_logs_its_choice(tiny_dirs):
+    from structlog.testing import capture_logs
+
+    from tests.runner.conftest import make_runner
+
+    model_dir, _ = tiny_dirs("qwen2")
+    with capture_logs() as logs:
+        runner = make_runner(model_dir, dtype="auto")
+    (line,) = [e for e in logs if e["event"] == "dtype_choice"]
+    assert line["dtype"] == str(runner.dtype).removeprefix("torch.") == runner.model_info.dtype
+    assert line["requested"] == "auto" and line["reason"] in ("no native bf16", "bf16 measured faster", "bf16 not faster enough")
+    assert runner.dtype_choice.as_dict() == {k: line[k] for k in ("dtype", "requested", "reason", "features", "figures")}
