@@ -23,7 +23,10 @@ def tiny_dirs(tmp_path_factory):
 
 
 # Whether runners built by `make_runner` load the C kernels (the `cpu_path` fixture turns it off).
-C_KERNELS = {"enabled": True}
+if __name__ == "tests.runner.conftest":
+    C_KERNELS = {"enabled": True}  # parallel.cpu_kernels of the runners make_runner builds
+else:  # pytest's own copy of this file ("runner.conftest"): share the dict the tests import
+    from tests.runner.conftest import C_KERNELS
 
 
 def make_runner(model_dir, *, cpu_kernels=None, **model_kw):

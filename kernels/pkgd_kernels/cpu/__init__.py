@@ -122,9 +122,9 @@ class CpuKernels:
         Raises:
             CpuKernelsUnavailable: that library cannot be built or loaded.
         """
-        from pkgd_kernels.cpu.quant import QuantKernels
+        from pkgd_kernels.cpu.quant import QUANT, QuantKernels
 
-        return QuantKernels(self)
+        return QuantKernels(self.load_library(QUANT), self.cache_dir)
 
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         """C form of `pkgd_kernels.quant_linear` (`pkgd_kernels.cpu.quant.QuantKernels.quant_linear`)."""

@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from pkgd_kernels.cpu.build import LibrarySpec
 from pkgd_kernels.quant_layout import BLOCK, MAX_SEGMENTS, QuantWeight
-
-if TYPE_CHECKING:
-    from pkgd_kernels.cpu import CpuKernels
 
 IMPLS = {"scalar": 0, "avx2": 1, "vnni512": 2}
 """Paths of the quantized kernels, slowest first."""
@@ -70,15 +66,12 @@ def takes_quant_linear(x: torch.Tensor, weight: QuantWeight) -> bool:
 
 
 class QuantKernels:
-    """The loaded ``quant.c`` (see the module docstring). ``impl`` is the path in use.
+    """The loaded ``quant.c`` (see the module docstring): ``lib``, the `QUANT` library opened
+    from the kernel cache ``cache_dir`` (`pkgd_kernels.cpu.CpuKernels.quant` builds and opens
+    it). ``impl`` is the path in use."""
 
-    Raises (from the constructor):
-        CpuKernelsUnavailable: the library cannot be built or disagrees with the structs.
-    """
-
-    def __init__(self, kernels: CpuKernels) -> None:
-        lib = kernels.load_library(QUANT)
-        self.path = kernels.cache_dir
+    def __init__(self, lib: ctypes.CDLL, cache_dir: Path) -> None:
+        self.path = cache_dir
         self._linear = lib.pkgd_quant_linear
         self._linear.argtypes = [ctypes.POINTER(QWeightStruct), _p, _i64, _p, _p, _i64, _i32]
         self._linear.restype = _i32
