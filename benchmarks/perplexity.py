@@ -70,7 +70,7 @@ def main() -> None:
     text = args.file.read_text(encoding="utf-8")
     results = {}
     for q in ("auto", "none") if args.quantization == "both" else (args.quantization,):
-        llm = LLM(model=args.model, quantization=q, cpu_threads=args.threads)
+        llm = LLM(model=args.model, quantization=q, dtype="float32", cpu_threads=args.threads)  # one arithmetic for both
         info = llm.engine.model_runner.model_info
         ppl, n, seconds = perplexity(llm, text, args.ctx)
         llm.shutdown()
