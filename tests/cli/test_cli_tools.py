@@ -21,6 +21,9 @@ def test_collect_env_reports_versions_cpu_kernels_and_the_config_digest(capsys):
     if "flags" in host["cpu"] and "avx2" in host["cpu"]["flags"]:
         assert {"avx512f", "amx_tile", "avx512_bf16"} <= set(host["cpu"]["flags"])
     assert engine["engine_device"] in ("cpu", "cuda") and engine["kernels"]
+    # the choice the engine would make for the embedded model: auto, a dtype and its reason
+    assert engine["dtype"]["requested"] == "auto" and engine["dtype"]["dtype"] in ("float32", "bfloat16")
+    assert engine["dtype"]["reason"]
     expected = compose(ComposeRequest(flags=("--max-num-seqs", "7"))).config.digest()
     assert config["digest"] == expected and "scheduler.max_num_seqs" in config["keys_set_by_layer"]["cli"]
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkgd.config.vllm_config import VllmConfig
-from pkgd.model_files.resolve import resolve_model
+from tests.runner.factory import C_KERNELS, LogitsRecorder, make_runner  # noqa: F401 (re-exported)
 from tests.runner.tiny_models import build_tiny
 
 
@@ -20,36 +19,6 @@ def tiny_dirs(tmp_path_factory):
         return cache[arch]
 
     return get
-
-
-# Whether runners built by `make_runner` load the C kernels (the `cpu_path` fixture turns it off).
-if __name__ == "tests.runner.conftest":
-    C_KERNELS = {"enabled": True}  # parallel.cpu_kernels of the runners make_runner builds
-else:  # pytest's own copy of this file ("runner.conftest"): share the dict the tests import
-    from tests.runner.conftest import C_KERNELS
-
-
-def make_runner(model_dir, *, cpu_kernels=None, **model_kw):
-    from pkgd.runner.model_runner import ModelRunner
-
-    enabled = C_KERNELS["enabled"] if cpu_kernels is None else cpu_kernels
-    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw}, parallel={"cpu_kernels": enabled})
-    return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
-
-
-class LogitsRecorder:
-    """Wraps ``model.compute_logits`` to keep every logits tensor it returns."""
-
-    def __init__(self, runner) -> None:
-        self.calls: list[torch.Tensor] = []
-        inner = runner.model.compute_logits
-
-        def record(hidden):
-            out = inner(hidden)
-            self.calls.append(out.clone())
-            return out
-
-        runner.model.compute_logits = record
 
 
 @pytest.fixture(scope="session")

@@ -90,7 +90,7 @@ def test_tensor_span_of_a_packed_onednn_weight():
 def test_the_runner_puts_weights_and_kv_cache_on_huge_pages_and_logs_it(tiny_dirs):
     from structlog.testing import capture_logs
 
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("llama")
     with capture_logs() as logs:
@@ -110,7 +110,7 @@ def test_the_runner_puts_weights_and_kv_cache_on_huge_pages_and_logs_it(tiny_dir
 def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkeypatch):
     from pkgd.runner import model_runner
 
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
 
     calls = []
     monkeypatch.setattr(model_runner, "collapse_to_huge_pages", lambda spans: calls.append(spans) or 0)

@@ -15,7 +15,7 @@ import torch
 from pkgd.sampling_params import SamplingParams
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.models.llama_cpu_decode import LLAMA_DECODE, CpuDecodeStep, DecoderDims
-from tests.runner.conftest import make_runner
+from tests.runner.factory import make_runner
 from tests.runner.driver import Driver
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]

@@ -105,7 +105,7 @@ def test_the_measurement_on_this_host(monkeypatch):
 def test_the_runner_logs_its_choice(tiny_dirs):
     from structlog.testing import capture_logs
 
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("qwen2")
     with capture_logs() as logs:

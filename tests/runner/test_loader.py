@@ -71,7 +71,7 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
     """Un-permutation (llama) and head_dim / QK-norm mapping (qwen3, whose GGUF transformers'
     own loader misreads) must be right for the logits."""
     from pkgd.sampling_params import SamplingParams
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
     from tests.runner.driver import Driver
 
     path, hf = tiny_gguf[arch]
@@ -81,7 +81,7 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
         assert (t - hf.state_dict()[name]).abs().max() < 5e-3, name  # Q8_0 rounding only
     drv = Driver(make_runner(mf.model_dir), num_blocks=16)
     drv.add("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=1))
-    from tests.runner.conftest import LogitsRecorder
+    from tests.runner.factory import LogitsRecorder
 
     rec = LogitsRecorder(drv.runner)
     drv.run()
@@ -194,7 +194,7 @@ def test_resolve_is_torch_free(tiny_dirs):
 def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):
     import shutil
 
-    from tests.runner.conftest import make_runner
+    from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("llama")
     d = tmp_path / "m"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pkgd.sampling_params import SamplingParams
-from tests.runner.conftest import LogitsRecorder, make_runner
+from tests.runner.factory import LogitsRecorder, make_runner
 from tests.runner.driver import Driver
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]

@@ -11,7 +11,7 @@ import torch
 from pkgd.sampling_params import SamplingParams
 from pkgd.scheduler_output import CachedRequestData, SchedulerOutput
 from pkgd.runner.models import UnsupportedArchitectureError
-from tests.runner.conftest import make_runner
+from tests.runner.factory import make_runner
 from tests.runner.driver import Driver
 
 
@@ -147,7 +147,7 @@ def test_a_16_bit_kv_cache_halves_the_bytes_and_keeps_the_logits_close(llama, ca
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.model_files.resolve import resolve_model
     from pkgd.runner.model_runner import ModelRunner
-    from tests.runner.conftest import LogitsRecorder
+    from tests.runner.factory import LogitsRecorder
 
     model_dir, _ = llama
     cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32"}, cache={"cache_dtype": cache_dtype})

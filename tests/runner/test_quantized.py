@@ -33,7 +33,7 @@ from pkgd.model_files.resolve import resolve_model
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 from pkgd.runner.loader.gguf_weights import choose_quantization
 from pkgd.sampling_params import SamplingParams
-from tests.runner.conftest import LogitsRecorder
+from tests.runner.factory import LogitsRecorder
 from tests.runner.driver import Driver
 from tests.runner.tiny_gguf import write_gguf
 from tests.runner.tiny_models import build_tiny

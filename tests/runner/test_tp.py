@@ -9,7 +9,7 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.sampling_params import SamplingParams
 from pkgd.model_files.resolve import resolve_model
 from pkgd.runner.tp_executor import TPExecutor
-from tests.runner.conftest import LogitsRecorder, make_runner
+from tests.runner.factory import LogitsRecorder, make_runner
 from tests.runner.driver import Driver
 
 

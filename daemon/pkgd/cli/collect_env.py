@@ -4,7 +4,7 @@
 Versions (pkgd, Python, torch and its CUDA build, Triton, the serving libraries), the OS, the
 CPU (model, cores this process may use, the feature flags the kernels choose by: AVX2,
 AVX-512, its BF16/VNNI extensions, AMX), memory, GPUs, the kernels the engine would use here
-(the C kernels for CPU decode, loaded or why not; Triton on CUDA; the dtype ``auto`` resolves
+(the C kernels for CPU decode, loaded or why not; Triton on CUDA; the dtype ``model.dtype`` resolves
 to) and the composed configuration: its digest, the group options chosen and which keys are
 set by which layer. No value of the configuration is printed (API keys stay private), nor
 any environment variable's value except the few that change the engine's behaviour.
@@ -106,8 +106,6 @@ def kernels_report(config: Any) -> dict[str, Any]:
     """torch, CUDA, the kernels and the dtype the engine would run with under ``config``."""
     import torch
 
-    from pkgd.runner.loader.dtype import resolve_dtype
-
     cuda = torch.cuda.is_available()
     out: dict[str, Any] = {
         "torch": torch.__version__,
@@ -124,12 +122,38 @@ def kernels_report(config: Any) -> dict[str, Any]:
     device = config.parallel.device
     device = ("cuda" if cuda else "cpu") if device == "auto" else device
     out["engine_device"] = device
-    out["dtype_auto_resolves_to"] = str(resolve_dtype(config.model.dtype, None, device)).removeprefix("torch.")
+    out["dtype"] = _dtype_report(config, device)
     if device == "cuda":
         out["kernels"] = "Triton kernels (pkgd_kernels: paged attention, RMSNorm, rotary, SiLU-and-mul, sampling)"
     else:
         out["kernels"] = _cpu_kernels()
     return out
+
+
+def _dtype_report(config: Any, device: str) -> dict[str, Any]:
+    """What ``model.dtype`` resolves to for the configured model on this host, and why
+    (`pkgd.runner.loader.dtype.DtypeChoice`): the same choice, and on CPU the same bf16
+    measurement, the engine makes at start-up. Needs the model's config.json (a GGUF is
+    converted once, as at start-up); a model that does not resolve gives its error instead."""
+    from pkgd.model_files.errors import ModelSourceError
+    from pkgd.model_files.resolve import resolve_model
+    from pkgd.runner.models.config import load_arch_config
+    from pkgd.runner.loader.dtype import choose_dtype, probe_cpu_dtype
+
+    try:
+        arch = load_arch_config(resolve_model(config.model).model_dir)
+    except (ModelSourceError, OSError, ValueError) as exc:
+        return {"requested": config.model.dtype, "error": f"the model does not resolve: {exc}"}
+    if device == "cuda":
+        return choose_dtype(config.model.dtype, arch.checkpoint_dtype, "cuda").as_dict()
+    kernels = None
+    try:
+        from pkgd_kernels.cpu import CpuKernelsUnavailable, load
+
+        kernels = load() if config.parallel.cpu_kernels else None
+    except (ImportError, CpuKernelsUnavailable):
+        pass
+    return probe_cpu_dtype(arch, config.parallel.tp, kernels, requested=config.model.dtype).as_dict()
 
 
 def _cpu_kernels() -> str:

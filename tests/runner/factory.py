@@ -1,0 +1,36 @@
+"""Runners for the runner tests. Kept out of conftest.py: pytest imports that file under its own
+module name while tests import ``tests.runner.conftest``, which would give each its own copy
+of `C_KERNELS` (the `cpu_path` fixture's switch would not reach the runners tests build)."""
+
+from __future__ import annotations
+
+import torch
+
+from pkgd.config.vllm_config import VllmConfig
+from pkgd.model_files.resolve import resolve_model
+
+# Whether runners built by `make_runner` load the C kernels (the `cpu_path` fixture turns it off).
+C_KERNELS = {"enabled": True}
+
+
+def make_runner(model_dir, *, cpu_kernels=None, **model_kw):
+    from pkgd.runner.model_runner import ModelRunner
+
+    enabled = C_KERNELS["enabled"] if cpu_kernels is None else cpu_kernels
+    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw}, parallel={"cpu_kernels": enabled})
+    return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
+
+
+class LogitsRecorder:
+    """Wraps ``model.compute_logits`` to keep every logits tensor it returns."""
+
+    def __init__(self, runner) -> None:
+        self.calls: list[torch.Tensor] = []
+        inner = runner.model.compute_logits
+
+        def record(hidden):
+            out = inner(hidden)
+            self.calls.append(out.clone())
+            return out
+
+        runner.model.compute_logits = record
