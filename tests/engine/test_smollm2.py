@@ -121,7 +121,7 @@ def test_16_requests_on_a_few_blocks_match_a_large_cache(llm):
     prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS * 2)]
     sp = SamplingParams(temperature=0.0, max_tokens=20)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    tiny = LLM(num_blocks=8, block_size=16, max_model_len=128, dtype="float32")  # 128 token slots for 16 requests
+    tiny = LLM(num_blocks=8, block_size=16, max_model_len=128, dtype="float32", quantization="none")  # 128 slots, 16 requests
     tiny.engine.scheduler.admission_lookahead = 0  # vLLM's admission: the blocks run out mid-way
     try:
         got = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
