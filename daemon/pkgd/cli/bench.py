@@ -214,7 +214,7 @@ def run_dtype_comparison(args: argparse.Namespace) -> int:
         llms = {d: offline_llm(args, d) for d in names}
     else:
         llms = {f"quant={q}": offline_llm(args, quantization=q) for q in names}
-    first = llms[names[0]]
+    first = next(iter(llms.values()))
     torch.set_num_threads(first.config.parallel.cpu_threads)
     engine, tok = first.engine, first.get_tokenizer()
     workload = throughput.make_workload(
