@@ -84,10 +84,13 @@ class ModelConfig(Section):
         ge=16,
     )
     quantization: Literal["auto", "none"] = field(
-        "auto",
-        "Quantized GGUF weights: 'auto' keeps them quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; CPU, "
-        "no tensor parallelism) when kernels exist for every tensor type of the file, else "
-        "dequantizes; 'none' always dequantizes to the model dtype. vLLM's 'gguf' means 'auto'.",
+        "none",
+        "Quantized GGUF weights: 'none' dequantizes them once to the model dtype; 'auto' keeps "
+        "them quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; CPU, no tensor parallelism) when kernels "
+        "exist for every tensor type of the file, else dequantizes: a fraction of the memory and "
+        "faster decode, but each linear rounds its input to int8 (as llama.cpp does), which flips "
+        "greedy near-ties (SmolLM2's answer to the capital of France among them). vLLM's 'gguf' "
+        "means 'auto'.",
         aliases=("--quantization", "-q"),
     )
     chat_template: str | None = field(None, "Jinja chat template: a file path or the template text; null = the tokenizer's.", aliases=("--chat-template",), reload=A)
