@@ -25,10 +25,10 @@ from pkgd.api.protocol import (
 from pkgd.api.protocol_embeddings import EmbeddingRequest
 from pkgd.api.protocol_responses import ResponsesRequest
 from pkgd.api.serving import process
-from pkgd.api.serving_embedding import create_embedding
-from pkgd.api.serving_responses import create_response, retrieve_response
 from pkgd.api.serving_chat import create_chat_completion
 from pkgd.api.serving_completion import create_completion
+from pkgd.api.serving_embedding import create_embedding
+from pkgd.api.serving_responses import create_response, retrieve_response
 from pkgd.api.state import ServerState
 
 router = APIRouter()

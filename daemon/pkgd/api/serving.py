@@ -20,8 +20,8 @@ from starlette.requests import Request
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
 from pkgd.api.structured import Constraint, request_constraint
-from pkgd.sampling_params import RequestOutputKind, SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState

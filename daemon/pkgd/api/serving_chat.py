@@ -26,8 +26,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError
-from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
-from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -41,6 +39,8 @@ from pkgd.api.protocol import (
     DeltaMessage,
     DeltaToolCall,
 )
+from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
+from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState

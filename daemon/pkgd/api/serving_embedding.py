@@ -15,7 +15,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 

@@ -15,9 +15,9 @@ from pkgd.frontend.structured_outputs import ConstraintValidator
 from pkgd.parsers import load_parser
 
 if TYPE_CHECKING:
+    from pkgd.config.vllm_config import VllmConfig
     from pkgd.frontend.async_llm import AsyncLLM
     from pkgd.frontend.metrics import Metrics
-    from pkgd.config.vllm_config import VllmConfig
 
 
 class ServerState:

@@ -174,7 +174,7 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
     return ServePlan(mode, count, p.dp, dp_local, start, tuple(warnings))
 
 
-def _unregistered(path: str, name: str | None, kind: str) -> list[str]:
+def _unregistered(path: str, name: str | None, kind: Literal["tool", "reasoning"]) -> list[str]:
     if name is None:
         return []
     from pkgd.parsers import registered_names  # light: names only, no parser code

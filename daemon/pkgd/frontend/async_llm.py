@@ -21,15 +21,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pkgd import log
-from pkgd.ipc.client import EngineClient, EngineRequestError
 from pkgd.frontend.pooling import pooling_request_output
+from pkgd.ipc.client import EngineClient, EngineRequestError
 from pkgd.ipc.messages import EngineCoreOutput, EngineOutputs, Handshake
 from pkgd.outputs import PoolingRequestOutput
 
 if TYPE_CHECKING:
-    from pkgd.frontend.metrics import Metrics
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
+    from pkgd.frontend.metrics import Metrics
     from pkgd.outputs import RequestOutput
 
 logger = log.get_logger(__name__)

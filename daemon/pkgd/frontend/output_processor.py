@@ -20,15 +20,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pkgd.frontend.detokenizer import IncrementalDetokenizer
 from pkgd.frontend.input_processor import ProcessedRequest
-from pkgd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pkgd.frontend.parallel_sampling import ParentRequest
-from pkgd.sampling_params import RequestOutputKind, SamplingParams
-from pkgd.logprobs import TokenLogprobs
 from pkgd.ipc.messages import EngineCoreOutput, FinishReason
+from pkgd.logprobs import TokenLogprobs
+from pkgd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -83,6 +83,7 @@ class RequestState:
         if self.logprobs is not None and out.new_logprobs:
             for entry in out.new_logprobs:
                 self.logprobs.append(self._logprob_dict(entry))
+                assert self.cumulative_logprob is not None  # tracked together with logprobs
                 self.cumulative_logprob += entry.logprobs[0]
         engine_stop = out.finish_reason == FinishReason.STOP
         stop_str = self.detokenizer.update(out.new_token_ids, engine_stop)
@@ -105,7 +106,7 @@ class RequestState:
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None or not self.params.detokenize:
             return None
-        return self.tokenizer.decode([token_id])
+        return cast(str, self.tokenizer.decode([token_id]))  # one text for one list of ids
 
     @property
     def finished(self) -> bool:
@@ -179,9 +180,11 @@ class OutputProcessor:
             raise ValueError(f"request id {processed.request_id!r} is already in use")
         parent = None
         if len(processed.engine_requests) > 1:
+            assert processed.sampling_params is not None  # only sampling requests fan out (n > 1)
             parent = ParentRequest(processed.request_id, len(processed.engine_requests), processed.sampling_params.output_kind)
             self.parents[processed.request_id] = parent
         for index, req in enumerate(processed.engine_requests):
+            assert req.sampling_params is not None  # pooling requests are not tracked here
             self.request_states[req.request_id] = RequestState(
                 req.request_id, index, processed, req.sampling_params, self.tokenizer, parent
             )

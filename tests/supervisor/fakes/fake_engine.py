@@ -15,8 +15,8 @@ import sys
 import time
 
 import zmq
-
 from common import die_with_parent, fake_options, load_config, report
+
 from pkgd.ipc import messages
 
 stop = False
