@@ -107,7 +107,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Any:
         tokens = process(state, lambda ip: ip.tokenize(text, add_special_tokens=False))
     else:
         tokens = process(state, lambda ip: ip.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens))
-    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=state.llm.input_processor.max_model_len, tokens=tokens).model_dump())
+    ip = state.llm.input_processor
+    assert ip is not None  # check_ready(): a ready engine has one
+    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=ip.max_model_len, tokens=tokens).model_dump())
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["utilities"])
@@ -116,7 +118,9 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
     state = get_state(request)
     state.check_ready()
     state.resolve_model(body.model)
-    vocab = state.llm.input_processor.vocab_size
+    ip = state.llm.input_processor
+    assert ip is not None  # check_ready(): a ready engine has one
+    vocab = ip.vocab_size
     bad = next((t for t in body.tokens if vocab is not None and t >= vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")

@@ -95,9 +95,10 @@ class ApiServer:
             self.start_cancelled = True
             raise StartupCancelled
         stopped.cancel()
-        if start.exception() is not None:  # TimeoutError, TokenizerError, ModelSourceError
-            self.startup_error = start.exception()
-            raise self.startup_error
+        error = start.exception()
+        if error is not None:  # TimeoutError, TokenizerError, ModelSourceError
+            self.startup_error = error
+            raise error
         if cfg.logging.log_stats:
             hs = self.llm.handshake
             name = self.state.served_model_names()[0]
@@ -166,7 +167,9 @@ class ApiServer:
         hc.errorlog = logging.getLogger("hypercorn.error")
         hc.backlog = 2048
         app = build_app(self.state, lifespan=self.lifespan)
-        await hypercorn_serve(app, hc, shutdown_trigger=self.stop.wait)
+        # hypercorn's ASGIFramework wants its own TypedDict scopes; Starlette's app takes the
+        # MutableMapping form of the same ASGI 3 interface
+        await hypercorn_serve(app, hc, shutdown_trigger=self.stop.wait)  # type: ignore[arg-type]
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -25,7 +25,7 @@ from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
     from pkgd.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -140,10 +140,12 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def process(state: ServerState, build: Any) -> ProcessedRequest:
+def process(state: ServerState, build: Callable[[InputProcessor], T]) -> T:
     """Call the `InputProcessor` (``build(input_processor)``); its `ValueError` is a 400."""
+    ip = state.llm.input_processor
+    assert ip is not None  # callers check_ready() first, and a ready engine has one
     try:
-        return build(state.llm.input_processor)
+        return build(ip)
     except ValueError as exc:
         raise from_value_error(exc) from None
 

@@ -44,8 +44,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     params, _constraint = await serving.with_constraint(state, body, params)
     rid = serving.request_id("cmpl", request)
     prompts = body.prompts()
+    # process() calls the lambda at once, so it sees this iteration's i and p
     processed = [
-        serving.process(state, lambda ip, i=i, p=p: ip.process(
+        serving.process(state, lambda ip: ip.process(
             f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
             add_special_tokens=body.add_special_tokens, priority=body.priority,
         ))

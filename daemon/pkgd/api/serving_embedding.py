@@ -37,8 +37,9 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
     rid = serving.request_id("embd", request)
     if body.user is not None:  # OpenAI's end-user id: on this request's log lines
         structlog.contextvars.bind_contextvars(user=body.user)
+    # process() calls the lambda at once, so it sees this iteration's i and prompt
     processed = [
-        serving.process(state, lambda ip, i=i, prompt=prompt: ip.process_pooling(
+        serving.process(state, lambda ip: ip.process_pooling(
             f"{rid}-{i}", prompt, params, truncate_prompt_tokens=body.truncate_prompt_tokens,
             add_special_tokens=body.add_special_tokens, priority=body.priority,
         ))

@@ -29,8 +29,9 @@ class ServerState:
         self.server_index = server_index
         self.draining = False
         f = config.frontend
-        self.tool_parser: type | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
-        self.reasoning_parser: type | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+        # parser classes; they share no base class (their extract()s differ in what they return)
+        self.tool_parser: type[Any] | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
+        self.reasoning_parser: type[Any] | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
         self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
         self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
 

@@ -20,6 +20,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from pkgd import log
 from pkgd.supervisor.children import Child, ChildSpec, ChildStartError, describe_exit
@@ -99,7 +100,8 @@ class Fleet:
         ready = asyncio.gather(*(asyncio.shield(c.ready) for c in children))
         stop = asyncio.ensure_future(self.stop_event.wait())
         try:
-            done, _ = await asyncio.wait({ready, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {ready, stop}
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
         if ready in done:
@@ -164,7 +166,8 @@ class Fleet:
         stops = asyncio.gather(*(c.stop(grace(c) if callable(grace) else grace) for c in children))
         force = asyncio.ensure_future(self.force_event.wait())
         try:
-            await asyncio.wait({stops, force}, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {stops, force}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if not stops.done():
                 for child in children:
                     child.signal(signal.SIGKILL)
