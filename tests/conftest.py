@@ -15,7 +15,11 @@ def pytest_configure(config):
     Triton indirectly (through torch or transformers); importing it here first lets the
     kernel tests (tests/kernels, run under ``TRITON_INTERPRET=1``) share the session with
     them. The variable itself is restored, so processes started by tests do not inherit it.
+    Not with ``PKGD_KERNEL_TEST_DEVICE`` set: the kernel tests then run compiled on that
+    device (tests/kernels/conftest.py), and Triton must be imported without the interpreter.
     """
+    if os.environ.get("PKGD_KERNEL_TEST_DEVICE", "cpu") != "cpu":
+        return
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

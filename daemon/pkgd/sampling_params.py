@@ -177,8 +177,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """True when sampling reduces to argmax."""
         return self.temperature < 1e-5 or self.top_k == 1
 
-    def verify(self, *, max_logprobs: int = 20) -> None:
-        """Check ranges; raises `ValueError` naming the field, the value and the range."""
+    def verify(self, *, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
+        """Check ranges; raises `ValueError` naming the field, the value and the range.
+
+        With ``vocab_size``, token ids (``stop_token_ids``, ``logit_bias`` keys) must be
+        below it and ``top_k`` at most it (the input processor turns a larger ``top_k``, which
+        keeps every token, into 0 before this check).
+        """
         checks = [
             ("n", self.n >= 1, "at least 1"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "in [0, 2]"),
@@ -212,13 +217,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {bias}")
         if self.structured_outputs is not None:
             self.structured_outputs.verify()
+        if vocab_size is not None:
+            self._verify_token_ids(vocab_size)
+
+    def _verify_token_ids(self, vocab_size: int) -> None:
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 for off), got {self.top_k}")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ()))):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token id {bad}, out of range [0, {vocab_size})")
 
 
 class BeamSearchParams(msgspec.Struct, kw_only=True):
     """Parameters of `LLM.beam_search` (offline only, as in vLLM).
 
     ``length_penalty`` divides a beam's cumulative logprob by ``len ** length_penalty``
-    when ranking finished beams (Wu et al., 2016, GNMT).
+    when ranking finished beams (Wu et al., 2016, GNMT). A beam whose generated text contains
+    one of ``stop`` is finished there (``finish_reason`` "stop", ``stop_reason`` the string);
+    its text ends before the stop string unless ``include_stop_str_in_output``.
     """
 
     beam_width: int
@@ -226,3 +243,5 @@ class BeamSearchParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    stop: list[str] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False

@@ -61,6 +61,7 @@ class FakeEngineClient:
         self.aborted: list[str] = []
         self.fail: dict[str, EngineRequestError] = {}  # engine request id -> error after 1 token
         self.delay = 0.0
+        self.gate: asyncio.Event | None = None  # set: generation waits for it before the first token
         self._tasks: dict[str, asyncio.Task] = {}
 
     async def start(self, timeout: float = 0) -> bool:
@@ -111,6 +112,8 @@ class FakeEngineClient:
             return
         sp = req.sampling_params
         tokens = self.script(req)
+        if self.gate is not None:
+            await self.gate.wait()
         for i, tok in enumerate(tokens):
             await asyncio.sleep(self.delay)
             if req.request_id in self.fail and i == 1:

@@ -154,10 +154,14 @@ async def test_a_request_in_flight_when_draining_starts_is_answered_with_connect
     import asyncio
 
     async with served(tokenizer) as (http, state, fake):
-        fake.delay = 0.05
+        fake.gate = asyncio.Event()  # the request stays in flight until released
         pending = asyncio.ensure_future(http.post("/v1/chat/completions", json={"messages": MESSAGES}))
-        await asyncio.sleep(0.1)
+        for _ in range(1000):  # until it reached the engine (templating runs on a thread)
+            if fake.added:
+                break
+            await asyncio.sleep(0.01)
         assert fake.added and not pending.done()
         state.draining = True
+        fake.gate.set()
         r = await pending
         assert r.status_code == 200 and r.headers["connection"] == "close"

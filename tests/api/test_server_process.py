@@ -211,3 +211,48 @@ def test_sigterm_stops_accepting_but_answers_keep_alive_stragglers(tmp_path, pro
         with pytest.raises(TimeoutError):
             fresh.recv(100)  # queued in the (supervisor's) listen backlog; this server no longer accepts
     assert api.proc.wait(10) == 0
+
+
+def test_connections_made_after_sigterm_are_answered_or_refused_never_reset(tmp_path, procs, tokenizer_ready):
+    """At shutdown the API server holds the last copy of the listening socket (the
+    supervisor closed its own): a client connecting during the first 0.6 s after SIGTERM, and
+    sending its request a moment later, gets a whole HTTP answer or 'connection refused',
+    never a reset or a closed connection without an answer."""
+    import socket
+    import threading
+
+    cfg, address = start_fake_engine(tmp_path, procs)
+    api, sock, url = start_api_on_tcp(cfg, address, procs)
+    port = sock.getsockname()[1]
+    sock.close()  # as the supervisor does when it stops
+    outcomes: list[str] = []
+
+    def attempt() -> None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                time.sleep(0.1)  # the request follows the connect a moment later
+                c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = c.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+                outcomes.append(data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ") else f"no answer {data!r}")
+        except ConnectionRefusedError:
+            outcomes.append("refused")
+        except OSError as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    threads = []
+    api.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        threads.append(threading.Thread(target=attempt))
+        threads[-1].start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join(10)
+    assert api.proc.wait(15) == 0
+    assert outcomes and set(outcomes) <= {"200", "503", "refused"}, outcomes
+    assert "refused" in outcomes

@@ -107,7 +107,7 @@ def test_bad_config_exits_2_before_anything_heavy(pkgd):
     r = pkgd("parallel.tpp=2", "--tensor-parallel-size", "2")
     assert r.rc == 2
     assert r.err == ("pkgd: invalid configuration (1 problem):\n"
-                     "  parallel.tpp: unknown key (set by cli parallel.tpp=2); did you mean parallel.tp?\n")
+                     "  parallel.tpp: unknown key (set by cli parallel.tpp=…); did you mean parallel.tp?\n")
     assert "torch" not in r.heavy
 
 

@@ -67,3 +67,12 @@ def test_validate_without_path_checks_the_default_tree(capsys, tmp_path):
     assert f"{tmp_path}: frontend.port: bad value 70000 (set by system:pkgd.yaml)" in capsys.readouterr().err
     (tmp_path / "pkgd.yaml").write_text("frontend: {port: 7000}\n")
     assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 0
+
+
+def test_validate_catches_a_misspelt_env_variable(capsys, tmp_path, monkeypatch):
+    (tmp_path / "pkgd.yaml").write_text("frontend: {port: 7000}\n")
+    monkeypatch.setenv("PKGD_FRONTED__API_KEYS", "sk-1")
+    assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in err
+    assert "sk-1" not in err

@@ -8,6 +8,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from pkgd.config import VllmConfig
 from pkgd.config.compose import ComposeRequest, compose, packaged_dir
+from pkgd.config.errors import ConfigError
 from pkgd.config.sections import DEFAULT_MODEL_SOURCE
 
 
@@ -174,9 +175,71 @@ def test_env_none_reads_os_environ(monkeypatch):
     assert compose(ComposeRequest()).config.frontend.port == 9000
 
 
-def test_unknown_env_section_is_a_warning():
-    c = run(env={"PKGD_FRONTED__PORT": "1", "PKGD_UNRELATED": "x"})
-    assert c.warnings == ("PKGD_FRONTED__PORT: ignored, 'fronted' is not a config section; did you mean PKGD_FRONTEND__…?",)
+def test_misspelt_env_variable_is_a_config_error():
+    """A typo that would drop a setting (here: the API keys, so authentication) stops the
+    start instead of warning; every misspelling is named with the variable it meant."""
+    with pytest.raises(ConfigError) as err:
+        run(env={"PKGD_FRONTED__API_KEYS": "sk-1", "PKGD_FRONTEND_API_KEYS": "sk-2", "PKGD_FRONTEND__API_KEY": "sk-3"})
+    lines = err.value.problems
+    assert "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in lines
+    assert any(line.startswith("PKGD_FRONTEND_API_KEYS: not a config variable") and line.endswith("did you mean PKGD_FRONTEND__API_KEYS?")
+               for line in lines)
+    assert not any("sk-" in line for line in lines)
+
+
+def test_unknown_field_in_env_is_a_config_error_without_its_value():
+    with pytest.raises(ConfigError) as err:
+        run(env={"PKGD_FRONTEND__API_KEY": "sk-secret"})
+    assert err.value.problems == [
+        "frontend.api_key: unknown key (set by env PKGD_FRONTEND__API_KEY); did you mean frontend.api_keys?"
+    ]
+
+
+def test_pkgd_variables_that_are_not_config_pass():
+    c = run(env={"PKGD_HUGEPAGES": "0", "PKGD_CPU_KERNELS": "0", "PKGD_KERNEL_CACHE": "/tmp/k", "PKGD_UNRELATED": "x"})
+    assert c.warnings == ("PKGD_UNRELATED: ignored, not a pkgd setting (config variables are PKGD_<SECTION>__<FIELD>)",)
+
+
+def test_non_config_env_list_matches_the_sources():
+    """Every PKGD_ variable the sources read that is not a config key is in NON_CONFIG_ENV."""
+    import re
+
+    from pkgd.config.layers import NON_CONFIG_ENV
+
+    root = Path(__file__).resolve().parents[2]
+    found = set()
+    for base in ("daemon/pkgd", "kernels/pkgd_kernels"):
+        for path in (root / base).rglob("*.py"):
+            if "/config/" in str(path):
+                continue
+            found |= {m for m in re.findall(r"\bPKGD_[A-Z0-9_]+\b", path.read_text()) if "__" not in m}
+    assert found <= NON_CONFIG_ENV, found - NON_CONFIG_ENV
+
+
+def test_cli_typo_does_not_echo_the_value():
+    with pytest.raises(ConfigError) as err:
+        run("frontend.api_key=sk-secret")
+    assert err.value.problems == ["frontend.api_key: unknown key (set by cli frontend.api_key=…); did you mean frontend.api_keys?"]
+    with pytest.raises(ConfigError) as err:
+        run("frontend.api_keys=[' ']")
+    assert not any("' '" in line for line in err.value.problems)
+
+
+def test_non_utf8_system_file_names_the_file(tree):
+    root = tree({"pkgd.yaml": "frontend: {port: 1}\n"})
+    (root / "conf.d").mkdir()
+    (root / "conf.d" / "20-bad.yaml").write_bytes(b"model:\n  name: caf\xe9\n")
+    with pytest.raises(ConfigError) as err:
+        run(config_dir=str(root))
+    assert err.value.problems == [
+        f"{root.resolve()}/conf.d/20-bad.yaml: not UTF-8 text (byte 0xe9 at offset 18); save the file as UTF-8"
+    ]
+
+
+def test_public_host_without_api_keys_warns():
+    assert any("anyone who reaches port 8000" in w for w in run("frontend.host=0.0.0.0").warnings)
+    assert not run("frontend.host=0.0.0.0", "frontend.api_keys=[sk-1]").warnings
+    assert not run("frontend.host=::1").warnings
 
 
 def test_serve_plan_warning_is_reported():

@@ -19,7 +19,7 @@ def cli(*overrides, flags=(), env=None):
 # (id, request or a function of the `tree` fixture, substrings of the one expected line)
 CASES = [
     ("unknown key", cli("parallel.tpp=2"),
-     ["parallel.tpp: unknown key (set by cli parallel.tpp=2); did you mean parallel.tp?"]),
+     ["parallel.tpp: unknown key (set by cli parallel.tpp=…); did you mean parallel.tp?"]),
     ("unknown section", cli("modle.source=/m"), ["modle: unknown key", "did you mean model?"]),
     ("unknown key without a close match", cli("cache.zzz=1"), ["cache.zzz: unknown key", "valid keys of cache: block_size,"]),
     ("wrong type", cli("frontend.port=abc"), ["frontend.port: bad value 'abc'", "expected a valid integer"]),

@@ -37,7 +37,7 @@ def test_reload_class_of_one_change(sections, expected, api, engine):
 
 def test_an_address_change_is_described_as_a_rebind():
     assert "new address" in plan_reload(BASE, changed(frontend={"port": 9000})).effect
-    assert "socket stays open" in plan_reload(BASE, changed(frontend={"max_logprobs": 5})).effect
+    assert "socket stays open" in plan_reload(BASE, changed(frontend={"limits": {"max_logprobs": 5}})).effect
     assert "engine cores" in plan_reload(BASE, changed(frontend={"port": 9000}, parallel={"tp": 2})).effect
 
 

@@ -82,3 +82,32 @@ def test_reset_prefix_cache_only_when_idle():
     assert pool.reset_prefix_cache() is False and pool.get_cached_block(b"h" * 32) is blk
     pool.free_blocks([blk])
     assert pool.reset_prefix_cache() is True and pool.get_cached_block(b"h" * 32) is None
+
+
+def test_warm_blocks_are_reused_before_cold_ones():
+    pool = BlockPool(8)
+    a, b = pool.get_new_blocks(2)
+    assert pool.num_blocks_used == 2 and pool.get_num_free_blocks() == 6
+    pool.free_blocks([b, a])
+    # the freed (warm) blocks come back first, in free order; cold ones only after, lowest id first
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [1, 0, 2]
+    assert pool.num_blocks_used == 3
+
+
+def test_a_warm_cached_block_is_evicted_before_a_cold_block_is_touched():
+    pool = BlockPool(4)
+    (x,) = pool.get_new_blocks(1)
+    h = hash_block_tokens(None, [1, 2])
+    pool.cache_full_blocks([x], [h])
+    pool.free_blocks([x])
+    (taken,) = pool.get_new_blocks(1)
+    assert taken is x and pool.get_cached_block(h) is None and pool.num_blocks_used == 1
+
+
+def test_steady_load_stays_within_its_working_set():
+    pool = BlockPool(1000)
+    for _ in range(50):  # 50 rounds of 4 requests x 8 blocks, each round freed before the next
+        held = [pool.get_new_blocks(8) for _ in range(4)]
+        for blocks in held:
+            pool.free_blocks(reversed(blocks))
+    assert pool.num_blocks_used == 32 and pool.get_num_free_blocks() == 1000

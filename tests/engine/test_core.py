@@ -27,9 +27,64 @@ def test_kv_cache_sized_from_memory_bytes_over_bytes_per_block():
     assert engine({"num_blocks": 40, "block_size": 16}).num_kv_blocks == 40
 
 
+def test_cpu_default_budget_is_4gib_or_half_the_available_memory_per_worker():
+    from pkgd.engine.core import default_cpu_kv_cache_bytes, determine_num_kv_blocks
+
+    cfg = VllmConfig()
+    assert default_cpu_kv_cache_bytes(cfg, 64 << 30) == 4 << 30  # plenty: vLLM's CPU default
+    assert default_cpu_kv_cache_bytes(cfg, 6 << 30) == 3 << 30  # half of what is available
+    assert default_cpu_kv_cache_bytes(cfg, None) == 4 << 30  # unknown (no /proc/meminfo)
+    two_by_two = VllmConfig.model_validate({"parallel": {"dp": 2, "tp": 2}})
+    assert default_cpu_kv_cache_bytes(two_by_two, 8 << 30) == 1 << 30  # shared by 4 workers
+    per_block = 720 << 10  # SmolLM2 in float32: 30 layers x K/V x 16 tokens x 3 heads x 64 x 4 bytes
+    assert determine_num_kv_blocks(cfg, per_block, host_available_bytes=16 << 30, max_model_len=8192) == (4 << 30) // per_block
+    assert (4 << 30) // per_block >= 64 * 256 // 16  # 64 streams of 256 tokens fit: no preemption
+    # capped at what the scheduler can hold at once: max_num_seqs x max_model_len tokens
+    small = VllmConfig.model_validate({"scheduler": {"max_num_seqs": 4}})
+    assert determine_num_kv_blocks(small, per_block, host_available_bytes=16 << 30, max_model_len=100) == 4 * 7
+    # an explicit budget or block count is taken as given
+    explicit = VllmConfig.model_validate({"scheduler": {"max_num_seqs": 4}, "cache": {"kv_cache_memory_bytes": 64 << 20}})
+    assert determine_num_kv_blocks(explicit, per_block, host_available_bytes=16 << 30, max_model_len=100) == (64 << 20) // per_block
+
+
+def test_engine_threads_default_to_every_core_shared_by_the_node_workers(monkeypatch):
+    import pkgd.engine.core as core
+
+    monkeypatch.setattr(core.host, "available_cores", lambda: 8)
+    assert core.default_cpu_threads(VllmConfig()) == 8  # no core held back for the API servers
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"tp": 2}})) == 4
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"dp": 2, "tp": 2}})) == 2
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"dp": 16}})) == 1
+    assert core.default_cpu_threads(VllmConfig.model_validate({"parallel": {"cpu_threads": 3}})) == 3
+    monkeypatch.setattr(core.host, "available_cores", lambda: 2)
+    assert core.default_cpu_threads(VllmConfig()) == 2
+
+
+def test_engine_sizes_the_default_cpu_cache_from_available_memory(monkeypatch):
+    import pkgd.engine.core as core
+
+    monkeypatch.setattr(core.host, "mem_available_bytes", lambda: 2 << 20)
+    e = engine({"block_size": 16})  # fake runner: 16 * 64 bytes per block, max_model_len 256
+    assert e.num_kv_blocks == (1 << 20) // (16 * 64)
+
+
 def test_cache_smaller_than_one_sequence_is_refused():
     with pytest.raises(ValueError, match="less than one sequence of max_model_len 256"):
         engine({"num_blocks": 4, "block_size": 16})
+
+
+def test_max_model_len_above_the_models_limit_is_refused():
+    """As vLLM does (not clamped silently): the runner reports the model's own limit."""
+    cfg = VllmConfig.model_validate({"model": {"max_model_len": 1024}, "cache": {"num_blocks": 64, "block_size": 16}})
+
+    def clamping(config):
+        files, runner = fake_factory()(VllmConfig())  # the model's limit: 256
+        return files, runner
+
+    with pytest.raises(ValueError, match="model.max_model_len 1024 is greater than the model's limit of 256 tokens"):
+        EngineCore(cfg, runner_factory=clamping)
+    assert EngineCore(VllmConfig.model_validate({"model": {"max_model_len": 128}, "cache": {"num_blocks": 64}}),
+                      runner_factory=fake_factory()).max_model_len == 128
 
 
 def test_kv_cache_larger_than_available_memory_is_refused_before_allocating(monkeypatch):

@@ -50,6 +50,15 @@ def test_completions_and_chat_lines_with_errors_in_between(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_streaming_line_is_a_per_line_error(llm):
+    res = process_batch(llm, [
+        line("s", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        line("ok", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ])
+    assert res[0]["response"]["status_code"] == 400 and "stream: true is not supported" in res[0]["error"]["message"]
+    assert res[1]["response"]["status_code"] == 200
+
+
 def test_structured_outputs_and_bad_constraints_in_a_batch(llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     lines = [

@@ -119,3 +119,20 @@ def test_num_cached_tokens_and_prompt_logprobs_arrive_with_the_first_output(tok)
                            new_prompt_logprobs=[None, TokenLogprobs([11], [-1.0], 3), TokenLogprobs([12], [-2.0], 1)])
     ro = proc.process_outputs([out]).request_outputs[0]
     assert ro.prompt_logprobs[0] is None and ro.prompt_logprobs[1][11].logprob == -1.0 and ro.prompt_logprobs[2][12].rank == 1
+
+
+@pytest.mark.parametrize("text", ["日本語のテキスト", " café 😀 naïve", "Ωμέγα — ✓"])
+def test_logprob_tokens_of_multibyte_characters_join_into_the_text(tok, text):
+    """A token holding part of a character decodes alone as U+FFFD: the token that completes
+    the character carries it whole, so the sampled tokens' decoded_token rebuild the text."""
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([t]).endswith("\ufffd") for t in ids)  # the case under test occurs
+    proc, _ = setup(tok, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=len(ids), logprobs=1, ignore_eos=True)
+    for i, t in enumerate(ids):
+        out = EngineCoreOutput(request_id="req", new_token_ids=[t], new_logprobs=[TokenLogprobs([t, 0], [-0.1, -2.0], 1)],
+                               finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None)
+        res = proc.process_outputs([out])
+    (ro,) = res.request_outputs
+    lps = ro.outputs[0].logprobs
+    assert "".join(d[t].decoded_token for d, t in zip(lps, ids, strict=True)) == ro.outputs[0].text == text
+    assert "\ufffd" not in "".join(d[t].decoded_token for d, t in zip(lps, ids, strict=True))

@@ -101,6 +101,46 @@ def test_requests_flow_through_a_real_core_process(engines, runtime):
     asyncio.run(main())
 
 
+def test_a_large_step_is_delivered_in_chunks_that_let_the_loop_run(engines, runtime):
+    """One step's outputs for 100 requests reach the sink in chunks of OUTPUT_CHUNK, with
+    other tasks of the event loop running between them."""
+    from pkgd.ipc.client import OUTPUT_CHUNK
+
+    engines(0, env={"FAKE_STEP_SECONDS": "0.3"}).wait_ready(30)  # requests pile up into one step
+
+    async def main():
+        ticks = 0
+        calls: list[tuple[int, int]] = []
+        sink = Sink()
+        on_outputs = sink.on_outputs
+
+        def recording(msg):
+            calls.append((len(msg.outputs), ticks))
+            on_outputs(msg)
+
+        sink.on_outputs = recording
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.ensure_future(ticker())
+        client = EngineClient([transport.ipc_address(runtime[0], 0)], sink)
+        assert await client.start(10)
+        ids = [f"r{i}" for i in range(100)]
+        for rid in ids:
+            client.add_requests([request(rid, (10,), 3)])
+        await sink.wait_for(ids)
+        tick.cancel()
+        await client.close()
+        assert max(n for n, _ in calls) <= OUTPUT_CHUNK
+        assert any(a[0] == OUTPUT_CHUNK and b[1] > a[1] for a, b in zip(calls, calls[1:])), calls
+
+    asyncio.run(main())
+
+
 def test_new_requests_go_to_the_least_loaded_core(engines, runtime):
     tmp = runtime[0]
     for i in (0, 1):
@@ -230,6 +270,24 @@ def test_cores_are_reachable_over_tcp(engines, runtime):
         asyncio.run(main())
     finally:
         e.stop()
+
+
+def test_an_engine_still_loading_is_no_warning(tmp_path, capsys):
+    """A cold start takes longer than the client's first wait: that is logged at info, not
+    as a warning (the caller's own deadline, supervisor.engine_ready_timeout, is the fault)."""
+    from pkgd import log
+    from pkgd.config.sections import LoggingConfig
+
+    log.configure(LoggingConfig(format="json"), role="test")
+
+    async def main():
+        client = EngineClient([transport.ipc_address(tmp_path, 0)], Sink())  # nothing there yet
+        assert not await client.start(0.2)
+        await client.close()
+
+    asyncio.run(main())
+    err = capsys.readouterr().err
+    assert "engine_handshake_timeout" not in err and '"level": "warning"' not in err
 
 
 def test_utility_calls_reach_every_core_and_carry_refusals(engines, runtime):

@@ -47,3 +47,25 @@ def test_eos_beams_complete_early():
 def test_max_model_len_ends_beams():
     (res,) = beam_search([[9, 9]], BeamSearchParams(beam_width=2, max_tokens=10), next_lp, eos_token_id=None, max_model_len=4)
     assert all(len(s.tokens) <= 4 for s in res.sequences)
+
+
+WORDS = {9: "Q:", 1: " a", 2: " b", 3: " c", 4: " d", 5: " STOP", EOS: ""}
+
+
+def decode(ids):
+    return "".join(WORDS[t] for t in ids)
+
+
+@pytest.mark.parametrize(("include", "text"), [(False, "Q: b"), (True, "Q: b STOP")])
+def test_a_stop_string_finishes_a_beam_and_cuts_its_text(include, text):
+    params = BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.0, stop=[" STOP"], include_stop_str_in_output=include)
+    (res,) = beam_search([[9]], params, next_lp, eos_token_id=EOS, max_model_len=100, decode=decode)
+    best = res.sequences[0]
+    assert best.tokens == [9, 2, 5] and best.finish_reason == "stop" and best.stop_reason == " STOP"
+    assert best.text == text
+    assert all(s.text is not None for s in res.sequences)
+
+
+def test_stop_needs_a_decoder():
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        beam_search([[9]], BeamSearchParams(beam_width=1, max_tokens=2, stop=["x"]), next_lp, eos_token_id=EOS, max_model_len=100)

@@ -87,23 +87,44 @@ def test_tensor_span_of_a_packed_onednn_weight():
     assert tensor_span(w) == (w.data_ptr(), 128 * 64 * 4)
 
 
-def test_the_runner_puts_weights_and_kv_cache_on_huge_pages_and_logs_it(tiny_dirs):
+def _smaps_kib(addr: int, nbytes: int, field: str) -> int:
+    """KiB of ``field`` (Rss:, AnonHugePages:) in the mappings overlapping [addr, addr + nbytes)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps", encoding="ascii", errors="replace"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo < addr + nbytes and addr < hi
+        elif inside and head == field:
+            total += int(line.split()[1])
+    return total
+
+
+def test_the_runner_puts_weights_on_huge_pages_and_the_kv_cache_in_lazy_zero_memory(tiny_dirs):
     from structlog.testing import capture_logs
     from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("llama")
     with capture_logs() as logs:
         runner = make_runner(model_dir)
-        runner.initialize_kv_cache(4096, 16)  # several MiB per layer: whole huge pages inside
+        runner.initialize_kv_cache(4096, 16)  # several MiB per layer
     events = {e["memory"]: e for e in logs if e["event"] == "huge_pages"}
-    assert set(events) == {"weights", "kv_cache"}
-    weights, kv = events["weights"], events["kv_cache"]
+    assert set(events) == {"weights"}  # the KV cache is not collapsed: that would make it resident
+    weights = events["weights"]
     assert weights["of_bytes"] == sum(tensor_span(p)[1] for p in runner.model.parameters())
-    assert kv["of_bytes"] == sum(c.numel() * 4 for pair in runner.kv_caches for c in pair)
-    assert 0 <= weights["bytes"] <= weights["of_bytes"] + 2 * (2 << 20) and 0 <= kv["bytes"] <= kv["of_bytes"]
-    if sys.platform.startswith("linux") and kv["bytes"] == 0:
-        pytest.skip("this kernel does not collapse")
-    assert kv["bytes"] >= kv["of_bytes"] // 2  # the cache is a few large allocations
+    assert 0 <= weights["bytes"] <= weights["of_bytes"] + 2 * (2 << 20)
+    k0, v0 = runner.kv_caches[0]
+    assert k0.shape == (4096, 16, *k0.shape[2:]) and k0.dtype == runner.kv_dtype
+    assert all(bool((c == 0).all()) for pair in runner.kv_caches for c in pair)  # zero, as torch.zeros gave
+    if not sys.platform.startswith("linux"):
+        return
+    span = sum(c.numel() * c.element_size() for pair in runner.kv_caches for c in pair)
+    first = runner.kv_caches[0][0].data_ptr()
+    assert all(c.data_ptr() % (2 << 20) == 0 for pair in runner.kv_caches for c in pair)  # whole huge pages each
+    assert _smaps_kib(first, span, "Rss:") * 1024 < span // 8  # read (above), never written: not resident
+    v0[:64].fill_(1.0)  # the first 64 blocks of one layer's V written
+    written = v0[:64].numel() * v0.element_size()
+    assert written <= _smaps_kib(v0.data_ptr(), written, "Rss:") * 1024 < span // 8
 
 
 def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkeypatch):
@@ -111,15 +132,18 @@ def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkey
 
     from pkgd.runner import model_runner
 
-    calls = []
+    calls, lazy = [], []
     monkeypatch.setattr(model_runner, "collapse_to_huge_pages", lambda spans: calls.append(spans) or 0)
+    real_lazy = model_runner.lazy_zeroed_buffers
+    monkeypatch.setattr(model_runner, "lazy_zeroed_buffers",
+                        lambda sizes, **kw: lazy.append(kw.get("huge_pages", True)) or real_lazy(sizes, **kw))
     model_dir, _ = tiny_dirs("llama")
     runner = make_runner(model_dir)
     assert calls  # on by default: the weights
     calls.clear()
     runner.config = runner.config.model_copy(update={"parallel": runner.config.parallel.model_copy(update={"cpu_huge_pages": False})})
     runner.initialize_kv_cache(4, 16)
-    assert calls == []
+    assert calls == [] and lazy == [False]  # nor is the KV cache's mapping madvised
 
 
 def test_torch_huge_pages_follow_the_config_unless_the_operator_chose(monkeypatch):

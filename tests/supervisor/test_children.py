@@ -31,7 +31,7 @@ def program(frame: str, after: str = "import time; time.sleep(30)", before: str 
 def run_child(code: str, role: str = "engine-core", then=None):
     async def main():
         spec = ChildSpec(role, 0, 0, (sys.executable, "-c", code), dict(os.environ))
-        child = Child.spawn(spec)
+        child = Child.spawn(spec, b"")
         try:
             frame = await asyncio.wait_for(asyncio.shield(child.ready), 20)
         except ChildStartError as exc:
@@ -84,7 +84,7 @@ def test_spawn_of_a_missing_program_raises_and_leaks_no_fd():
     before = len(os.listdir("/proc/self/fd"))
 
     async def main():
-        Child.spawn(ChildSpec("engine-core", 0, 0, ("/nonexistent/python",), {}))
+        Child.spawn(ChildSpec("engine-core", 0, 0, ("/nonexistent/python",), {}), b"")
 
     with pytest.raises(FileNotFoundError):
         asyncio.run(main())

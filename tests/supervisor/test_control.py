@@ -14,8 +14,10 @@ from pkgd.cli.ctl import _accepts_connections, find_runtime_dir
 PKGD = str(Path(sys.executable).with_name("pkgd"))
 
 
-def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PKGD, *args], capture_output=True, text=True, timeout=60)
+def ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([PKGD, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
 
 
 def test_status_lists_children_pids_uptime_hash_and_mode(start_daemon):
@@ -80,7 +82,24 @@ def test_runtime_dir_lookup_order(tmp_path):
     assert find_runtime_dir("/x", env) == Path("/x")
     assert find_runtime_dir(None, {**env, "PKGD_SUPERVISOR__RUNTIME_DIR": "/y"}) == Path("/y")
     assert find_runtime_dir(None, {**env, "RUNTIME_DIRECTORY": "/run/pkgd/a"}) == Path("/run/pkgd/a")
-    assert find_runtime_dir(None, env) == tmp_path / "pkgd"
+    from pkgd.supervisor.runtime import default_runtime_dir
+
+    assert find_runtime_dir(None, env) == default_runtime_dir(env)  # $XDG_RUNTIME_DIR/pkgd, or /run/pkgd as root
+
+
+def test_an_invalid_tree_reaches_no_daemon(start_daemon, tmp_path):
+    """``pkgd reload --config-dir BAD`` must not fall back to the daemon at a default
+    directory (it reloaded that one, printed "unchanged" and exited 0)."""
+    d = start_daemon()
+    d.wait_ready()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "pkgd.yaml").write_text("parallel: {tpp: 2}\n")
+    for command in ("reload", "status"):
+        r = ctl("--config-dir", str(bad), command, env={"RUNTIME_DIRECTORY": str(d.runtime_dir)})
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "parallel.tpp: unknown key" in r.stderr and "not sent" in r.stderr and "--runtime-dir" in r.stderr
+    assert not d.find("reload_started") and not d.find("control_command")
 
 
 def test_a_stale_control_socket_is_not_taken_for_a_live_daemon(tmp_path):

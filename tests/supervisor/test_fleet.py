@@ -93,12 +93,11 @@ def test_engine_that_keeps_crashing_by_itself_ends_the_daemon(start_daemon):
     assert [e["how"] for e in d.find("child_died")] == ["exit code 3", "exit code 3"]
 
 
-def test_restart_that_fails_to_start_counts_as_a_crash(start_daemon):
-    d = start_daemon({"supervisor": {"max_restarts": 1, "restart_backoff": 0.1}})
+def test_restart_that_fails_to_start_counts_as_a_crash(start_daemon, tmp_path):
+    marker = tmp_path / "die"  # once it exists, the fake engine dies before it is ready
+    d = start_daemon({"model": {"source": f"fake:die_if={marker}"}, "supervisor": {"max_restarts": 1, "restart_backoff": 0.1}})
     d.wait_ready()
-    # A restarted child reads config.json: point it at an engine that dies before ready.
-    cfg = (d.runtime_dir / "config.json").read_text().replace('"source": "pkg:', '"source": "fake:die=1,pkg:')
-    (d.runtime_dir / "config.json").write_text(cfg)
+    marker.touch()
     os.kill(d.child_pids()["engine-core-0"], signal.SIGKILL)
     assert d.wait_exit(30) == 1
     assert d.find("child_restart_failed") and d.find("crash_loop")

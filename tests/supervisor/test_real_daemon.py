@@ -87,7 +87,7 @@ def test_reloads_under_load_fail_no_request(start_daemon):
     assert "Paris" in ask(url)
     clients = Clients(url)
     wait_until(lambda: clients.ok() > 16, what="load running")
-    frontend = reload_and_wait(d, {"frontend": {"max_logprobs": 19}}, timeout=300)
+    frontend = reload_and_wait(d, {"frontend": {"limits": {"max_logprobs": 19}}}, timeout=300)
     model = reload_and_wait(d, {"model": {"source": gguf_path()}}, timeout=300)
     wait_until(lambda: d.status()["retiring"] == 0, what="old children drained")
     results = clients.stop()

@@ -25,7 +25,7 @@ def test_ready_line_then_sigterm_leaves_no_process(start_daemon):
     d.signal(signal.SIGTERM)
     assert d.wait_exit(20) == 0
     assert not [p for p in pids if pid_alive(p)]
-    assert not (d.runtime_dir / "config.json").exists()  # the secrets file is removed
+    assert sorted(p.name for p in d.runtime_dir.iterdir()) == []  # sockets, metrics and lock removed
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
 
@@ -49,7 +49,7 @@ def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
     assert second.wait_exit(20) == 2
     assert "in use by another pkgd" in second.find("startup_failed")[0]["error"]
     assert first.get("/health").status_code == 200
-    assert (first.runtime_dir / "config.json").exists()  # the refused one touched nothing
+    assert (first.runtime_dir / "control.sock").exists()  # the refused one touched nothing
     assert first.status()["state"] == "running"  # control socket still there
 
 
@@ -62,6 +62,23 @@ def test_sigterm_during_engine_load_exits_within_2s(start_daemon):
     assert d.wait_exit(10) == 0
     assert time.monotonic() - t0 < 2.0
     assert not pid_alive(engine)
+    assert not [line for line in d.lines if "never retrieved" in line]
+
+
+def test_no_secret_outlives_a_kill_9_of_the_supervisor(start_daemon):
+    """The children get the configuration over pipes: after kill -9 of the supervisor (its
+    children die with it) no file under the runtime directory holds the API key."""
+    d = start_daemon({"frontend": {"api_keys": ["sk-kill9-secret"]}})
+    d.wait_ready()
+    pids = d.all_child_pids()
+    d.proc.kill()
+    d.wait_exit(10)
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)]
+    leaked = [p for p in d.runtime_dir.rglob("*") if p.is_file() and b"sk-kill9-secret" in p.read_bytes()]
+    assert leaked == []
 
 
 def test_engine_that_fails_to_start_exits_1_with_its_message(start_daemon):

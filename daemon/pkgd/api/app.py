@@ -2,7 +2,8 @@
 
 Outermost `LiveCORS` (Starlette's ``CORSMiddleware`` rebuilt when ``frontend.cors``
 changes), then `GuardMiddleware`: the request body limit (``frontend.max_request_body_bytes``,
-413), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
+413) and deadline (``frontend.body_timeout``, 408: a client trickling its body cannot hold a
+connection), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
 `hmac.compare_digest`) and, while draining, ``Connection: close`` on every response. Both read ``state.config`` on every request, so a SIGHUP reload of
 these live fields needs no restart. The index (``/``), ``/health``, ``/ping``, ``/version``,
 ``/metrics`` and the OpenAPI docs (``/docs``) are open; everything else needs a key when keys
@@ -12,6 +13,7 @@ SageMaker ``/invocations`` routes).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable
@@ -22,7 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pkgd.api import errors
-from pkgd.api.routes import router
+from pkgd.api.routes import install_request_schemas, router
 from pkgd.api.routes_admin import router as admin_router
 from pkgd.api.state import ServerState
 
@@ -40,6 +42,7 @@ def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None =
     errors.install(app)
     app.include_router(router)
     app.include_router(admin_router)
+    install_request_schemas(app)
     return LiveCORS(GuardMiddleware(app, state), state)
 
 
@@ -76,12 +79,19 @@ class GuardMiddleware:
         limit = f.max_request_body_bytes
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _send_json(send, 413, _error(413, f"request body of {length} bytes exceeds frontend.max_request_body_bytes ({limit})"))
+            await _send_json(send, 413, _error(413, f"request body of {length} bytes exceeds frontend.max_request_body_bytes ({limit})"),
+                             [(b"connection", b"close")])  # the body is not read: the connection cannot go on
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await _read_body(receive, limit)
+            try:
+                body = await asyncio.wait_for(_read_body(receive, limit), f.body_timeout)
+            except TimeoutError:
+                await _send_json(send, 408, _error(408, f"the request body did not arrive within frontend.body_timeout ({f.body_timeout:g} s)"),
+                                 [(b"connection", b"close")])
+                return
             if body is None:
-                await _send_json(send, 413, _error(413, f"request body exceeds frontend.max_request_body_bytes ({limit})"))
+                await _send_json(send, 413, _error(413, f"request body exceeds frontend.max_request_body_bytes ({limit})"),
+                                 [(b"connection", b"close")])
                 return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
@@ -106,7 +116,9 @@ def _closing_when_draining(send: Send, state: ServerState) -> Send:
 
     async def closing_send(message: Message) -> None:
         if message["type"] == "http.response.start" and state.draining:
-            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            headers = list(message.get("headers", []))
+            if not any(k.lower() == b"connection" for k, _ in headers):
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
         await send(message)
 
     return closing_send

@@ -2,9 +2,10 @@
 "code"}}`` with a fitting status, and never takes the server down.
 
 Status by cause: invalid body or values 400, missing/wrong API key 401, unknown model or
-route 404, wrong method 405, an admin call the engine cannot take now (requests still
-running) 409, body over ``frontend.max_request_body_bytes`` 413, no engine core available or
-an engine asleep 503, a failure inside pkgd 500.
+route 404, wrong method 405, body not received within ``frontend.body_timeout`` 408, an admin
+call the engine cannot take now (requests still running) 409, body over
+``frontend.max_request_body_bytes`` or text over ``frontend.limits.max_input_chars`` 413, no
+engine core available or an engine asleep 503 (with ``Retry-After``), a failure inside pkgd 500.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -51,7 +54,14 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
 
 
+#: Seconds a 503 tells clients to wait (``Retry-After``): an engine core restarting or an API
+#: server draining is back, or has handed over, within a few seconds.
+RETRY_AFTER_S = 2
+
+
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    if status == 503:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
 
 

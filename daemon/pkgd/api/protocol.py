@@ -1,12 +1,16 @@
 """OpenAI request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Requests validate ranges here, so a bad value is a 400 naming the field before anything
-reaches the engine (limits that depend on the config, such as ``frontend.max_logprobs`` and
+reaches the engine (limits that depend on the config, such as ``frontend.limits.max_logprobs`` and
 ``model.max_model_len``, are checked when the request is converted). An unknown top-level
 field of a completion, chat, embeddings or responses request is a 400 naming it (OpenAI's "Unrecognized request
 argument"), so nothing a client asks for is silently ignored; unknown fields inside nested
 objects (messages, tools) are ignored. Responses mirror the shapes the official ``openai`` client
 parses (``openai.types.completion``, ``openai.types.chat``).
+
+Every integer a request carries is bounded to int64 (``INT64``), the range of the engine's
+wire format: a larger JSON integer is a 400 naming the field, never an encoding failure (500)
+on the way to the engine. Token ids are checked against the vocabulary by the input processor.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 # ---- shared ---------------------------------------------------------------------------
 
@@ -71,7 +78,7 @@ class SamplingFields(KnownFieldsModel):
         return self
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=INT64_MAX)  # frontend.limits.max_n is the real bound
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -83,17 +90,17 @@ class SamplingFields(KnownFieldsModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)
-    priority: int = 0
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -128,16 +135,19 @@ class ErrorResponse(BaseModel):
 
 # ---- /v1/completions --------------------------------------------------------------------
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# Token ids first, tried left to right: pydantic's default "smart" union validates a long
+# token-id list against every member (60x the time of list[int] alone, in one call that holds
+# the GIL). Token ids are range-checked by the input processor.
+Prompt = Annotated[list[int] | str | list[str] | list[list[int]], Field(union_mode="left_to_right")]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: score the prompt
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0 only with echo: score the prompt
+    logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
@@ -281,10 +291,10 @@ class ResponseFormat(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -401,7 +411,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -11,22 +11,24 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pkgd.api.protocol import KnownFieldsModel
+from pkgd.api.protocol import INT64_MAX, INT64_MIN, KnownFieldsModel, TokenId
 
-EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+# Token ids first, tried left to right (as `pkgd.api.protocol.Prompt`: a smart union validates
+# a long token-id list against every member). Integers are bounded to int64, the wire's range.
+EmbeddingInput = Annotated[list[TokenId] | str | list[str] | list[list[TokenId]], Field(union_mode="left_to_right")]
 
 
 class EmbeddingRequest(KnownFieldsModel):
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     user: str | None = None
     # vLLM extras
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     add_special_tokens: bool = True
     normalize: bool | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _not_empty(self) -> EmbeddingRequest:

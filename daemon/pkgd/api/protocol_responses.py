@@ -17,14 +17,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pkgd.api.protocol import KnownFieldsModel
+from pkgd.api.protocol import INT64_MAX, KnownFieldsModel
 
 
 class ResponsesRequest(KnownFieldsModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     tools: list[dict[str, Any]] | None = None

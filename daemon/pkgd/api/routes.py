@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from pkgd.api.errors import APIError
+from pkgd.api.errors import APIError, error_response
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -43,28 +44,40 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.pkgd
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
-async def completions(body: CompletionRequest, request: Request) -> Any:
+def _body(model: type) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` of a route that parses its body itself (on the `Preprocessor`,
+    not through FastAPI on the event loop); `install_request_schemas` adds the schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"],
+             openapi_extra=_body(CompletionRequest))
+async def completions(request: Request) -> Any:
     """Text completion (``stream: true`` answers server-sent events)."""
-    return await create_completion(body, request, get_state(request))
+    return await create_completion(request, get_state(request))
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"],
+             openapi_extra=_body(ChatCompletionRequest))
+async def chat_completions(request: Request) -> Any:
     """Chat completion with the model's chat template (``stream: true`` answers server-sent events)."""
-    return await create_chat_completion(body, request, get_state(request))
+    return await create_chat_completion(request, get_state(request))
 
 
-@router.post("/v1/embeddings", responses=_ERRORS, tags=["openai"])
-async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+@router.post("/v1/embeddings", responses=_ERRORS, tags=["openai"], openapi_extra=_body(EmbeddingRequest))
+async def embeddings(request: Request) -> Any:
     """Embeddings of strings or token ids (a model served with ``model.runner: pooling``)."""
-    return await create_embedding(body, request, get_state(request))
+    return await create_embedding(request, get_state(request))
 
 
-@router.post("/v1/responses", responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"])
-async def responses(body: ResponsesRequest, request: Request) -> Any:
+@router.post("/v1/responses", responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"],
+             openapi_extra=_body(ResponsesRequest))
+async def responses(request: Request) -> Any:
     """OpenAI's Responses API over the chat template (``stream: true`` answers Responses events)."""
-    return await create_response(body, request, get_state(request))
+    return await create_response(request, get_state(request))
 
 
 @router.get("/v1/responses/{response_id}", responses=_ERRORS, tags=["openai"])
@@ -95,11 +108,16 @@ async def model(model_id: str, request: Request) -> Any:
     return JSONResponse(card.model_dump())
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["utilities"])
-async def tokenize(body: TokenizeRequest, request: Request) -> Any:
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["utilities"], openapi_extra=_body(TokenizeRequest))
+async def tokenize(request: Request) -> Any:
     """Token ids of a prompt, or of chat messages under the chat template."""
     state = get_state(request)
     state.check_ready()
+    return await state.preprocess.run(_tokenize, state, await request.body())
+
+
+def _tokenize(state: ServerState, raw: bytes) -> JSONResponse:
+    body = parse_body(raw, TokenizeRequest, state.config.frontend.limits)
     state.resolve_model(body.model)
     if body.messages is not None:
         messages = [m.template_dict() for m in body.messages]
@@ -112,11 +130,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Any:
     return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=ip.max_model_len, tokens=tokens).model_dump())
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["utilities"])
-async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["utilities"], openapi_extra=_body(DetokenizeRequest))
+async def detokenize(request: Request) -> Any:
     """Text of token ids."""
     state = get_state(request)
     state.check_ready()
+    return await state.preprocess.run(_detokenize, state, await request.body())
+
+
+def _detokenize(state: ServerState, raw: bytes) -> JSONResponse:
+    body = parse_body(raw, DetokenizeRequest, state.config.frontend.limits)
     state.resolve_model(body.model)
     ip = state.llm.input_processor
     assert ip is not None  # check_ready(): a ready engine has one
@@ -127,12 +150,29 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
     return JSONResponse({"prompt": state.llm.tokenizer.decode(body.tokens)})
 
 
+def install_request_schemas(app: Any) -> None:
+    """Add the request bodies' schemas to the app's OpenAPI document (see `_body`)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        doc = build()
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in REQUEST_MODELS:
+            if model.__name__ not in schemas:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+        return doc
+
+    app.openapi = openapi
+
+
 @router.get("/health", tags=["admin"], responses={503: {"model": ErrorResponse}})
 async def health(request: Request) -> Response:
     """200 while an engine core serves; 503 while draining or with no engine core."""
     status, body = get_state(request).health()
     if status != 200:
-        return JSONResponse({"error": {"message": body["status"], "type": "service_unavailable", "param": None, "code": None}}, status_code=status)
+        return error_response(status, body["status"])
     return JSONResponse(body)
 
 

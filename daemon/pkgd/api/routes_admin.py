@@ -14,7 +14,6 @@ keys on ``/v1`` only; pkgd is stricter, see `pkgd.api.app`).
 from __future__ import annotations
 
 import importlib.metadata
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from pkgd.api.errors import APIError, from_engine_error
+from pkgd.api.preprocess import decode_body
 from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from pkgd.api.protocol_embeddings import EmbeddingRequest
 from pkgd.api.serving_chat import create_chat_completion
@@ -63,20 +63,24 @@ async def ping(request: Request) -> Response:
 @router.post("/invocations", tags=["sagemaker"], responses=_ERRORS)
 async def invocations(request: Request) -> Any:
     """SageMaker's inference route: the body's shape picks the endpoint (chat ``messages``,
-    completion ``prompt``, embedding ``input``), as vLLM dispatches it."""
+    completion ``prompt``, embedding ``input``), as vLLM dispatches it. The body is parsed (and
+    held to ``frontend.limits``) on the `Preprocessor`, never on the event loop."""
     state = _state(request)
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON body: {exc}") from None
+    state.check_ready()
+    handler, parsed = await state.preprocess.run(_dispatch, state, await request.body())
+    return await handler(request, state, parsed)
+
+
+def _dispatch(state: ServerState, raw: bytes) -> tuple[Any, Any]:
+    """The endpoint for an ``/invocations`` body and the body parsed for it."""
     runner = state.llm.handshake.runner if state.llm.handshake is not None else state.config.model.runner_type
     candidates = [(model, handler) for model, handler, needs in _INVOCATIONS if needs == runner]
+    data = decode_body(raw, state.config.frontend.limits)
     for model, handler in candidates:
         try:
-            parsed = model.model_validate(body)
+            return handler, model.model_validate(data)
         except pydantic.ValidationError:
             continue
-        return await handler(parsed, request, state)
     names = ", ".join(model.__name__ for model, _ in candidates)
     raise APIError(400, f"cannot find a handler for this request body; expected one of: {names}")
 

@@ -9,14 +9,16 @@ server, and non-streaming ones race the generation against the ``http.disconnect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import structlog
 from starlette.requests import Request
 
+from pkgd import log
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
 from pkgd.api.structured import Constraint, request_constraint
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from pkgd.outputs import RequestOutput
 
 T = TypeVar("T")
+logger = log.get_logger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
@@ -56,15 +59,17 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's `SamplingParams`, unset fields from ``model.generation``, then
     ``model.generation_config``'s file, then vLLM's defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
-    ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits."""
+    ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits (the
+    counts of ``frontend.limits`` are checked first, on the decoded body: `parse_body`)."""
     gen = state.config.model.generation
     file = state.llm.generation_defaults  # model.generation_config's, below model.generation
-    max_logprobs = state.config.frontend.max_logprobs
+    max_logprobs = state.config.frontend.limits.max_logprobs
     if body.user is not None:  # OpenAI's end-user id: on this request's log lines
         structlog.contextvars.bind_contextvars(user=body.user)
     for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
         if value is not None and value > max_logprobs:
-            raise APIError(400, f"{name} must be at most {max_logprobs} (frontend.max_logprobs), got {value}", param=name)
+            raise APIError(400, f"{name}: {value}, more than frontend.limits.max_logprobs allows ({max_logprobs})",
+                           param=name, code="max_logprobs")
     bias = None
     if body.logit_bias:
         try:
@@ -114,15 +119,17 @@ def require_runner(state: ServerState, runner: str, api: str) -> None:
     raise APIError(400, f"this model does not support the {api}: it is served {how}")
 
 
-async def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
+def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
     """``params`` with the request's structured-output constraint (`pkgd.api.structured`),
-    checked off the event loop by ``state.constraints``. Raises `APIError` 400 naming the
+    checked by ``state.constraints`` in the calling thread: call it on the `Preprocessor`,
+    never on the event loop (a schema's check is CPU work). Raises `APIError` 400 naming the
     field and the reason for a bad, unenforceable or unsatisfiable constraint."""
     try:
         constraint = request_constraint(body)
         if constraint is None:
             return params, None
-        await state.constraints.check(constraint.params, constraint.field)
+        state.constraints.check_blocking(constraint.params, constraint.field,
+                                         max_bytes=state.config.frontend.limits.max_constraint_bytes)
     except ValueError as exc:
         message = str(exc)
         raise APIError(400, message, param=message.split(":", 1)[0].split(" ", 1)[0]) from None
@@ -191,20 +198,22 @@ async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several async iterators as they come, tagged with the iterator's index.
     One iterator is passed straight through; closing the merge closes them all."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     end = object()
 
-    async def pump(i: int, it: AsyncIterator[T]) -> None:
+    async def pump(i: int, it: AsyncGenerator[T, None]) -> None:
         try:
-            async for item in it:
-                await queue.put((i, item, None))
+            async with contextlib.aclosing(it):  # a cancelled pump closes its stream at once
+                async for item in it:
+                    await queue.put((i, item, None))
             await queue.put((i, end, None))
         except Exception as exc:
             await queue.put((i, end, exc))
@@ -227,8 +236,12 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
 
 
 async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """``data:`` events from already-serialized JSON chunks, an error event if the engine
-    fails mid-stream, and the closing ``data: [DONE]``."""
+    """``data:`` events from already-serialized JSON chunks and the closing ``data: [DONE]``.
+
+    Whatever ends the chunks early (the engine failing, a timeout, a bug) ends the stream
+    with one OpenAI-shaped error event and then ``[DONE]``, so a client never sees a stream
+    cut without a reason. Only cancellation (the client went away) propagates.
+    """
     try:
         async for chunk in chunks:
             yield f"data: {chunk}\n\n"
@@ -239,6 +252,9 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield sse_error(err.status, err.message)
     except TimeoutError:
         yield sse_error(503, "the request ran longer than frontend.request_timeout and was aborted")
+    except Exception as exc:
+        logger.exception("stream_failed")
+        yield sse_error(500, f"internal error: {type(exc).__name__}: {exc}")
     yield DONE
 
 

@@ -17,6 +17,7 @@ before anything reaches the engine: a bad constraint is a 400 naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -49,34 +51,43 @@ if TYPE_CHECKING:
     from pkgd.outputs import CompletionOutput, Logprob
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Any:
+async def create_chat_completion(request: Request, state: ServerState, parsed: ChatCompletionRequest | None = None) -> Any:
+    """Answer one chat request; the body is parsed, its constraint checked, templated and
+    tokenized on the `Preprocessor`, never on the event loop. ``parsed``: the body, already
+    parsed there (``/invocations``, ``/v1/responses``)."""
     state.check_ready()
+    rid = serving.request_id("chatcmpl", request)
+    chat = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
+    if chat.body.stream:
+        return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+    try:
+        out = await serving.run_until_disconnected(request, serving.final_output(state, chat.processed))
+    except serving.ClientDisconnected:
+        return Response(status_code=499)
+    return await state.preprocess.run(lambda: JSONResponse(chat.response(out.outputs).model_dump()))
+
+
+def _prepare(state: ServerState, raw: bytes, rid: str, parsed: ChatCompletionRequest | None) -> _Chat:
+    """Parse, check and template a chat request (on the `Preprocessor`)."""
+    body = parsed if parsed is not None else parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Chat Completions API")
     use_tools = _use_tool_parser(body, state)
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = serving.sampling_params(body, state, max_tokens=body.effective_max_tokens(), logprobs=top,
                                      stream=body.stream, logprobs_field="top_logprobs")
-    params, constraint = await serving.with_constraint(state, body, params)
+    params, constraint = serving.with_constraint(state, body, params)
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    rid = serving.request_id("chatcmpl", request)
     processed = serving.process(state, lambda ip: ip.process_chat(
         rid, messages, params, priority=body.priority, tools=tools,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         chat_template_kwargs=body.chat_template_kwargs,
     ))
-    chat = _Chat(state, body, rid, model, processed, use_tools, constraint)
-    if body.stream:
-        return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
-    try:
-        out = await serving.run_until_disconnected(request, serving.final_output(state, processed))
-    except serving.ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(chat.response(out.outputs).model_dump())
+    return _Chat(state, body, rid, model, processed, use_tools, constraint)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
@@ -170,15 +181,17 @@ class _Chat:
         timeout = self.state.config.frontend.request_timeout
         continuous = serving.continuous_usage(self.body)
         prompt_tokens = len(self.processed.prompt_token_ids)
-        async for ro in self.state.llm.generate(self.processed, timeout=timeout):
-            choices = []
-            for c in ro.outputs:
-                completion_tokens += len(c.token_ids)
-                choice = per_choice[c.index].update(c)
-                if choice is not None:
-                    choices.append(choice)
-            if choices:
-                yield self._chunk(choices, serving.usage(prompt_tokens, completion_tokens) if continuous else None)
+        # Closed on any exit (a bug below, the client leaving): that aborts the engine request.
+        async with contextlib.aclosing(self.state.llm.generate(self.processed, timeout=timeout)) as outs:
+            async for ro in outs:
+                choices = []
+                for c in ro.outputs:
+                    completion_tokens += len(c.token_ids)
+                    choice = per_choice[c.index].update(c)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    yield self._chunk(choices, serving.usage(prompt_tokens, completion_tokens) if continuous else None)
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
             yield ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],

@@ -13,6 +13,7 @@ is dropped; the choice is the prompt with its logprobs, ``completion_tokens`` 0 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
+from pkgd.api.errors import APIError
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from pkgd.sampling_params import SamplingParams
 
@@ -32,8 +35,29 @@ if TYPE_CHECKING:
     from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
 
 
-async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Any:
+async def create_completion(request: Request, state: ServerState, parsed: CompletionRequest | None = None) -> Any:
+    """Answer one completion request (a prompt or a batch); parsing, the constraint check and
+    tokenization run on the `Preprocessor`, never on the event loop. ``parsed``: the body,
+    already parsed there (``/invocations``)."""
     state.check_ready()
+    rid = serving.request_id("cmpl", request)
+    fmt = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
+    if fmt.body.stream:
+        return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+
+    async def run_all() -> list[RequestOutput]:
+        return list(await asyncio.gather(*(serving.final_output(state, p) for p in fmt.processed)))
+
+    try:
+        outputs = await serving.run_until_disconnected(request, run_all())
+    except serving.ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    return await state.preprocess.run(lambda: JSONResponse(fmt.response(outputs).model_dump(exclude_none=False)))
+
+
+def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest | None) -> _Formatter:
+    """Parse, check and tokenize a completion request (on the `Preprocessor`)."""
+    body = parsed if parsed is not None else parse_body(raw, CompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Completions API")
     score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
@@ -41,29 +65,21 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                                      logprobs=body.logprobs, stream=body.stream)
     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
         params = _with_prompt_logprobs(params, body.logprobs)
-    params, _constraint = await serving.with_constraint(state, body, params)
-    rid = serving.request_id("cmpl", request)
+    params, _constraint = serving.with_constraint(state, body, params)
     prompts = body.prompts()
-    # process() calls the lambda at once, so it sees this iteration's i and p
-    processed = [
-        serving.process(state, lambda ip: ip.process(
-            f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
-            add_special_tokens=body.add_special_tokens, priority=body.priority,
-        ))
-        for i, p in enumerate(prompts)
-    ]
-    fmt = _Formatter(state, body, rid, model, processed, score_only=score_only)
-    if body.stream:
-        return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
-
-    async def run_all() -> list[RequestOutput]:
-        return list(await asyncio.gather(*(serving.final_output(state, p) for p in processed)))
-
-    try:
-        outputs = await serving.run_until_disconnected(request, run_all())
-    except serving.ClientDisconnected:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-    return JSONResponse(fmt.response(outputs).model_dump(exclude_none=False))
+    processed = []
+    for i, p in enumerate(prompts):
+        try:
+            # process() calls the lambda at once, so it sees this iteration's i and p
+            processed.append(serving.process(state, lambda ip: ip.process(
+                f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
+                add_special_tokens=body.add_special_tokens, priority=body.priority,
+            )))
+        except APIError as exc:
+            if len(prompts) == 1:
+                raise
+            raise APIError(exc.status, f"prompt[{i}]: {exc.message}", param="prompt") from None
+    return _Formatter(state, body, rid, model, processed, score_only=score_only)
 
 
 def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
@@ -146,20 +162,22 @@ class _Formatter:
         completion_tokens = 0
         prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
         continuous = serving.continuous_usage(body)
-        async for i, ro in serving.merge_streams(gens):
-            choices = []
-            for c in ro.outputs:
-                c = self._scored(c)
-                index = i * n + c.index
-                completion_tokens += len(c.token_ids)
-                prefix = ""
-                if body.echo and index not in started:
-                    prefix = self._prompt_text(self.processed[i])
-                started.add(index)
-                choices.append(self._stream_choice(index, prefix, c, ro, offsets))
-            if choices:
-                usage = serving.usage(prompt_tokens, completion_tokens) if continuous else None
-                yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
+        # Closed on any exit (a bug below, the client leaving): that aborts the engine requests.
+        async with contextlib.aclosing(serving.merge_streams(gens)) as merged:
+            async for i, ro in merged:
+                choices = []
+                for c in ro.outputs:
+                    c = self._scored(c)
+                    index = i * n + c.index
+                    completion_tokens += len(c.token_ids)
+                    prefix = ""
+                    if body.echo and index not in started:
+                        prefix = self._prompt_text(self.processed[i])
+                    started.add(index)
+                    choices.append(self._stream_choice(index, prefix, c, ro, offsets))
+                if choices:
+                    usage = serving.usage(prompt_tokens, completion_tokens) if continuous else None
+                    yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
         if body.stream_options is not None and body.stream_options.include_usage:
             yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
                                      usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()

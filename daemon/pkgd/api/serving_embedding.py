@@ -4,7 +4,8 @@ ids, or a list of token-id lists), for a model served with ``model.runner: pooli
 Every input of a request goes to the engine at once, so they are batched with each other and
 with other clients' requests (continuous batching); the answer lists them in input order.
 ``encoding_format: base64`` sends each vector's float32 bytes as the engine produced them.
-A model served for generation answers 400, as vLLM does.
+A model served for generation answers 400, as vLLM does. The body is parsed, checked against
+``frontend.limits`` and tokenized off the event loop, as for chat and completions.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError, from_engine_error
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol_embeddings import EmbeddingRequest
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 from pkgd.pooling_params import PoolingParams
@@ -29,26 +31,45 @@ if TYPE_CHECKING:
     from pkgd.outputs import PoolingRequestOutput
 
 
-async def create_embedding(body: EmbeddingRequest, request: Request, state: ServerState) -> Any:
+async def create_embedding(request: Request, state: ServerState, parsed: EmbeddingRequest | None = None) -> Any:
+    """Answer one embeddings request. Parsing, tokenization and building the response (a
+    list of floats per vector) run on the `Preprocessor`, never on the event loop.
+    ``parsed``: the body, already parsed there (``/invocations``)."""
     state.check_ready()
-    model = state.resolve_model(body.model)
-    serving.require_runner(state, "pooling", "Embeddings API")
-    params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
     rid = serving.request_id("embd", request)
-    if body.user is not None:  # OpenAI's end-user id: on this request's log lines
-        structlog.contextvars.bind_contextvars(user=body.user)
-    # process() calls the lambda at once, so it sees this iteration's i and prompt
-    processed = [
-        serving.process(state, lambda ip: ip.process_pooling(
-            f"{rid}-{i}", prompt, params, truncate_prompt_tokens=body.truncate_prompt_tokens,
-            add_special_tokens=body.add_special_tokens, priority=body.priority,
-        ))
-        for i, prompt in enumerate(body.inputs())
-    ]
+    raw = await request.body() if parsed is None else b""
+    body, model, processed = await state.preprocess.run(_prepare, state, raw, rid, parsed)
     try:
         outs = await serving.run_until_disconnected(request, _encode_all(state, processed))
     except serving.ClientDisconnected:
         return Response(status_code=499)
+    return await state.preprocess.run(_response, body, rid, model, processed, outs)
+
+
+def _prepare(state: ServerState, raw: bytes, rid: str, parsed: EmbeddingRequest | None) -> tuple[EmbeddingRequest, str, list]:
+    body = parsed if parsed is not None else parse_body(raw, EmbeddingRequest, state.config.frontend.limits)
+    model = state.resolve_model(body.model)
+    serving.require_runner(state, "pooling", "Embeddings API")
+    params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+    if body.user is not None:  # OpenAI's end-user id: on this request's log lines
+        structlog.contextvars.bind_contextvars(user=body.user)
+    processed = []
+    inputs = body.inputs()
+    for i, prompt in enumerate(inputs):
+        try:
+            # process() calls the lambda at once, so it sees this iteration's i and prompt
+            processed.append(serving.process(state, lambda ip: ip.process_pooling(
+                f"{rid}-{i}", prompt, params, truncate_prompt_tokens=body.truncate_prompt_tokens,
+                add_special_tokens=body.add_special_tokens, priority=body.priority,
+            )))
+        except APIError as exc:
+            if len(inputs) == 1:
+                raise
+            raise APIError(exc.status, f"input[{i}]: {exc.message}", param="input") from None
+    return body, model, processed
+
+
+def _response(body: EmbeddingRequest, rid: str, model: str, processed: list, outs: list[PoolingRequestOutput]) -> JSONResponse:
     data = [
         {"object": "embedding", "index": i, "embedding": _encode_vector(out, body.encoding_format)}
         for i, out in enumerate(outs)

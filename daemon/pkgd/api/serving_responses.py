@@ -25,8 +25,10 @@ import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from pkgd import log
 from pkgd.api import serving
 from pkgd.api.errors import APIError
+from pkgd.api.preprocess import check_limits, parse_body
 from pkgd.api.protocol import ChatCompletionRequest
 from pkgd.api.protocol_responses import ResponsesRequest, input_messages
 from pkgd.api.responses_events import EventTranslator, ResponseBuilder, new_id, output_of_message
@@ -35,24 +37,23 @@ from pkgd.api.serving_chat import create_chat_completion
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
 
+logger = log.get_logger(__name__)
+
 # Chat request fields as the Responses request names them, for error messages (longest first:
 # a json_schema's fields sit directly in text.format).
 _FIELD_NAMES = {"response_format.json_schema": "text.format", "response_format": "text.format",
                 "max_completion_tokens": "max_output_tokens", "messages": "input"}
 
 
-async def create_response(body: ResponsesRequest, request: Request, state: ServerState) -> Any:
+async def create_response(request: Request, state: ServerState) -> Any:
+    """Answer one Responses request. Parsing, the translation to chat (and the chat endpoint's
+    own template, tokenization and constraint check) and the translation of a whole answer
+    run on the `Preprocessor`, never on the event loop."""
     state.check_ready()
-    model = state.resolve_model(body.model)
-    serving.require_runner(state, "generate", "Responses API")
-    store = state.responses
-    conversation = _history(body, state) + _new_input(body)
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-    chat_body = _chat_request(body, model, messages)
-    builder = ResponseBuilder(new_id("resp"), model, _echo(body, stored=body.store and store.enabled))
+    body, conversation, chat_body, builder = await state.preprocess.run(_prepare, state, await request.body())
     # Refusals (400s) come out of this call; a stream starts generating only when iterated.
     try:
-        answer = await create_chat_completion(chat_body, request, state)
+        answer = await create_chat_completion(request, state, parsed=chat_body)
     except APIError as exc:
         raise _renamed(exc) from None
     if body.stream:
@@ -60,14 +61,37 @@ async def create_response(body: ResponsesRequest, request: Request, state: Serve
         return StreamingResponse(events, media_type="text/event-stream", headers=serving.SSE_HEADERS)
     if answer.status_code != 200:  # the client went away (499)
         return answer
-    chat = json.loads(answer.body)
+    response = await state.preprocess.run(_finish, state, builder, bytes(answer.body))
+    if body.store:
+        state.responses.put(response, conversation + _assistant_messages(response["output"]))
+    return JSONResponse(response)
+
+
+def _prepare(state: ServerState, raw: bytes) -> tuple[ResponsesRequest, list[dict[str, Any]], ChatCompletionRequest, ResponseBuilder]:
+    """Parse a Responses request and translate it to the chat request it is (on the
+    `Preprocessor`); the conversation with its history is held to ``frontend.limits`` too."""
+    limits = state.config.frontend.limits
+    body = parse_body(raw, ResponsesRequest, limits)
+    model = state.resolve_model(body.model)
+    serving.require_runner(state, "generate", "Responses API")
+    conversation = _history(body, state) + _new_input(body)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+    try:
+        check_limits({"messages": messages}, limits)
+    except APIError as exc:
+        raise _renamed(exc) from None
+    chat_body = _chat_request(body, model, messages)
+    builder = ResponseBuilder(new_id("resp"), model, _echo(body, stored=body.store and state.responses.enabled))
+    return body, conversation, chat_body, builder
+
+
+def _finish(state: ServerState, builder: ResponseBuilder, chat_json: bytes) -> dict[str, Any]:
+    """The response object of a whole chat completion (on the `Preprocessor`)."""
+    chat = json.loads(chat_json)
     choice = chat["choices"][0]
     builder.output = output_of_message(choice["message"])
     builder.finish(choice.get("finish_reason"), chat.get("usage"), _reasoning_tokens(state, choice["message"].get("reasoning_content")))
-    response = builder.to_dict()
-    if body.store:
-        store.put(response, conversation + _assistant_messages(response["output"]))
-    return JSONResponse(response)
+    return builder.to_dict()
 
 
 async def retrieve_response(response_id: str, state: ServerState) -> Any:
@@ -178,20 +202,27 @@ async def _stream(answer: StreamingResponse, state: ServerState, builder: Respon
         yield _sse(event)
     # the chat completion's own SSE generator (starlette types it as any async iterable)
     body = cast("AsyncGenerator[str | bytes, None]", answer.body_iterator)
-    async with contextlib.aclosing(body) as chunks:  # closing it aborts the engine request
-        async for frame in chunks:
-            data = (frame if isinstance(frame, str) else frame.decode()).strip().removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:  # the engine failed mid-stream (pkgd.api.errors.sse_error)
-                status = 400 if chunk["error"].get("type") == "invalid_request_error" else 500
-                for event in translator.fail(status, chunk["error"]["message"]):
+    try:
+        async with contextlib.aclosing(body) as chunks:  # closing it aborts the engine request
+            async for frame in chunks:
+                data = (frame if isinstance(frame, str) else frame.decode()).strip().removeprefix("data: ")
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:  # the engine failed mid-stream (pkgd.api.errors.sse_error)
+                    status = 400 if chunk["error"].get("type") == "invalid_request_error" else 500
+                    for event in translator.fail(status, chunk["error"]["message"]):
+                        yield _sse(event)
+                    return
+                for event in translator.chunk(chunk):
                     yield _sse(event)
-                return
-            for event in translator.chunk(chunk):
-                yield _sse(event)
-    for event in translator.end():
+        events = list(translator.end())
+    except Exception as exc:  # a bug translating: the stream still ends with its reason
+        logger.exception("stream_failed")
+        for event in translator.fail(500, f"internal error: {type(exc).__name__}: {exc}"):
+            yield _sse(event)
+        return
+    for event in events:
         yield _sse(event)
     if conversation is not None and state.responses.enabled:
         response = builder.to_dict()

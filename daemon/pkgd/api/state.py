@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pkgd.api.errors import APIError
+from pkgd.api.preprocess import Preprocessor
 from pkgd.api.responses_store import ResponseStore
 from pkgd.frontend.structured_outputs import ConstraintValidator
 from pkgd.parsers import load_parser
@@ -29,6 +30,7 @@ class ServerState:
         self.server_index = server_index
         self.draining = False
         f = config.frontend
+        self.preprocess = Preprocessor(f.preprocess_threads)
         # parser classes; they share no base class (their extract()s differ in what they return)
         self.tool_parser: type[Any] | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
         self.reasoning_parser: type[Any] | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None

@@ -4,9 +4,11 @@ The daemon listens on ``RUNTIME_DIR/control.sock`` (`pkgd.supervisor.control`). 
 directory: ``--runtime-dir``, else ``supervisor.runtime_dir`` composed from the same layers
 as the daemon's (``--config-dir``, ``/etc/pkgd``, ``PKGD_SUPERVISOR__RUNTIME_DIR``,
 overrides), else ``$RUNTIME_DIRECTORY`` (set by systemd), else the first of the defaults the
-daemon would pick whose control socket accepts a connection (``$XDG_RUNTIME_DIR/pkgd``,
-``/tmp/pkgd-UID``, then ``/run/pkgd``, the systemd unit's ``RuntimeDirectory=``); a socket
-file a killed daemon left behind is skipped.
+daemon would pick whose control socket accepts a connection (the default for this user, see
+`pkgd.supervisor.runtime`, then ``/run/pkgd``, the systemd unit's ``RuntimeDirectory=``); a
+socket file a killed daemon left behind is skipped. When that configuration does not compose
+the command stops with its problems (exit 2) instead of guessing: talking to whichever
+daemon sits at a default directory would act on another daemon.
 
 Light on purpose: no torch; Hydra only to read ``supervisor.runtime_dir``. Exit status: 0
 success; 1 the daemon answered with a failure (reload rejected or failed); 2 no daemon
@@ -25,7 +27,7 @@ from typing import Any
 
 from pkgd.cli.base import CLISubcommand
 from pkgd.supervisor.control import ControlError, send_command
-from pkgd.supervisor.runtime import CONTROL_SOCKET, default_runtime_dir, resolve_runtime_dir
+from pkgd.supervisor.runtime import CONTROL_SOCKET, ROOT_RUNTIME_DIR, default_runtime_dir, resolve_runtime_dir
 
 
 def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None, configured: str | None = None) -> Path:
@@ -40,7 +42,7 @@ def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None
         return Path(env["PKGD_SUPERVISOR__RUNTIME_DIR"])
     if env.get("RUNTIME_DIRECTORY"):
         return default_runtime_dir(env)
-    candidates = [default_runtime_dir(env), Path(f"/tmp/pkgd-{os.getuid()}"), Path("/run/pkgd")]
+    candidates = list(dict.fromkeys([default_runtime_dir(env), Path(ROOT_RUNTIME_DIR)]))
     for candidate in candidates:
         if _accepts_connections(candidate / CONTROL_SOCKET):
             return candidate
@@ -67,8 +69,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _configured_runtime_dir(args: argparse.Namespace) -> str | None:
     """``supervisor.runtime_dir`` as the daemon composes it (same layers: ``--config-dir``,
-    ``/etc/pkgd``, environment, overrides); None when unset or the config does not compose
-    (then the default lookup still finds a daemon started with the defaults)."""
+    ``/etc/pkgd``, environment, overrides); None when unset.
+
+    Raises `ConfigError` (exit 2) when the configuration does not compose: which daemon it
+    belongs to is then unknown, and a default guess could reach another one.
+    """
     request = getattr(args, "compose_request", None)
     if request is None or args.runtime_dir:
         return None
@@ -77,8 +82,12 @@ def _configured_runtime_dir(args: argparse.Namespace) -> str | None:
 
     try:
         return compose(request).config.supervisor.runtime_dir
-    except ConfigError:
-        return None
+    except ConfigError as exc:
+        raise ConfigError([
+            *exc.problems,
+            f"pkgd {args.command_name}: not sent: this configuration does not compose, so its daemon "
+            "(supervisor.runtime_dir) is unknown; fix it, or name the daemon with --runtime-dir DIR",
+        ]) from None
 
 
 def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
@@ -101,6 +110,7 @@ class _ControlCommand(CLISubcommand):
         return parser
 
     def cmd(self, args: argparse.Namespace) -> int:
+        args.command_name = self.name
         reply = _ask(args, self.name)
         if reply is None:
             return 2

@@ -119,6 +119,8 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
         item.url, item.body = obj.get("url", ""), obj["body"]
         if item.body.get("model") not in (None, model_name):
             raise BadRequest(f"the model {item.body['model']!r} does not exist; this batch runs {model_name!r}")
+        if item.body.get("stream"):  # as OpenAI's and vLLM's batch APIs: a result is one body
+            raise BadRequest("stream: true is not supported in a batch (each result line holds one whole response)")
         proc = llm.input_processor
         if item.url in ("/v1/completions", "/v1/chat/completions"):
             item.constraint = _constraint(item.body, chat=item.url == "/v1/chat/completions")

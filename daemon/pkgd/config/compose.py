@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pkgd.config import layers, schema
-from pkgd.config.errors import ConfigError, did_you_mean, origin_of, validation_problems
+from pkgd.config.errors import ConfigError, did_you_mean, origin_of, validation_problems, without_value
 from pkgd.config.overrides import GroupChoice, ValueOp, parse_flags, parse_overrides, unknown_delete
 from pkgd.config.vllm_config import ServePlan, VllmConfig
 
@@ -277,7 +277,7 @@ def _resolve(tree: layers.Provenance) -> tuple[dict[str, Any], list[str]]:
         return OmegaConf.to_container(OmegaConf.create(tree.data), resolve=True), []  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = str(getattr(e, "full_key", "") or "")
-        origin = origin_of(key, tree.details()) if key else None
+        origin = without_value(origin_of(key, tree.details()) or "") if key else None
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         return {}, [f"{key or 'config'}: cannot resolve{f' (set by {origin})' if origin else ''}: {message}"]
 

@@ -6,7 +6,9 @@ for unknown keys, enum values and group options, the closest valid name (difflib
     parallel.tpp: unknown key (set by cli parallel.tpp=2); did you mean parallel.tp?
     frontend.port: bad value 70000 (set by env PKGD_FRONTEND__PORT); expected less than or equal to 65535
 
-Secret values (``frontend.api_keys``) are never echoed.
+Secret values (``frontend.api_keys``) are never echoed, nor are the values of unknown keys
+(``frontend.api_key=sk-…`` is most likely a secret under a misspelt name): the line then says
+``(set by cli frontend.api_key=…)``.
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ def origin_of(path: str, origins: Mapping[str, str]) -> str | None:
     return origins[below[0]] if below else None
 
 
+def without_value(origin: str) -> str:
+    """``"cli key=value"`` → ``"cli key=…"``: an origin as a problem line may show it when the
+    value could be a secret (other origins carry no value)."""
+    head, eq, _ = origin.partition("=")
+    return f"{head}=…" if eq and origin.startswith("cli ") else origin
+
+
 def validation_problems(err: ValidationError, origins: Mapping[str, str]) -> list[str]:
     """One line per pydantic error of validating the composed tree.
 
@@ -87,8 +96,11 @@ def validation_problems(err: ValidationError, origins: Mapping[str, str]) -> lis
             problems += e["msg"].removeprefix("Value error, ").splitlines()
             continue
         origin = origin_of(path, origins)
-        where = f" (set by {origin})" if origin else ""
         parent, _, name = path.rpartition(".")
+        leaf = schema.leaves().get(path) or schema.leaves().get(parent)
+        if e["type"] == "extra_forbidden" or (leaf is not None and leaf.secret):
+            origin = origin and without_value(origin)
+        where = f" (set by {origin})" if origin else ""
         if e["type"] == "extra_forbidden":
             valid = schema.children(parent)
             hint = did_you_mean(name, valid, prefix=f"{parent}." if parent else "")
@@ -96,7 +108,6 @@ def validation_problems(err: ValidationError, origins: Mapping[str, str]) -> lis
                 hint = f"; valid keys{' of ' + parent if parent else ''}: {', '.join(valid)}"
             problems.append(f"{path}: unknown key{where}{hint}")
             continue
-        leaf = schema.leaves().get(path) or schema.leaves().get(parent)
         value = REDACTED if leaf is not None and leaf.secret else show_value(e["input"])
         if e["type"] == "model_type" and path in schema.sections():
             expected = f"a mapping of the keys of {path}: {', '.join(schema.children(path))}"

@@ -11,7 +11,10 @@ files add options to the groups (see `pkgd.config.compose`).
 
 Environment (layer 4): ``PKGD_<SECTION>__<FIELD>[__<FIELD>]``, case-insensitive, read by
 pydantic-settings' `EnvSettingsSource`. List fields take JSON (``["a","b"]``) or one plain
-value; ``null`` is None.
+value; ``null`` is None. A ``PKGD_`` variable that looks like config but names no section
+(``PKGD_FRONTED__API_KEYS``) or misses the double underscore (``PKGD_FRONTEND_API_KEYS``) is a
+configuration error, not a warning: a typo there would otherwise drop a setting silently
+(API keys, and with them authentication). `NON_CONFIG_ENV` lists pkgd's other variables.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ import copy
 import dataclasses
 import functools
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pkgd.config import schema
-from pkgd.config.errors import ConfigError, closest, show_value
+from pkgd.config.errors import ConfigError, closest, show_value, without_value
 
 SYSTEM_CONFIG_DIR = "/etc/pkgd"
 DEFAULT_CONFIG_NAME = "pkgd"
 CONF_D = "conf.d"
 ENV_PREFIX = "PKGD_"
 ENV_DELIMITER = "__"
+
+#: pkgd's environment variables that are not config keys (read where they act: the CPU kernels
+#: and huge pages by the runner). A test keeps this list in step with the sources.
+NON_CONFIG_ENV = frozenset({"PKGD_CPU_KERNELS", "PKGD_HUGEPAGES", "PKGD_KERNEL_CACHE"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +86,7 @@ class Provenance:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(parents[: i + 1])
-                return f"{key}: cannot set ({detail}): {where} holds the value {show_value(child)}, not a section"
+                return f"{key}: cannot set ({without_value(detail)}): {where} holds the value {show_value(child)}, not a section"
             node = child
         self._set(node, name, value, key, layer, {key: detail})
         return None
@@ -186,6 +193,8 @@ def load_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
         return {}, f"{path}: YAML error: {e}"
     except OSError as e:
         return {}, f"{path}: cannot read: {e.strerror}"
+    except UnicodeDecodeError as e:
+        return {}, f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save the file as UTF-8"
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "")
         return {}, f"{path}: {key + ': ' if key else ''}{str(e).splitlines()[0]}"
@@ -221,10 +230,11 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     """Read ``PKGD_SECTION__FIELD`` variables from ``env``.
 
     Returns ``(values, details, warnings, problems)``: the nested values (strings, or decoded
-    JSON for list fields), dotted key → ``"env VAR"``, warnings for ``PKGD_…__…`` variables
-    naming no section, and one problem per undecodable value.
+    JSON for list fields), dotted key → ``"env VAR"``, warnings for ``PKGD_`` variables that
+    are neither config nor pkgd's (`NON_CONFIG_ENV`), and problems: one per undecodable
+    value and per variable that looks like config but is misspelt (see module docstring).
     """
-    mine = {k: v for k, v in env.items() if k.upper().startswith(ENV_PREFIX)}
+    mine = {k: v for k, v in env.items() if k.upper().startswith(ENV_PREFIX) and k.upper() not in NON_CONFIG_ENV}
     if not mine:
         return {}, {}, [], []
     from pydantic_settings import SettingsError
@@ -232,25 +242,53 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     sections = schema.children("")
     details: dict[str, str] = {}
     warnings: list[str] = []
+    problems: list[str] = []
     for var in mine:
         parts = var[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)
         if parts[0] in sections:
             details[".".join(parts)] = f"env {var}"
-        elif len(parts) > 1:
-            match = closest(parts[0], sections)
-            hint = f"; did you mean {ENV_PREFIX}{match.upper()}{ENV_DELIMITER}…?" if match else ""
-            warnings.append(f"{var}: ignored, {parts[0]!r} is not a config section{hint}")
+            continue
+        problem = _misspelt_env(var, parts, sections)
+        if problem:
+            problems.append(problem)
+        else:
+            warnings.append(f"{var}: ignored, not a pkgd setting (config variables are {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<FIELD>)")
+    config_vars = {k: v for k, v in mine.items() if k[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)[0] in sections}
     try:
-        values = _env_source_class()(mine)()
+        values = _env_source_class()(config_vars)()
     except SettingsError:
-        problems = []
-        for var, value in mine.items():
+        for var, value in config_vars.items():
             try:
                 _env_source_class()({var: value})()
             except SettingsError:
                 problems.append(f"{var}: bad value {show_value(value)} (env); expected JSON for this section or list")
         return {}, details, warnings, problems
-    return values, details, warnings, []
+    return (values if not problems else {}), details, warnings, problems
+
+
+def _misspelt_env(var: str, parts: list[str], sections: Sequence[str]) -> str | None:
+    """The problem line for a variable that looks like config without naming a section:
+    ``PKGD_X__…`` with an unknown or misspelt section, or ``PKGD_SECTION_FIELD`` (one
+    underscore) with a known or nearly known section; None for anything else."""
+    if len(parts) > 1:
+        match = closest(parts[0], sections)
+        hint = f"; did you mean {_env_name(match, parts[1:])}?" if match else f"; sections: {', '.join(sections)}"
+        return f"{var}: {parts[0]!r} is not a config section (env){hint}"
+    words = parts[0].split("_")
+    for i in range(1, len(words)):
+        head, rest = "_".join(words[:i]), "_".join(words[i:])
+        section = head if head in sections else closest(head, sections)
+        if section is None:
+            continue
+        fields = schema.children(section)
+        field_name = rest if rest in fields else closest(rest, fields)
+        suggestion = _env_name(section, [field_name]) if field_name else f"{ENV_PREFIX}{section.upper()}{ENV_DELIMITER}<FIELD>"
+        return f"{var}: not a config variable (env; sections and fields are separated by {ENV_DELIMITER!r}); did you mean {suggestion}?"
+    return None
+
+
+def _env_name(section: str, parts: list[str]) -> str:
+    return ENV_PREFIX + ENV_DELIMITER.join([section, *parts]).upper()
 
 
 def _is_list_field(field: Any) -> bool:

@@ -166,8 +166,9 @@ class ParallelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = field("auto", "Device the engine runs on; auto = cuda when available, else cpu.", aliases=("--device",))
     cpu_threads: int | None = field(
         None,
-        "Torch threads per engine worker on CPU; null = the cores left after reserving one for "
-        "the API servers (vLLM's CPU build does the same), at least 1.",
+        "Torch threads per engine worker on CPU; null = every core pkgd may use, shared among "
+        "this node's engine workers (dp_local x tp), at least 1. No core is reserved for the "
+        "API servers (they need a few percent of one); set this to leave cores to other work.",
         aliases=("--cpu-threads",),
         ge=1,
     )
@@ -234,6 +235,44 @@ class CorsConfig(Section):
     allowed_headers: list[str] = field(["*"], "Allowed HTTP headers.", aliases=("--allowed-headers",), reload=L)
 
 
+class FrontendLimits(Section):
+    """What one request may ask for before it reaches the engine.
+
+    Each bounds work an API server does on its own CPU for a request (parsing, the chat
+    template, tokenization, fan-out of ``n``, stop-string checks, logprob decoding) or that the
+    engine repeats every step (stop token ids, logit bias). A request beyond a limit gets a 400
+    (a count) or 413 (a size) naming the limit, before any of that work starts.
+    """
+
+    max_messages: int = field(2048, "Most chat messages in one request.", reload=L, ge=1)
+    max_prompts: int = field(1024, "Most prompts in one /v1/completions request, or inputs in one /v1/embeddings request (a batch).", reload=L, ge=1)
+    max_input_chars: int = field(
+        1_000_000,
+        "Most characters of text in one request: its prompts or inputs, or its messages' contents, "
+        "names, instructions and tool definitions; more gets 413.",
+        reload=L,
+        ge=1,
+    )
+    max_n: int = field(128, "Largest n (completions per prompt; OpenAI's limit).", reload=L, ge=1, le=1024)
+    max_logprobs: int = field(20, "Largest logprobs / top_logprobs / prompt_logprobs a request may ask for.", aliases=("--max-logprobs",), reload=A, ge=0, le=1000)
+    max_stop_strings: int = field(64, "Most stop strings in one request.", reload=L, ge=0)
+    max_stop_string_chars: int = field(
+        1024,
+        "Longest stop string in characters (a stream holds back that many characters while it runs).",
+        reload=L,
+        ge=1,
+    )
+    max_stop_token_ids: int = field(1024, "Most stop_token_ids in one request.", reload=L, ge=0)
+    max_logit_bias: int = field(1024, "Most logit_bias entries in one request.", reload=L, ge=0)
+    max_constraint_bytes: int = field(
+        256 * 1024,
+        "Largest structured-output constraint (JSON schema, regex, grammar or choices, as UTF-8 "
+        "text) a request may carry; it is checked and compiled before generating.",
+        reload=L,
+        ge=1,
+    )
+
+
 class FrontendConfig(Section):
     """The OpenAI-compatible API servers."""
 
@@ -258,8 +297,38 @@ class FrontendConfig(Section):
     enable_auto_tool_choice: bool = field(False, "Let the model decide when to call tools (tool_choice=auto); needs tool_call_parser.", aliases=("--enable-auto-tool-choice",), reload=A)
     allow_runtime_lora_updating: bool = field(False, "Allow loading/unloading LoRA adapters at run time; refused with more than one API server (as vLLM).", aliases=("--allow-runtime-lora-updating",), reload=A)
     max_request_body_bytes: int = field(4 * 1024 * 1024, "Largest request body accepted, in bytes; larger gets 413.", aliases=("--max-request-body-bytes",), reload=A, ge=1024)
-    max_logprobs: int = field(20, "Largest logprobs / top_logprobs a request may ask for.", aliases=("--max-logprobs",), reload=A, ge=0, le=1000)
-    keep_alive_timeout: float = field(5.0, "HTTP keep-alive timeout in seconds.", aliases=("--timeout-keep-alive",), reload=A, gt=0)
+    limits: FrontendLimits = section(FrontendLimits, "Per-request limits checked before any work is done.")
+    preprocess_threads: int = field(
+        2,
+        "Threads per API server that parse request bodies, apply chat templates and tokenize, so "
+        "the event loop serving every other stream never does that work.",
+        reload=A,
+        ge=1,
+        le=64,
+    )
+    max_connections: int = field(
+        1024,
+        "Open client connections one API server serves at once; more wait in the listen backlog "
+        "(or go to another API server on the same socket).",
+        reload=L,
+        ge=1,
+    )
+    keep_alive_timeout: float = field(5.0, "Seconds an idle keep-alive connection stays open between requests.", aliases=("--timeout-keep-alive",), reload=A, gt=0)
+    header_timeout: float = field(
+        10.0,
+        "Seconds a client may take to send a request's headers, from its first byte (or the "
+        "connection's start); then the connection is closed.",
+        reload=L,
+        gt=0,
+    )
+    body_timeout: float = field(30.0, "Seconds a client may take to send a request body once its headers arrived; then 408.", reload=L, gt=0)
+    write_timeout: float = field(
+        30.0,
+        "Seconds a response may wait for a client that stops reading it; then the connection is "
+        "closed and its request aborted.",
+        reload=L,
+        gt=0,
+    )
     request_timeout: float | None = field(None, "Seconds a request may run before it is aborted with an error; null = no limit.", aliases=("--request-timeout",), reload=A, gt=0)
     enable_tokenizer_info_endpoint: bool = field(
         False,
@@ -312,8 +381,10 @@ class CacheConfig(Section):
     num_blocks: int | None = field(None, "Exact number of KV blocks; overrides kv_cache_memory_bytes.", aliases=("--num-gpu-blocks-override",), ge=2)
     kv_cache_memory_bytes: int | None = field(
         None,
-        "Bytes of KV cache per engine core (4G = 4 GiB, 4g = 4e9); null = 448 MiB on CPU, on "
-        "CUDA what gpu_memory_utilization leaves.",
+        "Bytes of KV cache per engine worker (4G = 4 GiB, 4g = 4e9); null = on CPU 4 GiB or half "
+        "the memory available after the weights load (shared by the node's workers), whichever "
+        "is less, and no more than max_num_seqs sequences of max_model_len; on CUDA what "
+        "gpu_memory_utilization leaves. A CPU cache takes memory only as blocks are first used.",
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
     )
@@ -365,7 +436,7 @@ class SupervisorConfig(Section):
     max_restarts: int = field(5, "Crashes tolerated within restart_window before the supervisor gives up and exits non-zero.", reload=L, ge=0)
     restart_window: float = field(60.0, "Window for max_restarts, in seconds.", reload=L, gt=0)
     engine_ready_timeout: float = field(900.0, "Seconds an engine core may take to load before start-up fails.", reload=L, gt=0)
-    runtime_dir: str | None = field(None, "Directory of the IPC and control sockets; null = $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/pkgd, else /tmp/pkgd-UID.", reload=R)
+    runtime_dir: str | None = field(None, "Directory of the IPC and control sockets (created 0700, never through a symlink); null = $RUNTIME_DIRECTORY (systemd), else /run/pkgd for root, else $XDG_RUNTIME_DIR/pkgd, else /tmp/pkgd-UID.", reload=R)
     watchdog: bool = field(True, "Send WATCHDOG=1 while children are healthy when systemd sets WATCHDOG_USEC.", reload=L)
     engine_swap: Literal["auto", "overlap", "stop_first"] = field(
         "auto",

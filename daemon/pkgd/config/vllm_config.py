@@ -161,6 +161,12 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
             "supports a single API server"
         )
         count = 1
+    if count and not f.uds and not f.api_keys and not _is_loopback(f.host):
+        warnings.append(
+            f"frontend.host: {f.host} accepts connections from other machines and frontend.api_keys "
+            f"is empty, so anyone who reaches port {f.port} can use the API; set frontend.api_keys "
+            "(PKGD_FRONTEND__API_KEYS) or listen on 127.0.0.1"
+        )
     if count == 0:
         mode: ServeMode = "headless"
     elif is_external:
@@ -172,6 +178,18 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
     else:
         mode = "single"
     return ServePlan(mode, count, p.dp, dp_local, start, tuple(warnings))
+
+
+def _is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (a host name may resolve anywhere)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _unregistered(path: str, name: str | None, kind: Literal["tool", "reasoning"]) -> list[str]:

@@ -10,6 +10,12 @@ vLLM v1's design (``vllm/v1/core/block_pool.py``, "Automatic Prefix Caching" in 
   prefix can take it back out of the free queue (a prefix-cache hit).
 * New blocks come from the head of the free queue (the least recently freed); a block taken
   that still carries a hash is evicted from the map first (LRU eviction).
+* Blocks never used yet are *cold* and are handed out only when no used (*warm*) block is
+  free, lowest id first. On CPU the runner's cache becomes resident only where it is written
+  (`pkgd.runner.allocator.lazy_zeroed_buffers`), so reusing warm blocks first keeps the
+  engine's memory at the most blocks it ever held at once, whatever the budget. The price: a
+  freed prefix is evicted (LRU among warm blocks) rather than kept while a cold block would
+  do, so the prefix cache holds what fits in that working set.
 
 The pool is dumb and honest (STYLE.md practice 2): it knows nothing of queues or priorities,
 answers "how many are free" without side effects, and running out is a normal return value
@@ -100,12 +106,18 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.free_block_queue = FreeBlockQueue(())  # warm free blocks only
+        self._cold = self.blocks[::-1]  # never used; pop() gives the lowest id
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
-        """Blocks that `get_new_blocks` can hand out now (free, cached or not)."""
-        return len(self.free_block_queue)
+        """Blocks that `get_new_blocks` can hand out now (free, cached or not, warm or cold)."""
+        return len(self.free_block_queue) + len(self._cold)
+
+    @property
+    def num_blocks_used(self) -> int:
+        """Blocks ever handed out (warm): the high-water mark of blocks in use at once."""
+        return self.num_blocks - len(self._cold)
 
     @property
     def usage(self) -> float:
@@ -117,17 +129,21 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock] | None:
-        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue.
+        """Take ``num_blocks`` blocks (ref count 1): from the head of the free queue, then cold
+        blocks once it is empty.
 
         Returns None, changing nothing, when fewer are free. Taken blocks that were cached are
         evicted from the prefix-cache map.
         """
-        if num_blocks > len(self.free_block_queue):
+        if num_blocks > self.get_num_free_blocks():
             return None
         taken = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
-            self._evict(block)
+            if self.free_block_queue:
+                block = self.free_block_queue.popleft()
+                self._evict(block)
+            else:
+                block = self._cold.pop()
             block.ref_cnt = 1
             taken.append(block)
         return taken

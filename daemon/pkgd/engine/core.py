@@ -6,9 +6,10 @@ vLLM v1's ``EngineCore`` without the process around it: the engine-core process
 → ``Scheduler.update_from_output()``.
 
 Start-up: the model is loaded through the runner (``pkgd.runner``), the KV cache is sized
-from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default 448 MiB on CPU; on CUDA
-what ``cache.gpu_memory_utilization`` of the device leaves after loading) ÷ the runner's bytes
-per block, and must hold at least one ``max_model_len`` sequence.
+from ``cache.num_blocks``, else ``cache.kv_cache_memory_bytes`` (default on CPU: 4 GiB or half
+the memory available after the weights load, whichever is less, shared by the node's engine
+workers; on CUDA what ``cache.gpu_memory_utilization`` of the device leaves after loading) ÷
+the runner's bytes per block, and must hold at least one ``max_model_len`` sequence.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequ
 from pkgd.runner_output import ModelRunnerOutput
 from pkgd.scheduler_output import SchedulerOutput
 
-# 448 MiB: SmolLM2's float32 engine stays under 1.5 GB resident (issue 3's target) while a
-# 256 x (128 -> 128) batch keeps ~40 sequences' context (637 blocks of 16 tokens).
-DEFAULT_CPU_KV_CACHE_BYTES = 448 * 1024 * 1024
+# The CPU default budget: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, 4 GiB), capped at this
+# share of MemAvailable. The CPU cache is resident only where blocks are written and the block
+# pool reuses warm blocks first, so the budget bounds the worst case (a full cache must still
+# fit next to everything else) while memory follows the blocks the workload holds at once.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+CPU_AVAILABLE_MEMORY_FRACTION = 0.5
 CUDA_FREE_MEMORY_FRACTION = 0.9
 
 
@@ -63,13 +67,26 @@ SLEEP_TAGS = ("weights", "kv_cache")
 RunnerFactory = Callable[[VllmConfig], "tuple[Any, ModelRunnerLike]"]
 
 
+def engine_workers_on_node(config: VllmConfig) -> int:
+    """Engine processes on this node that compute: local engine cores x tensor-parallel ranks."""
+    p = config.parallel
+    engines = p.dp_local if p.dp_local else max(1, -(-p.dp // p.nnodes))
+    return engines * p.tp
+
+
 def default_cpu_threads(config: VllmConfig) -> int:
     """Torch threads per engine worker (tensor-parallel rank): ``parallel.cpu_threads``, else
-    the cores left after reserving one for the API servers (vLLM's CPU build does the same),
-    shared among the ``parallel.tp`` ranks, at least 1."""
+    every core this process may use, shared among the node's workers (`engine_workers_on_node`),
+    at least 1.
+
+    No core is held back for the API servers, as vLLM's CPU build binds its worker to every
+    core when it runs one (``VLLM_CPU_NUM_OF_RESERVED_CPU`` unset): an API process needs a few
+    percent of a core, which the OS scheduler gives it between the engine's threads, while a
+    reserved core would mostly idle (the measurement is in the README, "Memory and speed on a
+    CPU")."""
     if config.parallel.cpu_threads is not None:
         return config.parallel.cpu_threads
-    return max(1, (host.available_cores() - 1) // config.parallel.tp)
+    return max(1, host.available_cores() // engine_workers_on_node(config))
 
 
 def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
@@ -95,6 +112,17 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
     return model_files, ModelRunner(config, model_files)
 
 
+def default_cpu_kv_cache_bytes(config: VllmConfig, available_bytes: int | None) -> int:
+    """The CPU KV budget of one engine worker when ``cache.kv_cache_memory_bytes`` is unset:
+    ``min(4 GiB, CPU_AVAILABLE_MEMORY_FRACTION x available_bytes / workers)``, where workers =
+    this node's engine cores (``parallel.dp_local``, else ``dp / nnodes``) x ``parallel.tp``
+    ranks; 4 GiB when ``available_bytes`` is unknown (None)."""
+    if available_bytes is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    share = int(available_bytes * CPU_AVAILABLE_MEMORY_FRACTION) // engine_workers_on_node(config)
+    return min(DEFAULT_CPU_KV_CACHE_BYTES, share)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
     """A CUDA device's memory after the weights are loaded, in bytes: ``free`` and ``total``
@@ -105,14 +133,19 @@ class DeviceMemory:
     used: int
 
 
-def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_memory: DeviceMemory | None = None) -> int:
+def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_memory: DeviceMemory | None = None,
+                            host_available_bytes: int | None = None, max_model_len: int | None = None) -> int:
     """KV blocks for this engine: ``cache.num_blocks`` when set, else the memory budget ÷
     ``bytes_per_block``.
 
     The budget is ``cache.kv_cache_memory_bytes`` when set; on CUDA (``device_memory``) it is
     vLLM's ``gpu_memory_utilization`` × total − what this process already holds, capped at
     90 % of the free memory (other processes' allocations and activations need the rest);
-    on CPU it is 448 MiB. Raises `ValueError` when the budget holds no block.
+    on CPU it is `default_cpu_kv_cache_bytes` of ``host_available_bytes`` (MemAvailable after
+    the weights are loaded), capped at what the scheduler can ever hold at once,
+    ``scheduler.max_num_seqs`` sequences of ``max_model_len`` tokens (the block pool takes a
+    never-used block only when every used one is held, so further blocks would never be
+    touched). Raises `ValueError` when the budget holds no block.
     """
     cache = config.cache
     if cache.num_blocks is not None:
@@ -130,7 +163,10 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_
                 f"leaves no room for the KV cache after the model's {device_memory.used / 2**30:.1f} GiB; raise it"
             )
     else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget = default_cpu_kv_cache_bytes(config, host_available_bytes)
+        if max_model_len is not None:
+            most = config.scheduler.max_num_seqs * -(-max_model_len // cache.block_size)
+            budget = min(budget, most * bytes_per_block)
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
@@ -138,7 +174,6 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_
             f"(block_size {cache.block_size}); raise it or lower cache.block_size"
         )
     return num_blocks
-
 
 
 def _check_host_memory(runner: Any, kv_bytes: int) -> None:
@@ -168,8 +203,9 @@ class EngineCore:
         runner_factory: loads the model; default `load_model_runner`. Tests pass a fake.
 
     Raises:
-        ValueError: the KV cache cannot hold one ``max_model_len`` sequence, or (on CPU) needs
-            more memory than is available.
+        ValueError: ``model.max_model_len`` is above the model's own limit (refused, as vLLM
+            refuses it: positions past the trained range give garbage), the KV cache cannot
+            hold one ``max_model_len`` sequence, or (on CPU) needs more memory than is available.
         Whatever the runner raises for a missing or unsupported model.
     """
 
@@ -178,14 +214,23 @@ class EngineCore:
         self.engine_index = engine_index
         self.model_files, self.model_runner = (runner_factory or load_model_runner)(config)
         info = self.model_runner.model_info
+        configured = config.model.max_model_len
+        if configured is not None and configured > info.max_model_len:
+            raise ValueError(
+                f"model.max_model_len {configured} is greater than the model's limit of {info.max_model_len} "
+                "tokens (max_position_embeddings in its config); lower model.max_model_len or leave it null"
+            )
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.eos_token_id: int | None = info.eos_token_id
         self.model_name = config.model.name or getattr(self.model_files, "name", None) or config.model.source
         self.block_size = config.cache.block_size
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
+        cuda_memory = _cuda_memory(self.model_runner)
         self.num_kv_blocks = determine_num_kv_blocks(
-            config, bytes_per_block, device_memory=_cuda_memory(self.model_runner)
+            config, bytes_per_block, device_memory=cuda_memory,
+            host_available_bytes=host.mem_available_bytes() if cuda_memory is None else None,
+            max_model_len=self.max_model_len,
         )
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -241,7 +286,7 @@ class EngineCore:
         if self.runner_type == "pooling":
             raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
         assert request.sampling_params is not None  # exactly one of the two (checked above)
-        request.sampling_params.verify(max_logprobs=self.vocab_size)
+        request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
         # The frontend validates the prompt and max_tokens against max_model_len with the
         # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
         # wire client that skipped it from overrunning a request's block table.
@@ -435,4 +480,5 @@ def _cuda_memory(runner: ModelRunnerLike) -> DeviceMemory | None:
     return DeviceMemory(free=free, total=total, used=torch.cuda.memory_reserved(device))
 
 
-__all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_threads", "determine_num_kv_blocks", "load_model_runner"]
+__all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_kv_cache_bytes",
+           "default_cpu_threads", "determine_num_kv_blocks", "engine_workers_on_node", "load_model_runner"]

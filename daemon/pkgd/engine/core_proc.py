@@ -2,7 +2,9 @@
 
 Started by the supervisor as::
 
-    python -m pkgd.engine.core_proc --config-file PATH --ready-fd R --engine-index I --address ADDR
+    python -m pkgd.engine.core_proc --config-fd C --ready-fd R --engine-index I --address ADDR
+
+(``--config-file PATH`` instead of ``--config-fd`` for a core started by hand.)
 
 Loop (vLLM v1's ``EngineCoreProc`` busy loop, one thread): take every frame waiting on the
 socket (dispatched by type through a table), run one ``EngineCore.step()`` while requests
@@ -15,7 +17,8 @@ outputs go back to the client that added it. A client that vanished (send fails 
 ``EHOSTUNREACH``) has its requests aborted. SIGTERM/SIGINT or a `Shutdown` frame: abort every
 request, tell each client (`EngineError` naming its requests), exit 0. SIGTERM while the
 model is still loading exits at once (the load runs in a helper thread the main thread
-abandons). SIGHUP re-reads the config file for live fields (log level).
+abandons). A new configuration on the config pipe (or SIGHUP with ``--config-file``) applies
+its live fields (log level).
 """
 
 from __future__ import annotations
@@ -95,23 +98,32 @@ class EngineCoreProc:
         fields = {"version": PROTOCOL_VERSION, "pid": os.getpid(), "engine_index": self.engine_index, **fields}
         return Handshake(**fields)
 
-    def run(self, signals: child.SignalState, on_reload: Callable[[], None] = lambda: None) -> None:
+    def run(self, signals: child.SignalState, on_reload: Callable[[], None] = lambda: None,
+            config: child.ConfigSource | None = None) -> None:
         """Serve until SIGTERM/SIGINT or a `Shutdown` frame; then abort what is left.
 
-        Raises whatever ``EngineCore.step`` raises, after telling every client (their
-        requests get an `EngineError`).
+        ``on_reload`` runs after SIGHUP and whenever ``config``'s pipe is readable. Raises whatever ``EngineCore.step`` raises, after telling every client
+        (their requests get an `EngineError`).
         """
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(signals.wakeup_fd, zmq.POLLIN)
+        config_fd = config.fd if config is not None else None
+        if config_fd is not None:
+            poller.register(config_fd, zmq.POLLIN)
         while not (self.stopping or signals.stop):
             busy = self.core.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
             if signals.wakeup_fd in events:
                 signals.drain()
+            if config_fd is not None and config_fd in events:
+                signals.reload = True
             if signals.reload:
                 signals.reload = False
                 on_reload()
+                if config_fd is not None and config is not None and config.closed:
+                    poller.unregister(config_fd)  # the supervisor is gone; PDEATHSIG follows
+                    config_fd = None
             self._receive_all()
             if self.stopping or signals.stop:
                 break
@@ -287,7 +299,7 @@ class EngineCoreProc:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pkgd.engine.core_proc", description="pkgd engine-core process")
-    p.add_argument("--config-file", required=True, help="config.json written by the supervisor")
+    child.add_config_args(p)
     p.add_argument("--ready-fd", type=int, default=None, help="pipe for the one ready/failed frame")
     p.add_argument("--engine-index", type=int, default=0, help="data-parallel rank of this core")
     p.add_argument("--address", required=True, help="ipc://PATH or tcp://HOST:PORT to bind")
@@ -334,10 +346,11 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
     child.set_process_name(f"pkgd-engine{args.engine_index}")
     ready = child.ReadyPipe(args.ready_fd)
     signals = child.SignalState().install()
+    source = child.ConfigSource(args.config_fd, args.config_file)
     try:
-        config = child.load_config(args.config_file)
-    except (OSError, ValueError) as exc:
-        ready.failed(ROLE, f"cannot read config {args.config_file}: {exc}")
+        config = source.initial()
+    except (OSError, ValueError, EOFError, TimeoutError) as exc:
+        ready.failed(ROLE, f"cannot read config {source.describe()}: {exc}")
         return 1
     log.configure(config.logging, role=ROLE, dp_rank=args.engine_index)
     host.set_torch_huge_pages(config.parallel.cpu_huge_pages)  # before torch's first allocation
@@ -369,13 +382,16 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
 
     def reload() -> None:
         try:
-            log.set_level(child.load_config(args.config_file).logging.level)
+            configs = source.updates()
         except (OSError, ValueError) as exc:
             logger.error("reload_failed", error=str(exc))
+            return
+        if configs:
+            log.set_level(configs[-1].logging.level)
 
     status = 0
     try:
-        proc.run(signals, on_reload=reload)
+        proc.run(signals, on_reload=reload, config=source)
     except Exception:
         status = 1
     finally:

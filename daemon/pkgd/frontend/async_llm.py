@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pkgd import log
@@ -127,7 +128,7 @@ class AsyncLLM:
             self.tokenizer, self.generation_defaults = await asyncio.to_thread(load_frontend_model, self.config)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
-            eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.max_logprobs,
+            eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.limits.max_logprobs,
             hidden_size=hs.hidden_size or None, matryoshka=hs.matryoshka, matryoshka_dimensions=hs.matryoshka_dimensions,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -143,7 +144,9 @@ class AsyncLLM:
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def generate(self, processed: ProcessedRequest, *, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, processed: ProcessedRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Send ``processed`` to an engine core and yield its `RequestOutput`s until the last.
 
         Raises:
@@ -151,17 +154,21 @@ class AsyncLLM:
             pkgd.ipc.client.EngineRequestError: the core refused or failed the request.
             TimeoutError: ``timeout`` seconds passed (the request is aborted).
         """
-        async for out in self._run(processed, timeout):
-            yield out
+        # Closing this generator closes ``_run`` at once (its ``finally`` aborts the request),
+        # not whenever the garbage collector finalizes it.
+        async with contextlib.aclosing(self._run(processed, timeout)) as outs:
+            async for out in outs:
+                yield out
 
     async def encode(self, processed: ProcessedRequest, *, timeout: float | None = None) -> PoolingRequestOutput:
         """Run pooling request ``processed`` (`InputProcessor.process_pooling`) to its
         `PoolingRequestOutput`. Raises as `generate` does."""
-        async for out in self._run(processed, timeout):
-            return out
+        async with contextlib.aclosing(self._run(processed, timeout)) as outs:
+            async for out in outs:
+                return out
         raise EngineRequestError("the engine ended a pooling request without its vector")
 
-    async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncIterator[Any]:
+    async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
         rid = processed.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -218,15 +225,30 @@ class AsyncLLM:
     # ---- OutputSink (called by the EngineClient) ---------------------------------------------
 
     def on_outputs(self, msg: EngineOutputs) -> None:
+        """Turn one step's outputs into `RequestOutput`s. Each output is processed on its own,
+        so a failure (a bug in detokenizing or a parser) ends that request with the error,
+        never the others nor the reader delivering them."""
         now = time.monotonic()
+        if self.metrics is not None:  # before any failure below ends a request's tracking
+            self.metrics.on_outputs(msg.outputs, msg.timestamp)
+        stopped: list[str] = []  # ended here by a stop string: finished for the metrics too
         for out in msg.outputs:
             if out.pooling_output is not None:
                 self._pooled(out)
-            else:
-                self._count_tokens(out.request_id, len(out.new_token_ids), now)
-        result = self.output_processor.process_outputs(msg.outputs)
-        if self.metrics is not None:
-            self.metrics.on_outputs(msg.outputs, msg.timestamp, result.reqs_to_abort)
+                continue
+            self._count_tokens(out.request_id, len(out.new_token_ids), now)
+            try:
+                result = self.output_processor.process_outputs([out])
+            except Exception as exc:
+                logger.exception("output_processing_failed", engine_request_id=out.request_id)
+                self._fail(out.request_id, exc)
+                continue
+            stopped.extend(result.reqs_to_abort)
+            self._deliver(result)
+        if self.metrics is not None and stopped:
+            self.metrics.on_outputs((), msg.timestamp, stopped)
+
+    def _deliver(self, result: Any) -> None:
         if result.reqs_to_abort:
             self.client.abort_requests(result.reqs_to_abort)
         for ro in result.request_outputs:
@@ -237,6 +259,13 @@ class AsyncLLM:
                 stream.finished = True
                 self._finished(stream, _finish_reason(ro))
             stream.put(ro)
+
+    def _fail(self, engine_request_id: str, error: BaseException) -> None:
+        rid = self._client_of.get(engine_request_id)
+        stream = self._streams.get(rid) if rid is not None else None
+        if stream is not None:
+            stream.put(error)
+            self._forget(stream.request_id, abort=True)
 
     def _pooled(self, out: EngineCoreOutput) -> None:
         stream = self._streams.get(self._client_of.get(out.request_id, ""))

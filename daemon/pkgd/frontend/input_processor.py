@@ -99,7 +99,15 @@ class InputProcessor:
         return self.tokenizer
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return list(self._need_tokenizer().encode(text, add_special_tokens=add_special_tokens))
+        """Token ids of ``text``. With a fast tokenizer this calls the ``tokenizers`` library's
+        batch encoder, which releases the GIL while it works (its single-text ``encode`` holds
+        it throughout: seconds for a long prompt, during which an API server's event loop
+        would stand still); the ids are the same."""
+        tok = self._need_tokenizer()
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None and not getattr(tok, "split_special_tokens", False):
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
         self,
@@ -151,11 +159,13 @@ class InputProcessor:
         """Build the engine request(s) for a text prompt or a list of prompt token ids.
 
         Raises `ValueError`: invalid sampling parameters, an empty prompt, token ids outside
-        the vocabulary, or ``prompt + max_tokens`` beyond ``max_model_len`` (both numbers
-        named).
+        the vocabulary (prompt, ``stop_token_ids``, ``logit_bias``), or ``prompt + max_tokens``
+        beyond ``max_model_len`` (both numbers named).
         """
         params = params if params is not None else SamplingParams()
-        params.verify(max_logprobs=self.max_logprobs)
+        if self.vocab_size is not None and params.top_k >= self.vocab_size:
+            params = msgspec.structs.replace(params, top_k=0)  # keeps every token, as "off" does
+        params.verify(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
@@ -255,6 +265,11 @@ class InputProcessor:
     def _fill_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         room = self.max_model_len - prompt_len
         if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise ValueError(
+                    f"min_tokens is {params.min_tokens} but the prompt of {prompt_len} tokens leaves "
+                    f"{room} within max_model_len {self.max_model_len}"
+                )
             return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens > room:
             raise ValueError(

@@ -13,6 +13,12 @@ Stop strings are found here (the engine knows only token ids): the text is cut, 
 completion finishes with ``finish_reason="stop"`` and ``stop_reason`` = the string, and the
 request id is returned in ``reqs_to_abort`` so the caller aborts it in the engine.
 ``n > 1`` requests are aggregated under the client's id by `ParentRequest`.
+
+Logprobs' ``decoded_token``: each token is decoded on its own, and a token whose text ends in
+U+FFFD (it holds only part of a UTF-8 character, e.g. a byte-fallback or byte-level BPE token)
+is decoded again after the tokens before it (vLLM's correction): the token that completes a
+character carries all of it and the tokens before it an empty string, so joining the sampled
+tokens' ``decoded_token`` rebuilds the text.
 """
 
 from __future__ import annotations
@@ -32,6 +38,31 @@ from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
+
+
+REPLACEMENT_CHAR = "\ufffd"
+MAX_UTF8_BYTES = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 tokens
+
+
+def complete_token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, context: list[int]) -> str:
+    """The text ``token_id`` adds after ``context`` when decoded alone it ends in U+FFFD: with
+    the character it completes whole (decoded with the fewest preceding tokens that make it
+    whole), or, when it completes none (it starts or continues one), its text without the
+    partial character."""
+    for n in range(1, min(MAX_UTF8_BYTES, len(context)) + 1):
+        ctx = context[-n:]
+        full = _decode(tokenizer, [*ctx, token_id])
+        if full.endswith(REPLACEMENT_CHAR):
+            continue
+        before = _decode(tokenizer, ctx).rstrip(REPLACEMENT_CHAR)
+        if full.startswith(before):
+            return full[len(before):]
+    return _decode(tokenizer, [token_id]).rstrip(REPLACEMENT_CHAR)
+
+
+def _decode(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    # transformers annotates str | list[str]; one list of ids decodes to one str
+    return cast(str, tokenizer.decode(ids))
 
 
 @dataclasses.dataclass
@@ -76,13 +107,20 @@ class RequestState:
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
         if out.new_prompt_logprobs is not None:
-            self.prompt_logprobs = [None if e is None else self._logprob_dict(e) for e in out.new_prompt_logprobs]
+            prompt = self.prompt_token_ids
+            self.prompt_logprobs = [
+                None if e is None else self._logprob_dict(e, prompt[max(0, i - MAX_UTF8_BYTES) : i])
+                for i, e in enumerate(out.new_prompt_logprobs)
+            ]
             if self.prompt_logprobs:
                 self.prompt_logprobs[0] = None
+        start = len(self.token_ids)
         self.token_ids.extend(out.new_token_ids)
         if self.logprobs is not None and out.new_logprobs:
-            for entry in out.new_logprobs:
-                self.logprobs.append(self._logprob_dict(entry))
+            context = self.prompt_token_ids[-MAX_UTF8_BYTES:] + self.token_ids
+            offset = len(context) - len(self.token_ids) + start
+            for j, entry in enumerate(out.new_logprobs):
+                self.logprobs.append(self._logprob_dict(entry, context[max(0, offset + j - MAX_UTF8_BYTES) : offset + j]))
                 assert self.cumulative_logprob is not None  # tracked together with logprobs
                 self.cumulative_logprob += entry.logprobs[0]
         engine_stop = out.finish_reason == FinishReason.STOP
@@ -95,18 +133,22 @@ class RequestState:
             self.stop_reason = out.stop_reason
         return False
 
-    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+    def _logprob_dict(self, entry: TokenLogprobs, context: list[int]) -> dict[int, Logprob]:
+        """``context``: the tokens before this position (at most ``MAX_UTF8_BYTES``)."""
         ids, lps = entry.token_ids, entry.logprobs
-        decode = self._decode_token
-        result = {ids[0]: Logprob(lps[0], entry.rank, decode(ids[0]))}
+        result = {ids[0]: Logprob(lps[0], entry.rank, self._decode_token(ids[0], context))}
         for rank, (tid, lp) in enumerate(zip(ids[1:], lps[1:], strict=True), start=1):
-            result.setdefault(tid, Logprob(lp, rank, decode(tid)))
+            if tid not in result:
+                result[tid] = Logprob(lp, rank, self._decode_token(tid, context))
         return result
 
-    def _decode_token(self, token_id: int) -> str | None:
+    def _decode_token(self, token_id: int, context: list[int]) -> str | None:
         if self.tokenizer is None or not self.params.detokenize:
             return None
-        return cast(str, self.tokenizer.decode([token_id]))  # one text for one list of ids
+        text = _decode(self.tokenizer, [token_id])
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text
+        return complete_token_text(self.tokenizer, token_id, context)
 
     @property
     def finished(self) -> bool:

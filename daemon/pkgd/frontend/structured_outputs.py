@@ -87,16 +87,16 @@ def load_xgrammar() -> Any:
         return _xgr
 
 
-def check(so: StructuredOutputsParams, field: str = "structured_outputs") -> None:
+def check(so: StructuredOutputsParams, field: str = "structured_outputs", *, max_bytes: int = MAX_CONSTRAINT_BYTES) -> None:
     """Raise `ValueError` ("``field``: reason") when the constraint is invalid, cannot be
-    enforced, or admits no output. ``field`` is the request field it came from."""
+    enforced, admits no output, or is larger than ``max_bytes`` as text. ``field`` is the
+    request field it came from."""
     try:
         so.verify()
         kind, text, _, _ = so.key()
     except ValueError as exc:
         raise ValueError(_renamed(exc, field)) from None
-    if len(text.encode()) > MAX_CONSTRAINT_BYTES:
-        raise ValueError(f"{field}: the constraint is {len(text.encode())} bytes, more than {MAX_CONSTRAINT_BYTES}")
+    _check_size(text, field, max_bytes)
     if kind == "json":
         schema = so.json if isinstance(so.json, dict) else __import__("json").loads(text)
         check_json_schema(schema, field)
@@ -105,6 +105,12 @@ def check(so: StructuredOutputsParams, field: str = "structured_outputs") -> Non
         build_grammar(xgr, so)
     except Exception as exc:  # xgrammar raises RuntimeError subclasses with the reason
         raise ValueError(f"{field}: {_what(kind)}: {constraint_error(exc)}") from None
+
+
+def _check_size(text: str, field: str, max_bytes: int) -> None:
+    size = len(text.encode())
+    if size > max_bytes:
+        raise ValueError(f"{field}: the constraint is {size} bytes, more than frontend.limits.max_constraint_bytes allows ({max_bytes})")
 
 
 def _renamed(exc: ValueError, field: str) -> str:
@@ -185,38 +191,65 @@ def _has_type(value: Any, types_: Any) -> bool:
 class ConstraintValidator:
     """Runs `check` off the event loop, bounded, with verdicts cached by constraint.
 
+    `check` (async) runs it on the validator's own threads; `check_blocking` in the calling
+    thread, for callers already off the event loop (the API server's request pool).
+
     Args:
-        max_workers: threads checking at once.
+        max_workers: threads checking at once (`check`).
         max_pending: checks admitted at once (running or queued); more are refused with a
             `ValueError` asking to retry, so a flood of huge schemas cannot queue up without bound.
         max_cached: verdicts kept (LRU by constraint key).
+        max_bytes: largest constraint (schema, regex, grammar or choices as text) checked;
+            larger ones are refused (``frontend.limits.max_constraint_bytes`` in an API server).
     """
 
-    def __init__(self, *, max_workers: int = 2, max_pending: int = 64, max_cached: int = 1024) -> None:
+    def __init__(self, *, max_workers: int = 2, max_pending: int = 64, max_cached: int = 1024,
+                 max_bytes: int = MAX_CONSTRAINT_BYTES) -> None:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pkgd-constraint")
         self._pending = threading.BoundedSemaphore(max_pending)
+        self._lock = threading.Lock()  # the verdict cache is shared by the checking threads
         self._verdicts: collections.OrderedDict[tuple, str | None] = collections.OrderedDict()
         self._max_cached = max_cached
+        self.max_bytes = max_bytes
 
     async def check(self, so: StructuredOutputsParams, field: str) -> None:
         """Raise `ValueError` ("``field``: reason") for a bad constraint."""
+        self._admit(field)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._check_admitted, so, field, self.max_bytes)
+        finally:
+            self._pending.release()
+
+    def check_blocking(self, so: StructuredOutputsParams, field: str, *, max_bytes: int | None = None) -> None:
+        """`check` in the calling thread (which must not be an event loop's); ``max_bytes``
+        overrides the validator's for this call (a reloaded limit)."""
+        self._admit(field)
+        try:
+            self._check_admitted(so, field, self.max_bytes if max_bytes is None else max_bytes)
+        finally:
+            self._pending.release()
+
+    def _admit(self, field: str) -> None:
+        if not self._pending.acquire(blocking=False):
+            raise ValueError(f"{field}: too many constraints are being checked at once; retry shortly")
+
+    def _check_admitted(self, so: StructuredOutputsParams, field: str, max_bytes: int) -> None:
         try:
             key = (field, *so.key())
         except ValueError as exc:
             raise ValueError(_renamed(exc, field)) from None
-        if key in self._verdicts:
-            self._verdicts.move_to_end(key)
-            verdict = self._verdicts[key]
-        else:
-            if not self._pending.acquire(blocking=False):
-                raise ValueError(f"{field}: too many constraints are being checked at once; retry shortly")
-            try:
-                verdict = await asyncio.get_running_loop().run_in_executor(self._executor, _verdict, so, field)
-            finally:
-                self._pending.release()
-            self._verdicts[key] = verdict
-            while len(self._verdicts) > self._max_cached:
-                self._verdicts.popitem(last=False)
+        _check_size(key[2], field, max_bytes)  # before the cache: the limit may change on reload
+        with self._lock:
+            cached = key in self._verdicts
+            if cached:
+                self._verdicts.move_to_end(key)
+                verdict = self._verdicts[key]
+        if not cached:
+            verdict = _verdict(so, field, max_bytes)
+            with self._lock:
+                self._verdicts[key] = verdict
+                while len(self._verdicts) > self._max_cached:
+                    self._verdicts.popitem(last=False)
         if verdict is not None:
             raise ValueError(verdict)
 
@@ -224,9 +257,9 @@ class ConstraintValidator:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _verdict(so: StructuredOutputsParams, field: str) -> str | None:
+def _verdict(so: StructuredOutputsParams, field: str, max_bytes: int) -> str | None:
     try:
-        check(so, field)
+        check(so, field, max_bytes=max_bytes)
     except ValueError as exc:
         return str(exc)
     return None

@@ -10,6 +10,7 @@ Torch-free: API servers import this.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import json
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pkgd.ipc.config_channel import ConfigReader
 from pkgd.ipc.messages import ChildFailed, Message, encode
 
 if TYPE_CHECKING:
@@ -53,8 +55,59 @@ def set_process_name(name: str) -> None:
     _prctl(_PR_SET_NAME, name.encode()[:15])
 
 
+class ConfigSource:
+    """Where a child's configuration comes from: the supervisor's config pipe (``--config-fd``,
+    `pkgd.ipc.config_channel`: the first frame at start, one more per live reload) or a file
+    (``--config-file``, for a child started by hand: re-read on SIGHUP).
+
+    ``fd`` is the pipe to watch for updates (None for a file).
+    """
+
+    def __init__(self, config_fd: int | None, config_file: str | None) -> None:
+        if (config_fd is None) == (config_file is None):
+            raise ValueError("give exactly one of --config-fd and --config-file")
+        self.config_file = config_file
+        self._reader = ConfigReader(config_fd) if config_fd is not None else None
+
+    @property
+    def fd(self) -> int | None:
+        return self._reader.fd if self._reader is not None else None
+
+    def describe(self) -> str:
+        return f"fd {self.fd}" if self._reader is not None else str(self.config_file)
+
+    def initial(self, timeout: float = 30.0) -> VllmConfig:
+        """The configuration to start with.
+
+        Raises ``OSError`` / ``EOFError`` / ``TimeoutError`` (nothing to read) or
+        ``ValueError`` (not a valid configuration).
+        """
+        if self._reader is not None:
+            return self._reader.read_first(timeout)
+        return load_config(self.config_file)  # type: ignore[arg-type]
+
+    def updates(self) -> list[VllmConfig]:
+        """New configurations: the frames that arrived (pipe), or the file read again (call
+        it on SIGHUP). Raises ``OSError``/``ValueError`` like `initial`."""
+        if self._reader is not None:
+            return self._reader.read_available()
+        return [load_config(self.config_file)]  # type: ignore[arg-type]
+
+    @property
+    def closed(self) -> bool:
+        """The supervisor closed its end of the pipe (it is gone): stop watching ``fd``."""
+        return self._reader is not None and self._reader.closed
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """``--config-fd N`` (from the supervisor) or ``--config-file PATH`` (by hand)."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--config-fd", type=int, help="pipe the supervisor writes the configuration to")
+    group.add_argument("--config-file", help="config.json to read (a child started by hand; SIGHUP re-reads it)")
+
+
 def load_config(path: str | os.PathLike[str]) -> VllmConfig:
-    """Read and validate the ``config.json`` the supervisor wrote.
+    """Read and validate a ``config.json`` (a child started by hand).
 
     Raises:
         OSError: the file cannot be read.

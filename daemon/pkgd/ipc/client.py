@@ -7,7 +7,10 @@ One DEALER socket per core address (`pkgd.ipc.transport`). Per core the client:
 - watches the connection through a socket monitor: when it drops, the core is unavailable
   and every request in flight on it fails with `EngineRequestError` at once (never a hang);
 - reads `EngineOutputs` / `EngineError` frames and hands them to the `OutputSink`
-  (``AsyncLLM``), which turns engine outputs into ``RequestOutput``s.
+  (``AsyncLLM``), which turns engine outputs into ``RequestOutput``s. A large step's outputs
+  are handed over in chunks of ``OUTPUT_CHUNK`` with the event loop yielded between them
+  (vLLM's ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``), so detokenizing hundreds of sequences never
+  stalls the other work of the loop for a whole step.
 
 New requests go to the least loaded available core (data-parallel balancing): its load is
 this client's own in-flight count there plus the requests of *other* clients, taken from the
@@ -53,6 +56,7 @@ from pkgd.ipc.messages import (
 
 logger = log.get_logger(__name__)
 
+OUTPUT_CHUNK = 32  # engine outputs processed per turn of the event loop
 _UP = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)
 _DOWN = zmq.EVENT_DISCONNECTED
 
@@ -96,6 +100,7 @@ class _Core:
         self.inflight: set[str] = set()
         self.stats = SchedulerStats()
         self.inflight_at_stats = 0
+        self.reading = asyncio.Lock()  # held while one frame's outputs are being delivered
 
     @property
     def available(self) -> bool:
@@ -143,6 +148,8 @@ class EngineClient:
         try:
             await asyncio.wait_for(self._wait_all(), timeout)
         except TimeoutError:
+            # Not a fault by itself: engine cores loading a model answer later, and the
+            # caller decides how long that may take (supervisor.engine_ready_timeout).
             logger.debug("engine_handshake_pending", missing=self.unavailable())
             return False
         return True
@@ -203,11 +210,15 @@ class EngineClient:
         candidates = [c for c in self._cores if c.available]
         if not candidates:
             raise EngineUnavailableError("no engine core is available (starting or restarting); retry shortly")
+        try:
+            frames = [encode(AddRequest(request=req)) for req in requests]
+        except (msgspec.EncodeError, OverflowError, TypeError) as exc:  # nothing sent
+            raise EngineRequestError(f"the request cannot be sent to the engine: {exc}", rejected=True) from None
         turn = next(self._rotation)
         n = len(self._cores)
         core = min(candidates, key=lambda c: (c.load(), (c.position - turn) % n))
-        for req in requests:
-            if not self._send(core, AddRequest(request=req)):
+        for req, frame in zip(requests, frames, strict=True):
+            if not self._send_frame(core, frame):
                 self._fail_core(core, f"engine core at {core.address} is not reachable")
                 raise EngineUnavailableError(f"engine core at {core.address} is not reachable; retry shortly")
             core.inflight.add(req.request_id)
@@ -257,8 +268,11 @@ class EngineClient:
     # ---- internals -----------------------------------------------------------------------
 
     def _send(self, core: _Core, msg: Message) -> bool:
+        return self._send_frame(core, encode(msg))
+
+    def _send_frame(self, core: _Core, frame: bytes) -> bool:
         # pyzmq annotates an Awaitable; zmq.asyncio returns an asyncio.Future
-        fut = cast("asyncio.Future[Any]", core.sock.send(encode(msg), flags=zmq.DONTWAIT))
+        fut = cast("asyncio.Future[Any]", core.sock.send(frame, flags=zmq.DONTWAIT))
         exc = fut.exception()  # DONTWAIT futures are already done
         if exc is not None:
             logger.warning("engine_send_failed", address=core.address, error=str(exc))
@@ -275,10 +289,13 @@ class EngineClient:
                     core.connected = False
             elif event == _DOWN and core.connected:
                 # A dying core's last frames (its errors) may sit in the socket or in the
-                # reader's resolved future: let them be dispatched before failing the rest.
-                self._drain(core)
+                # reader's resolved future: let them be dispatched (after the frame being
+                # delivered, so outputs stay in order) before failing the rest.
+                async with core.reading:
+                    self._drain(core)
                 await asyncio.sleep(0)
-                self._drain(core)
+                async with core.reading:
+                    self._drain(core)
                 core.connected = False
                 was = core.handshake
                 core.handshake = None
@@ -289,7 +306,23 @@ class EngineClient:
 
     async def _reader(self, core: _Core) -> None:
         while True:
-            self._dispatch(core, await core.sock.recv())
+            frame = await core.sock.recv()
+            async with core.reading:
+                msg = self._decode(core, frame)
+                try:
+                    if isinstance(msg, EngineOutputs) and len(msg.outputs) > OUTPUT_CHUNK:
+                        await self._deliver_in_chunks(core, msg)
+                    elif msg is not None:
+                        self._handle(core, msg)
+                except Exception:  # the sink's bug: keep reading, or every stream here hangs
+                    logger.exception("engine_frame_failed", address=core.address)
+
+    async def _deliver_in_chunks(self, core: _Core, msg: EngineOutputs) -> None:
+        outputs = msg.outputs
+        for start in range(0, len(outputs), OUTPUT_CHUNK):
+            stats = msg.scheduler_stats if start == 0 else None
+            self._on_outputs(core, msgspec.structs.replace(msg, outputs=outputs[start : start + OUTPUT_CHUNK], scheduler_stats=stats))
+            await asyncio.sleep(0)
 
     def _drain(self, core: _Core) -> None:
         """Dispatch the frames already received (a dying core's last errors come first)."""
@@ -300,11 +333,18 @@ class EngineClient:
             self._dispatch(core, fut.result())
 
     def _dispatch(self, core: _Core, frame: bytes) -> None:
+        msg = self._decode(core, frame)
+        if msg is not None:
+            self._handle(core, msg)
+
+    def _decode(self, core: _Core, frame: bytes) -> Message | None:
         try:
-            msg = decode_engine(frame)
+            return decode_engine(frame)
         except msgspec.DecodeError as exc:
             logger.warning("bad_engine_frame", address=core.address, error=str(exc))
-            return
+            return None
+
+    def _handle(self, core: _Core, msg: Message) -> None:
         if isinstance(msg, EngineOutputs):
             self._on_outputs(core, msg)
         elif isinstance(msg, EngineError):

@@ -7,7 +7,9 @@ candidates ending in EOS (unless ``ignore_eos``) are set aside as completed; the
 ``beam_width`` best of the rest by cumulative logprob continue. After ``max_tokens`` steps, or
 when no beam is left, completed and live beams are ranked by the length-penalised score
 ``cum_logprob / len(tokens) ** length_penalty`` (Wu et al., 2016, GNMT; like vLLM, ``tokens``
-includes the prompt) and the best ``beam_width`` are returned.
+includes the prompt) and the best ``beam_width`` are returned. With ``stop`` strings (and a
+``decode`` function), a candidate whose generated text contains one is completed with
+``finish_reason`` "stop" and its ``text`` cut at the stop string.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from pkgd.frontend.detokenizer import find_stop_string
 from pkgd.outputs import Logprob
 from pkgd.sampling_params import BeamSearchParams
 
@@ -58,13 +61,20 @@ def beam_search(
     *,
     eos_token_id: int | None,
     max_model_len: int,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[BeamSearchOutput]:
     """Run beam search for each prompt; ``next_token_logprobs`` runs one engine step batch.
+    ``decode`` (token ids → text) is needed for ``params.stop``; it also sets each
+    sequence's ``text`` (prompt and generated tokens, as vLLM returns it).
 
-    Raises `ValueError` for ``beam_width`` or ``max_tokens`` below 1.
+    Raises `ValueError` for ``beam_width`` or ``max_tokens`` below 1, or ``stop`` without
+    ``decode``.
     """
     if params.beam_width < 1 or params.max_tokens < 1:
         raise ValueError(f"beam_width and max_tokens must be at least 1, got {params.beam_width} and {params.max_tokens}")
+    if params.stop and decode is None:
+        raise ValueError("stop strings need a tokenizer to decode the beams")
+    prompt_lens = [len(p) for p in prompts]
     width = params.beam_width
     live = [[BeamSearchSequence(list(p), [])] for p in prompts]
     completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
@@ -85,6 +95,8 @@ def beam_search(
                 if token_id == eos_token_id and not params.ignore_eos:
                     new.finish_reason = "stop"
                     completed[i].append(new)
+                elif params.stop and _hit_stop(new, prompt_lens[i], params, decode):  # type: ignore[arg-type]
+                    completed[i].append(new)
                 else:
                     candidates[i].append(new)
         live = [sorted(c, key=lambda b: b.cum_logprob, reverse=True)[:width] for c in candidates]
@@ -95,4 +107,24 @@ def beam_search(
             beam.finish_reason = "length"
         ranked = sorted(done + beams, key=lambda b: beam_search_score(b, eos_token_id, params.length_penalty), reverse=True)
         outputs.append(BeamSearchOutput(ranked[:width]))
+    if decode is not None:
+        for out in outputs:
+            for seq in out.sequences:
+                if seq.text is None:  # a stopped beam's text is already cut
+                    seq.text = decode(seq.tokens)
     return outputs
+
+
+def _hit_stop(seq: BeamSearchSequence, prompt_len: int, params: BeamSearchParams, decode: Callable[[list[int]], str]) -> bool:
+    """Finish ``seq`` when its generated text holds a stop string: set its ``text`` (prompt
+    text, then the generated text cut at the stop string) and the reasons."""
+    prompt_text = decode(seq.tokens[:prompt_len])
+    full = decode(seq.tokens)
+    generated = full[len(prompt_text):] if full.startswith(prompt_text) else decode(seq.tokens[prompt_len:])
+    hit = find_stop_string(generated, len(generated), params.stop, params.include_stop_str_in_output)
+    if hit is None:
+        return False
+    stop_str, cut = hit
+    seq.finish_reason, seq.stop_reason = "stop", stop_str
+    seq.text = prompt_text + generated[:cut]
+    return True

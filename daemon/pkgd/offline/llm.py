@@ -73,7 +73,7 @@ class LLM:
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size,
             eos_token_id=self.engine.eos_token_id,
-            max_logprobs=self.config.frontend.max_logprobs,
+            max_logprobs=self.config.frontend.limits.max_logprobs,
             hidden_size=self.engine.hidden_size or None,
             matryoshka=self.engine.matryoshka,
             matryoshka_dimensions=self.engine.matryoshka_dimensions,
@@ -112,17 +112,22 @@ class LLM:
         for all or one per prompt. ``use_tqdm``: True shows a progress bar for a batch of
         several prompts still running after 2 s, False none, a callable makes the bar (as
         ``tqdm``; see `pkgd.offline.progress`). Raises `ValueError` for bad input before
-        anything runs.
+        anything runs; with several prompts the message starts with the index of the bad one
+        (``prompt 3: ...``).
         """
         prompt_list = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prios) != len(prompt_list):
             raise ValueError(f"{len(prios)} priorities for {len(prompt_list)} prompts")
-        processed = [
-            self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr)
-            for p, sp, pr in zip(prompt_list, params, prios, strict=True)
-        ]
+        processed = []
+        for i, (p, sp, pr) in enumerate(zip(prompt_list, params, prios, strict=True)):
+            try:
+                processed.append(self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr))
+            except ValueError as exc:
+                if len(prompt_list) == 1:
+                    raise
+                raise ValueError(f"prompt {i}: {exc}") from None
         return self.run_processed(processed, use_tqdm)
 
     def chat(
@@ -148,10 +153,14 @@ class LLM:
         kw: dict[str, Any] = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, tools=tools,
                   chat_template_kwargs=chat_template_kwargs)
-        processed = [
-            self.input_processor.process_chat(self.next_request_id(), conv, sp, **kw)
-            for conv, sp in zip(conversations, params, strict=True)
-        ]
+        processed = []
+        for i, (conv, sp) in enumerate(zip(conversations, params, strict=True)):
+            try:
+                processed.append(self.input_processor.process_chat(self.next_request_id(), conv, sp, **kw))
+            except ValueError as exc:
+                if len(conversations) == 1:
+                    raise
+                raise ValueError(f"conversation {i}: {exc}") from None
         return self.run_processed(processed, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -177,13 +186,10 @@ class LLM:
                 firsts.append(lps[0])
             return firsts
 
-        results = beam_search(token_prompts, params, next_token_logprobs,
-                              eos_token_id=self.engine.eos_token_id, max_model_len=self.engine.max_model_len)
-        if self.tokenizer is not None:
-            for out in results:
-                for seq in out.sequences:
-                    seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return results
+        tok = self.tokenizer
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        return beam_search(token_prompts, params, next_token_logprobs, eos_token_id=self.engine.eos_token_id,
+                           max_model_len=self.engine.max_model_len, decode=decode)
 
     # ---- pooling (model.runner: pooling) ----------------------------------------------------
 
@@ -320,7 +326,7 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {n} prompts")
         for sp in {id(p): p for p in params}.values():
             if sp.structured_outputs is not None:
-                check_constraint(sp.structured_outputs)
+                check_constraint(sp.structured_outputs, max_bytes=self.config.frontend.limits.max_constraint_bytes)
         return params
 
     def next_request_id(self) -> str:

@@ -13,13 +13,17 @@ page faults on the larger temporaries were within run-to-run noise.
 An operator's own ``MALLOC_MMAP_THRESHOLD_`` (glibc's tunable) wins; on other C libraries
 this does nothing.
 
-After loading, the weights and the KV cache are moved onto 2 MiB huge pages
-(`collapse_to_huge_pages`): decode reads them from DRAM every step.
+After loading, the weights are moved onto 2 MiB huge pages (`collapse_to_huge_pages`): decode
+reads them from DRAM every step. The KV cache comes from `lazy_zeroed_buffers` instead: fresh
+anonymous memory that is zero without being written and becomes resident (on huge pages where
+the kernel allows) only as blocks are first written, so a cache sized for the worst case costs
+only what the workload uses.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 
@@ -95,3 +99,35 @@ def collapse_to_huge_pages(spans: list[tuple[int, int]]) -> int:
             if madvise(page, HUGE_PAGE_BYTES, _MADV_HUGEPAGE) == 0 and madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0:
                 done += HUGE_PAGE_BYTES
     return done
+
+
+def lazy_zeroed_buffers(sizes: list[int], *, align: int = HUGE_PAGE_BYTES, huge_pages: bool = True) -> list[torch.Tensor]:
+    """Zero-filled ``uint8`` CPU tensors of the given byte sizes that take no memory until written.
+
+    One private anonymous ``mmap`` holds them all, each starting on an ``align`` boundary (2 MiB:
+    whole huge pages per tensor). Linux maps such pages to the shared zero page until the first
+    write, which then faults in a page of its own, so resident memory follows the bytes written,
+    not the size. The region is ``madvise(MADV_HUGEPAGE)`` when ``huge_pages`` is true: a first
+    write faults in a 2 MiB page where THP allows it, as `collapse_to_huge_pages` gives the
+    weights. The tensors keep the mapping alive; it is unmapped when the last one is freed.
+    View them as the dtype and shape needed (``t.view(dtype).view(shape)``).
+
+    Raises:
+        OSError: the mapping cannot be created (address space or overcommit limits).
+    """
+    offsets, total = [], 0
+    for n in sizes:
+        if n < 0:
+            raise ValueError(f"negative buffer size {n}")
+        offsets.append(total)
+        total += -(-n // align) * align
+    # one spare ``align`` so the first buffer can start on a boundary wherever mmap placed it
+    mm = mmap.mmap(-1, total + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out: 4 KiB pages, still lazy
+            pass
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    shift = -whole.data_ptr() % align
+    return [whole[shift + off : shift + off + n] for n, off in zip(sizes, offsets)]

@@ -31,7 +31,7 @@ from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.logprobs import TokenLogprobs
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir
-from pkgd.runner.allocator import collapse_to_huge_pages, tensor_span, tune_cpu_allocator
+from pkgd.runner.allocator import collapse_to_huge_pages, lazy_zeroed_buffers, tensor_span, tune_cpu_allocator
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
@@ -228,9 +228,13 @@ class ModelRunner:
         return 2 * self.arch.num_hidden_layers * block_size * self.num_kv_heads_local * self.arch.head_dim * elt
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate (zeroed) ``key_cache``/``value_cache`` of shape ``[num_blocks, block_size,
+        """Allocate zeroed ``key_cache``/``value_cache`` of shape ``[num_blocks, block_size,
         num_kv_heads_per_rank, head_dim]`` per layer. Zeroed so padding slots in a gathered
-        block are finite (a masked NaN would still poison the attention's ``p @ V``)."""
+        block are finite (a masked NaN would still poison the attention's ``p @ V``).
+
+        On CPU the cache is fresh anonymous memory (`pkgd.runner.allocator.lazy_zeroed_buffers`):
+        zero without being written, resident only as blocks are first written, so the budget
+        can be sized for the worst case while memory follows the blocks the scheduler uses."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
@@ -238,13 +242,18 @@ class ModelRunner:
         with phases.phase("kv_cache", "allocating KV cache", total=layers, unit="layer", bar=self.tp.rank == 0,
                           num_blocks=num_blocks, bytes=num_blocks * self.kv_cache_bytes_per_block(block_size)) as p:
             self.kv_caches = []
-            for _ in range(layers):
-                self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                                       torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
-                p.advance()
+            if self.device.type == "cpu":
+                nbytes = num_blocks * self.kv_cache_bytes_per_block(block_size) // (2 * layers)
+                raw = lazy_zeroed_buffers([nbytes] * (2 * layers), huge_pages=self.config.parallel.cpu_huge_pages)
+                bufs = [b.view(self.kv_dtype).view(shape) for b in raw]
+                self.kv_caches = list(zip(bufs[0::2], bufs[1::2]))
+                p.advance(layers)
+            else:
+                for _ in range(layers):
+                    self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+                    p.advance()
         self.block_size, self.num_blocks = block_size, num_blocks
-        if self.device.type == "cpu":
-            self._to_huge_pages("kv_cache", [tensor_span(c) for kv in self.kv_caches for c in kv])
 
     # ---- sleep mode ----------------------------------------------------------------------
 

@@ -6,6 +6,11 @@ process group, so a terminal's Ctrl-C reaches only the supervisor, which then st
 in order (API servers drain before the engine cores go). Children die with the supervisor by
 ``PR_SET_PDEATHSIG``, which they set themselves.
 
+The configuration goes to the child on another private pipe (``--config-fd C``,
+`pkgd.ipc.config_channel`): the frame of the child's generation at spawn, and a new frame for
+every live reload (`Child.send_config`), so no file with secrets is written and a child
+restarted after a crash gets its own generation's configuration.
+
 Start-up is reported on a private pipe (``--ready-fd R``): the child writes exactly one msgpack
 frame from `pkgd.ipc.messages` and closes it: `Handshake` (engine core) or `ApiServerReady`
 (API server) once serving, `ChildFailed` when start-up failed. Exit is observed through a
@@ -41,8 +46,9 @@ class ChildSpec:
     """How to start one child; a crashed child is restarted from the same spec.
 
     ``index`` is the DP rank of an engine core or the server index of an API server;
-    ``generation`` counts the engine (or API server) sets a reload replaced. ``argv`` lacks
-    ``--ready-fd``, which `Child.spawn` appends; ``pass_fds`` are inherited as they are.
+    ``generation`` is the id of the generation that first started it. ``argv`` lacks
+    ``--ready-fd`` and ``--config-fd``, which `Child.spawn` appends; ``pass_fds`` are
+    inherited as they are.
     """
 
     role: Role
@@ -75,8 +81,9 @@ class Child:
     when the supervisor stops the child on purpose, so its exit is not a crash.
     """
 
-    def __init__(self, spec: ChildSpec, popen: subprocess.Popen[bytes], ready_fd: int, restarts: int) -> None:
+    def __init__(self, spec: ChildSpec, popen: subprocess.Popen[bytes], ready_fd: int, restarts: int, config_fd: int) -> None:
         self.spec = spec
+        self.generation: object = None  # the `Generation` it serves (set by the fleet)
         self.popen = popen
         self.pid = popen.pid
         self.restarts = restarts
@@ -96,25 +103,34 @@ class Child:
         loop.add_reader(ready_fd, self._read_ready)
         self._pidfd: int | None = os.pidfd_open(self.pid)
         loop.add_reader(self._pidfd, self._on_exit)
+        self._config_fd: int | None = config_fd
+        self._config_out = b""
+        os.set_blocking(config_fd, False)
 
     @classmethod
-    def spawn(cls, spec: ChildSpec, restarts: int = 0) -> Child:
-        """Start the process (call from the loop's thread: PDEATHSIG follows the forking thread)."""
+    def spawn(cls, spec: ChildSpec, config_frame: bytes, restarts: int = 0) -> Child:
+        """Start the process and send it ``config_frame`` (call from the loop's thread:
+        PDEATHSIG follows the forking thread)."""
         r, w = os.pipe()
+        config_r, config_w = os.pipe()
         try:
             popen = subprocess.Popen(
-                [*spec.argv, "--ready-fd", str(w)],
-                pass_fds=(w, *spec.pass_fds),
+                [*spec.argv, "--ready-fd", str(w), "--config-fd", str(config_r)],
+                pass_fds=(w, config_r, *spec.pass_fds),
                 env=dict(spec.env),
                 process_group=0,
                 stdin=subprocess.DEVNULL,
             )
         except OSError:
             os.close(r)
+            os.close(config_w)
             raise
         finally:
             os.close(w)
-        return cls(spec, popen, r, restarts)
+            os.close(config_r)
+        child = cls(spec, popen, r, restarts, config_w)
+        child.send_config(config_frame)
+        return child
 
     @property
     def name(self) -> str:
@@ -170,6 +186,33 @@ class Child:
             os.close(self._ready_fd)
             self._ready_fd = None
 
+    # ---- configuration pipe ------------------------------------------------------------
+
+    def send_config(self, frame: bytes) -> None:
+        """Queue one configuration frame for the child (written as the pipe takes it)."""
+        if self._config_fd is None:
+            return
+        self._config_out += frame
+        self._write_config()
+
+    def _write_config(self) -> None:
+        assert self._config_fd is not None
+        try:
+            while self._config_out:
+                self._config_out = self._config_out[os.write(self._config_fd, self._config_out) :]
+        except BlockingIOError:
+            self._loop.add_writer(self._config_fd, self._write_config)
+            return
+        except BrokenPipeError:  # the child exited; its exit is handled through the pidfd
+            self._config_out = b""
+        self._loop.remove_writer(self._config_fd)
+
+    def _close_config_pipe(self) -> None:
+        if self._config_fd is not None:
+            self._loop.remove_writer(self._config_fd)
+            os.close(self._config_fd)
+            self._config_fd = None
+
     # ---- exit ------------------------------------------------------------------------
 
     def _on_exit(self) -> None:
@@ -183,6 +226,7 @@ class Child:
         while self._ready_fd is not None and self._read_ready():
             pass
         self._close_ready_pipe()
+        self._close_config_pipe()
         self.state = "exited"
         if not self.ready.done():
             self.ready.set_exception(

@@ -6,16 +6,25 @@ among its changed fields (``x-reload`` in the schema, `pkgd.config.fields.Reload
 
 The plan is `pkgd.config.reload.plan_reload` (the same one ``pkgd config diff`` shows):
 
-* ``live`` — rewrite ``config.json`` and SIGHUP every child; they re-read it (log level, API
-  keys, CORS, served names) and so does the supervisor (its own log level, restart policy).
-* ``api`` — rolling restart of the API servers on the held socket(s): start a new set, wait
-  for every ready frame, make it current, then drain the old set in the background. The
-  listening socket never closes, so no connection is refused.
-* ``engine`` — ``overlap``: start new engine cores (new generation, new IPC addresses) and a
-  new API-server set wired to them, switch, then drain the old API servers and stop the old
-  cores. ``stop_first`` (when memory cannot hold both, or headless cores whose TCP addresses
-  are fixed): drain and stop the old set, then start the new one while connections wait in the
-  listen backlog; if the new set fails, the old config is started again.
+Every change that restarts children is a swap of whole generations
+(`pkgd.supervisor.fleet.Generation`): the new generation, with its own configuration, is
+started beside the current one, becomes current once every child is ready (traffic moves:
+new connections go to its API servers), and the old one drains in the background (its API
+servers close their copy of the listener, answer with ``Connection: close`` and serve their
+open connections until those close). A child of either generation that crashes meanwhile is
+restarted with its own generation's configuration.
+
+* ``live`` — the current generation takes the new tree and sends it on every child's config
+  pipe (log level, API keys, CORS, served names, limits); the supervisor applies it too (its
+  own log level, restart policy).
+* ``api`` — a new generation that carries the engine cores over (sent the new tree) and
+  starts new API servers on the held socket(s). The listening socket never closes, so no
+  connection is refused.
+* ``engine`` — ``overlap``: a new generation of engine cores (new IPC addresses) and API
+  servers wired to them. ``stop_first`` (when memory cannot hold both, or headless cores whose
+  TCP addresses are fixed): drain and stop the current generation, then start the new one
+  while connections wait in the listen backlog; if it fails, the old configuration is started
+  again as a generation of its own.
 * ``restart`` — cannot be applied in place (``frontend.headless``, ``supervisor.runtime_dir``):
   the reload is refused and says so.
 
@@ -26,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -38,10 +46,8 @@ from pkgd.config.fields import ReloadClass
 from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
 from pkgd.supervisor.children import Child, ChildStartError
-from pkgd.supervisor.fleet import Fleet
-from pkgd.supervisor.runtime import RuntimeDir
+from pkgd.supervisor.fleet import Fleet, Generation
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
-from pkgd.supervisor.topology import Entrypoints, api_specs
 
 logger = log.get_logger(__name__)
 
@@ -62,13 +68,9 @@ class Supervisor(Protocol):
 
     config: VllmConfig
     plan: ServePlan
-    entry: Entrypoints
-    runtime: RuntimeDir
     listeners: list[Listener]
     fleet: Fleet
     recompose: Callable[[], VllmConfig]
-
-    def api_env(self) -> dict[str, str]: ...
 
     def adopt_config(self, new: VllmConfig) -> None: ...
 
@@ -78,9 +80,7 @@ class Supervisor(Protocol):
 
     async def stop_in_order(self, children: list[Child]) -> None: ...
 
-    async def start_generation(
-        self, config: VllmConfig, plan: ServePlan, listeners: list[Listener], engine_generation: int, api_generation: int
-    ) -> tuple[dict[int, Child], dict[int, Child]]: ...
+    async def start_generation(self, gen: Generation, plan: ServePlan, listeners: list[Listener]) -> None: ...
 
 
 def config_problems(exc: BaseException) -> list[str]:
@@ -111,7 +111,6 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
     try:
         await apply(sup, new)
     except (ReloadFailed, BindError, ChildStartError) as exc:
-        sup.runtime.write_config(sup.config)
         return _outcome("failed", started, cls, changed, [str(exc)])
     sup.adopt_config(new)
     return _outcome("applied", started, cls, changed)
@@ -129,26 +128,24 @@ def _outcome(result: str, started: float, cls: ReloadClass | None = None, change
 
 
 async def _apply_live(sup: Supervisor, new: VllmConfig) -> None:
-    sup.runtime.write_config(new)
-    for child in sup.fleet.current():
-        child.signal(signal.SIGHUP)
+    assert sup.fleet.current is not None
+    sup.fleet.current.set_config(new)
 
 
 async def _apply_api(sup: Supervisor, new: VllmConfig) -> None:
     plan = new.serve_plan()
     listeners, fresh = _listeners_for(sup, new, plan)
-    sup.runtime.write_config(new)
     fleet = sup.fleet
-    addresses = {rank: c.spec.address for rank, c in fleet.engines.items()}
-    specs = api_specs(new, plan, sup.runtime, listeners, addresses, fleet.api_generation + 1, sup.entry, sup.api_env())
+    gen = fleet.new_generation(new, engines=fleet.engines)
     try:
-        apis = await fleet.start_set(specs)
+        await sup.start_generation(gen, plan, listeners)
     except BaseException:
         _close(fresh)
         raise
-    old = fleet.install(apis=apis)
-    for child in fleet.engines.values():
-        child.signal(signal.SIGHUP)  # live fields that changed alongside
+    old = fleet.install(gen)
+    frame = gen.frame()
+    for child in gen.engines.values():
+        child.send_config(frame)  # the carried cores: live fields that changed alongside
     sup.swap_listeners(listeners)
     sup.retire(old)
 
@@ -158,7 +155,6 @@ async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
     listeners, fresh = _listeners_for(sup, new, plan)
     overlap, why = can_overlap(sup, new, plan)
     logger.info("engine_swap", strategy="overlap" if overlap else "stop_first", reason=why)
-    sup.runtime.write_config(new)
     try:
         if overlap:
             await _swap_overlap(sup, new, plan, listeners)
@@ -171,29 +167,30 @@ async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
 
 
 async def _swap_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
-    fleet = sup.fleet
-    engines, apis = await sup.start_generation(new, plan, listeners, fleet.engine_generation + 1, fleet.api_generation + 1)
-    sup.retire(fleet.install(engines=engines, apis=apis))
+    gen = sup.fleet.new_generation(new)
+    await sup.start_generation(gen, plan, listeners)
+    sup.retire(sup.fleet.install(gen))
 
 
 async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
     fleet = sup.fleet
-    old = fleet.install(engines={}, apis={})
+    previous = fleet.current
+    assert previous is not None
+    old = fleet.install(Generation(previous.id, previous.config))  # the same generation, stopped
     await sup.stop_in_order(old)
+    gen = fleet.new_generation(new)
     try:
-        engines, apis = await sup.start_generation(new, plan, listeners, fleet.engine_generation + 1, fleet.api_generation + 1)
+        await sup.start_generation(gen, plan, listeners)
     except ChildStartError as exc:
         logger.error("engine_swap_failed", error=str(exc), action="starting the previous configuration again")
-        sup.runtime.write_config(sup.config)
+        again = fleet.new_generation(previous.config)
         try:
-            old_engines, old_apis = await fleet.start_pair(
-                [c.spec for c in old if c.spec.role == "engine-core"], [c.spec for c in old if c.spec.role == "api-server"]
-            )
-        except ChildStartError as again:
-            raise RollbackFailed(f"new config failed ({exc}) and the previous one too ({again})") from again
-        fleet.install(engines=old_engines, apis=old_apis)
+            await sup.start_generation(again, previous.config.serve_plan(), sup.listeners)
+        except ChildStartError as exc2:
+            raise RollbackFailed(f"new config failed ({exc}) and the previous one too ({exc2})") from exc2
+        fleet.install(again)
         raise ReloadFailed(str(exc)) from exc
-    fleet.install(engines=engines, apis=apis)
+    fleet.install(gen)
 
 
 def can_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[bool, str]:

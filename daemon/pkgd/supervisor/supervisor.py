@@ -4,8 +4,9 @@ Life cycle, as a state machine (``state``): ``starting`` → ``running`` ⇄ ``r
 ``stopping``.
 
 * `Supervisor.prepare` (synchronous, before anything heavy): bind or adopt the listening
-  sockets (a port in use fails here, exit 2), lock the runtime directory, write config.json.
-* ``starting``: engine cores and the API servers on the held sockets are spawned together
+  sockets (a port in use fails here, exit 2), create and lock the runtime directory.
+* ``starting``: generation 0 (`pkgd.supervisor.fleet.Generation`): engine cores and the API
+  servers on the held sockets, each sent the configuration on its config pipe, spawned together
   (an API server loads its tokenizer while the cores load the model, and reports ready only
   once the cores answer); wait for every `Handshake` (``supervisor.engine_ready_timeout``),
   then every `ApiServerReady`; one ``ready`` log line with the URL; ``READY=1``.
@@ -34,7 +35,7 @@ from pkgd.config.vllm_config import ServePlan, VllmConfig
 from pkgd.supervisor import reload as reloading
 from pkgd.supervisor.children import Child, ChildStartError
 from pkgd.supervisor.control import ControlServer
-from pkgd.supervisor.fleet import Fleet, StopRequested
+from pkgd.supervisor.fleet import Fleet, Generation, StopRequested
 from pkgd.supervisor.headline import ready_headline
 from pkgd.supervisor.health import HealthMonitor
 from pkgd.supervisor.notify import Notifier
@@ -89,13 +90,10 @@ class Supervisor:
     # ---- synchronous entry -------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Bind listeners, lock the runtime dir, write config.json (raises BindError, RuntimeDirError)."""
-        for warning in self.plan.warnings:
-            logger.warning("config_warning", message=warning)
+        """Bind listeners, create and lock the runtime dir (raises BindError, RuntimeDirError)."""
         self.listeners = open_listeners(listen_specs(self.config, self.plan), self.environ)
         self.runtime.acquire()
-        self.runtime.write_config(self.config)
-        self.runtime.metrics_dir(0).mkdir(mode=0o700, exist_ok=True)
+        self.runtime.make_metrics_dir(0)
 
     def run(self) -> int:
         """Serve until stopped; the process exit status (0, 1, or 2 for start-up errors)."""
@@ -156,18 +154,18 @@ class Supervisor:
         return self.exit_code
 
     async def _start(self) -> None:
-        self.fleet.install(*await self.start_generation(self.config, self.plan, self.listeners, 0, 0))
+        gen = self.fleet.new_generation(self.config)
+        await self.start_generation(gen, self.plan, self.listeners)
+        self.fleet.install(gen)
         self.fleet.restarts_enabled = True
 
-    async def start_generation(
-        self, config: VllmConfig, plan: ServePlan, listeners: list[Listener], engine_generation: int, api_generation: int
-    ) -> tuple[dict[int, Child], dict[int, Child]]:
-        """Start a complete set for ``config`` (engine cores and the API servers wired to them)
-        and wait until it is ready; see `Fleet.start_pair`."""
-        cores = engine_specs(config, plan, self.runtime, engine_generation, self.entry, self.engine_env())
-        addresses = {spec.index: spec.address for spec in cores}
-        apis = api_specs(config, plan, self.runtime, listeners, addresses, api_generation, self.entry, self.api_env())
-        return await self.fleet.start_pair(cores, apis)
+    async def start_generation(self, gen: Generation, plan: ServePlan, listeners: list[Listener]) -> None:
+        """Start ``gen``'s children and wait until they are ready (`Fleet.start`): new engine
+        cores unless it carries some, and API servers wired to its cores."""
+        cores = [] if gen.engines else engine_specs(gen.config, plan, self.runtime, gen.id, self.entry, self.engine_env())
+        addresses = {spec.index: spec.address for spec in cores} or {rank: c.spec.address for rank, c in gen.engines.items()}
+        apis = api_specs(gen.config, plan, self.runtime, listeners, addresses, gen.id, self.entry, self.api_env())
+        await self.fleet.start(gen, cores, apis)
 
     # ---- signals and requests (handlers only flip state) -------------------------------
 
@@ -365,7 +363,8 @@ class Supervisor:
             "engine_generation": self.fleet.engine_generation,
             "api_generation": self.fleet.api_generation,
             "children": self.fleet.describe(),
-            "retiring": len(set(self.fleet.alive()) - set(self.fleet.current())),  # replaced, still draining
+            "generation": self.fleet.current.id if self.fleet.current is not None else None,
+            "retiring": len(set(self.fleet.alive()) - set(self.fleet.current_children())),  # replaced, still draining
             "health": [e.as_dict() for e in self.health.endpoints.values()],
             "crashes_in_window": self.fleet.policy.crashes_in_window(time.monotonic()),
             "last_reload": self.last_reload,

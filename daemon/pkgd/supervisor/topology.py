@@ -65,7 +65,6 @@ def engine_specs(
         address = engine_address(config, plan, runtime, generation, rank)
         argv = (
             *entry.engine_core,
-            "--config-file", str(runtime.config_file),
             "--engine-index", str(rank),
             "--address", address,
             "--parent-pid", str(os.getpid()),
@@ -99,7 +98,6 @@ def api_specs(
             index = len(specs)
             argv = [
                 *entry.api_server,
-                "--config-file", str(runtime.config_file),
                 "--listen-fd", str(listener.fileno()),
                 "--server-index", str(index),
                 "--parent-pid", str(os.getpid()),

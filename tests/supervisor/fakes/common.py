@@ -1,7 +1,7 @@
 """Shared bits of the fake children: the child-process contract without a model.
 
 The fakes honour the contract the real ``pkgd.engine.core_proc`` and ``pkgd.api.server``
-implement (argv, ready frame, config.json, PDEATHSIG, SIGTERM/SIGHUP), so the supervisor's
+implement (argv, ready frame, the config pipe, PDEATHSIG, SIGTERM), so the supervisor's
 tests exercise real processes, real pipes and real sockets in milliseconds.
 """
 
@@ -27,6 +27,13 @@ def die_with_parent(parent_pid: int | None) -> None:
 def load_config(path: str) -> VllmConfig:
     with open(path) as f:
         return VllmConfig.model_validate(json.load(f))
+
+
+def config_source(args):
+    """The child's `ConfigSource` (``--config-fd`` from the supervisor, or ``--config-file``)."""
+    from pkgd.ipc.child import ConfigSource
+
+    return ConfigSource(args.config_fd, args.config_file)
 
 
 def fake_options(text: str | None, prefix: str) -> dict[str, str]:

@@ -1,9 +1,9 @@
 """A fake API server: hypercorn on the inherited socket, talking to engine cores over ZeroMQ.
 
 Routes: ``/health`` (503 while draining), ``/whoami`` (pid, server index, engine addresses,
-``model.name`` as last re-read on SIGHUP), ``/generate`` (one AddRequest to the next engine
+``model.name`` as last received on the config pipe), ``/generate`` (one AddRequest to the next engine
 core, answered with the core's index and pid), ``/slow?s=S`` (answers after S seconds: an
-in-flight request for drain tests). Behaviour from ``model.chat_template`` in config.json:
+in-flight request for drain tests). Behaviour from ``model.chat_template`` of its configuration:
 ``fake-api:fail=MSG`` reports ChildFailed, ``fake-api:load=S`` delays readiness.
 """
 
@@ -21,7 +21,7 @@ from urllib.parse import parse_qs
 
 import zmq
 import zmq.asyncio
-from common import die_with_parent, fake_options, load_config, report
+from common import config_source, die_with_parent, fake_options, report
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
@@ -69,7 +69,8 @@ class Engines:
 
 
 async def amain(args) -> int:
-    state = {"cfg": load_config(args.config_file), "draining": False}
+    source = config_source(args)
+    state = {"cfg": source.initial(), "draining": False}
     opts = fake_options(state["cfg"].model.chat_template, "fake-api:")
     if "fail" in opts:
         report(args.ready_fd, messages.ChildFailed(role="api-server", message=opts["fail"] or "fake failure"))
@@ -89,11 +90,15 @@ async def amain(args) -> int:
         loop.remove_reader(args.listen_fd)
         loop.call_later(0.5, stop.set)
 
-    def on_hup():
-        state["cfg"] = load_config(args.config_file)
+    def on_config():
+        for cfg in source.updates():
+            state["cfg"] = cfg
+        if source.closed:
+            loop.remove_reader(source.fd)
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    if source.fd is not None:
+        loop.add_reader(source.fd, on_config)
 
     async def respond(send, status, body):
         data = json.dumps(body).encode()
@@ -144,7 +149,8 @@ async def amain(args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--config-file", required=True)
+    p.add_argument("--config-file")
+    p.add_argument("--config-fd", type=int)
     p.add_argument("--parent-pid", type=int)
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--listen-fd", type=int, required=True)

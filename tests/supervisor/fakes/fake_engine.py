@@ -1,7 +1,8 @@
 """A fake engine core: binds a ZeroMQ ROUTER, answers Hello and AddRequest, no model.
 
-Behaviour comes from ``model.source`` in config.json: ``fake:load=S`` (seconds before ready),
-``fail=MSG`` (report ChildFailed), ``die=1`` (exit 1 without a frame), ``crash_after=S``
+Behaviour comes from ``model.source`` of its configuration: ``fake:load=S`` (seconds before ready),
+``fail=MSG`` (report ChildFailed), ``die=1`` (exit 1 without a frame), ``die_if=PATH`` (the
+same while PATH exists: a restart that fails), ``crash_after=S``
 (exit 3 that long after ready). Each AddRequest is answered by one finished output whose
 token ids are [engine_index, pid].
 """
@@ -15,7 +16,7 @@ import sys
 import time
 
 import zmq
-from common import die_with_parent, fake_options, load_config, report
+from common import config_source, die_with_parent, fake_options, report
 
 from pkgd.ipc import messages
 
@@ -29,7 +30,8 @@ def on_term(signum, frame):
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--config-file", required=True)
+    p.add_argument("--config-file")
+    p.add_argument("--config-fd", type=int)
     p.add_argument("--parent-pid", type=int)
     p.add_argument("--ready-fd", type=int, required=True)
     p.add_argument("--engine-index", type=int, required=True)
@@ -38,9 +40,9 @@ def main() -> int:
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    cfg = load_config(args.config_file)
+    cfg = config_source(args).initial()
     opts = fake_options(cfg.model.source, "fake:")
-    if "die" in opts:
+    if "die" in opts or ("die_if" in opts and os.path.exists(opts["die_if"])):
         return 1
     if "fail" in opts:
         report(args.ready_fd, messages.ChildFailed(role="engine-core", message=opts["fail"] or "fake failure"))

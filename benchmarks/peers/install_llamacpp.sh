@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench, llama-server and llama-perplexity from the copy vendored in the
+# llama-cpp-python sdist (pinned in common.sh), fetched from the package registry with pip.
+# Native CPU build (GGML_NATIVE: the host's AVX2/AVX-512/AMX), no web UI (its prebuilt assets
+# would be downloaded from a hub), no HTTPS, no tests/examples. Output: .work/llama.cpp-build/bin.
+# Usage: benchmarks/peers/install_llamacpp.sh   (idempotent; ~5-15 min on 2 cores)
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+tools=(llama-bench llama-server llama-perplexity)
+have=1; for t in "${tools[@]}"; do [ -x "$LLAMA_BIN/$t" ] || have=0; done
+if [ $have = 1 ]; then echo "install_llamacpp: already built in $LLAMA_BIN"; exit 0; fi
+started=$SECONDS
+sdist=$PEERS_WORK/sdist
+if [ ! -d "$LLAMA_SRC/vendor/llama.cpp" ]; then
+  mkdir -p "$sdist"
+  "$PKGD_PY" -m pip download --disable-pip-version-check --quiet --no-deps --no-binary :all: \
+    "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$sdist" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+  tar xzf "$sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS_WORK"
+fi
+build=$PEERS_WORK/llama.cpp-build
+cmake -S "$LLAMA_SRC/vendor/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_LLGUIDANCE=OFF >"$build.cmake.log" 2>&1 \
+  || { tail -30 "$build.cmake.log" >&2; exit 1; }
+cmake --build "$build" -j "$(nproc)" --target "${tools[@]}" >"$build.log" 2>&1 \
+  || { tail -40 "$build.log" >&2; exit 1; }
+for t in "${tools[@]}"; do [ -x "$LLAMA_BIN/$t" ] || { echo "install_llamacpp: $t missing" >&2; exit 1; }; done
+echo "install_llamacpp: built ${tools[*]} in $((SECONDS - started)) s ($LLAMA_BIN)"

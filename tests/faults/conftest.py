@@ -1,0 +1,46 @@
+"""Fixtures of the fault suite: one real daemon (``pkgd serve``, real engine core and API
+servers) serving a tiny random-weight Llama with SmolLM2's tokenizer, so every start of an
+engine core costs seconds, not a model load."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "supervisor"))  # supervisor_helpers
+
+from cases import fault_config  # noqa: E402
+from supervisor_helpers import Daemon  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fault_dir():
+    path = Path(tempfile.mkdtemp(prefix="pkgd-f-", dir="/tmp"))  # short: Unix socket paths
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(fault_dir):
+    from runner.tiny_models import build_tiny
+
+    path = fault_dir / "tiny"
+    build_tiny("llama-plain", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(fault_dir, tiny_model):
+    """A running daemon for the module's cases (a case that stops it ends the module)."""
+    work = fault_dir / "d"
+    work.mkdir()
+    d = Daemon(work, fault_config(tiny_model), real=True)
+    try:
+        d.wait_ready(600)
+        yield d
+    finally:
+        d.cleanup()
