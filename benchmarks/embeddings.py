@@ -124,12 +124,14 @@ def main() -> None:
 
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.engine.core import default_cpu_threads
-    from pkgd.model_files.resolve import resolve_model
+    from pkgd.model_files.resolve import ensure_float_weights, resolve_model
 
     cfg = VllmConfig.model_validate({"model": {"source": args.model} if args.model else {}})
     threads = default_cpu_threads(cfg)
     torch.set_num_threads(threads)
-    theirs, t_hf = embed_with_transformers(resolve_model(cfg.model).model_dir, prompts, args.hf_batch)
+    files = resolve_model(cfg.model)
+    ensure_float_weights(files)  # transformers reads the dequantized safetensors
+    theirs, t_hf = embed_with_transformers(files.model_dir, prompts, args.hf_batch)
     n = len(prompts)
     print(f"inputs: {n} x {args.tokens} tokens; pkgd: {args.concurrency} concurrent requests of {args.per_request}; "
           f"transformers: static batches of {args.hf_batch}, {threads} torch thread(s); host cores: {os.cpu_count()}")

@@ -1,4 +1,4 @@
-"""structlog set-up shared by every pkgd process (DESIGN.md §4 "Logs").
+"""structlog set-up shared by every pkgd process (docs/operations.md for what the logs say).
 
 One event per line, each with ``pid``, ``role`` (supervisor / engine-core / api-server / cli),
 ``dp_rank`` and, where one is bound with `bind_request`, ``request_id``. JSON lines when

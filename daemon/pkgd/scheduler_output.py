@@ -5,7 +5,7 @@ to compute next (``num_scheduled_tokens``); prefill, chunked prefill and decode 
 thing seen from the runner. Requests the runner has not seen travel in full
 (`NewRequestData`); requests it already holds travel as diffs (`CachedRequestData`: newly
 appended block ids and the new computed-token count). The runner never holds `Request`
-objects (STYLE.md practice 3).
+objects.
 """
 
 from __future__ import annotations

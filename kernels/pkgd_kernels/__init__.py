@@ -23,6 +23,10 @@ top_k_top_p_mask         top-k / top-p logit filtering (:mod:`.sampling`)
 gemv_packed              ``x @ W^T`` for a few rows on oneDNN's packed weight (:mod:`.packed`;
                          CPU only: ``_ref`` and C form)
 gather_packed            rows of such a packed weight (tied embedding lookup; CPU only)
+quant_linear             ``x @ W^T`` on GGUF quantized blocks kept quantized, int8
+                         activations (:mod:`.quant`, layout in :mod:`.quant_layout`;
+                         CPU only: ``_ref`` and C form)
+quant_gather             rows of such a quantized weight, dequantized (CPU only)
 =======================  ===========================================================
 
 Importing this package never imports Triton: the ``*_triton`` modules holding the kernels
@@ -64,6 +68,7 @@ from pkgd_kernels.norm import (
     rms_norm_triton,
 )
 from pkgd_kernels.packed import gather_packed, gather_packed_ref, gemv_packed, gemv_packed_ref
+from pkgd_kernels.quant import quant_gather, quant_gather_ref, quant_linear, quant_linear_ref
 from pkgd_kernels.rotary import (
     rotary_embedding,
     rotary_embedding_cpu,
@@ -89,10 +94,11 @@ OPS = (
 )
 """Ops on every device: each has ``<name>``, ``<name>_ref``, ``<name>_cpu`` and ``<name>_triton``."""
 
-CPU_OPS = ("gemv_packed", "gather_packed")
-"""CPU-only ops (oneDNN's packing): each has ``<name>`` and ``<name>_ref``, and a C form."""
+CPU_OPS = ("gemv_packed", "gather_packed", "quant_linear", "quant_gather")
+"""CPU-only ops (oneDNN's packing, GGUF's quantized blocks): each has ``<name>`` and
+``<name>_ref``, and a C form."""
 
-C_OPS = ("paged_attention_decode", "rms_norm", "fused_add_rms_norm", "gemv_packed", "gather_packed")
+C_OPS = ("paged_attention_decode", "rms_norm", "fused_add_rms_norm", "gemv_packed", "gather_packed", "quant_linear", "quant_gather")
 """Ops with a C form: a method of that name on `pkgd_kernels.cpu.CpuKernels`, with a
 ``takes_<name>`` predicate the dispatcher asks (``fused_add_rms_norm`` shares ``rms_norm``'s)."""
 

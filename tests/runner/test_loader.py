@@ -16,7 +16,7 @@ from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
 from pkgd.config.sections import ModelConfig
 from pkgd.model_files import resolve as R
-from pkgd.model_files.resolve import ModelSourceError, resolve_model
+from pkgd.model_files.resolve import ModelSourceError, ensure_float_weights, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,12 +39,21 @@ def _resolve(source, cache: Path, **kw):
     return resolve_model(ModelConfig(source=str(source), cache_dir=str(cache), **kw))
 
 
+def _resolve_floats(source, cache: Path):
+    """`_resolve`, then the dequantized ``model.safetensors`` written (`ensure_float_weights`)."""
+    mf = _resolve(source, cache)
+    assert not mf.has_float_weights()  # a GGUF's weights are dequantized only when asked
+    ensure_float_weights(mf)
+    assert mf.has_float_weights()
+    return mf
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_gguf_conversion_matches_transformers_gguf_loading(tiny_gguf, tmp_path, arch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, _ = tiny_gguf[arch]
-    mf = _resolve(path, tmp_path)
+    mf = _resolve_floats(path, tmp_path)
     assert mf.name == f"tiny-{arch}" and mf.gguf_path == path and mf.model_dir.parent == tmp_path
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     ours = load_file(mf.model_dir / "model.safetensors")
@@ -67,7 +76,7 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
     from pkgd.sampling_params import SamplingParams
 
     path, hf = tiny_gguf[arch]
-    mf = _resolve(path, tmp_path)
+    mf = _resolve_floats(path, tmp_path)
     ours = load_file(mf.model_dir / "model.safetensors")
     for name, t in ours.items():
         assert (t - hf.state_dict()[name]).abs().max() < 5e-3, name  # Q8_0 rounding only
@@ -93,7 +102,7 @@ def test_second_resolve_reuses_cache_without_parsing(tiny_gguf, tmp_path, monkey
 
 
 def test_interrupted_conversion_leaves_no_usable_dir(tiny_gguf, tmp_path):
-    """A conversion killed half-way (SIGKILL after the weights are written) leaves only a
+    """A conversion killed half-way (SIGKILL after config.json is written) leaves only a
     temporary directory; the next resolve converts again and cleans it up."""
     path, _ = tiny_gguf["llama"]
     script = textwrap.dedent(
@@ -110,7 +119,7 @@ def test_interrupted_conversion_leaves_no_usable_dir(tiny_gguf, tmp_path):
     assert proc.returncode == -9, proc.stderr.decode()
     entries = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
     assert len(entries) == 1 and entries[0].startswith(".tmp-"), entries
-    assert (tmp_path / entries[0] / "model.safetensors").exists()  # it was killed mid-way
+    assert (tmp_path / entries[0] / "config.json").exists()  # it was killed mid-way
     mf = _resolve(path, tmp_path)
     assert (mf.model_dir / "tokenizer.json").is_file()
     assert not list(tmp_path.glob(".tmp-*"))

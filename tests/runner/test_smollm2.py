@@ -7,7 +7,7 @@ import torch
 from tests.runner.driver import Driver
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.model_files.resolve import resolve_model
+from pkgd.model_files.resolve import ensure_float_weights, resolve_model
 from pkgd.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -26,8 +26,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
-    cfg = VllmConfig(model={"cache_dir": str(tmp_path_factory.mktemp("pkgd-cache")), "dtype": "float32"})
-    return cfg, resolve_model(cfg.model)
+    # The dequantized float path: what transformers computes (the quantized path's own checks
+    # are tests/runner/test_quantized.py and tests/engine/test_smollm2.py).
+    cfg = VllmConfig(model={"cache_dir": str(tmp_path_factory.mktemp("pkgd-cache")), "dtype": "float32", "quantization": "none"})
+    mf = resolve_model(cfg.model)
+    ensure_float_weights(mf)
+    return cfg, mf
 
 
 def test_gguf_conversion_equals_transformers_gguf_loading(smollm2):

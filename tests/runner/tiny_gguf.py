@@ -1,9 +1,15 @@
 """Write a tiny GGUF from a transformers model the way llama.cpp's converter does (test helper):
 llama-family Q/K rows permuted to llama.cpp's interleaved rotary layout, 2-D weights optionally
-quantized to Q8_0, a byte-level BPE tokenizer with ChatML specials and a chat template."""
+quantized (Q8_0, or any of Q4_0/Q4_1/Q8_0/Q4_K/Q6_K per tensor), a byte-level BPE tokenizer
+with ChatML specials and a chat template.
+
+The gguf package quantizes Q4_0/Q4_1/Q8_0 only; `quantize_blocks` adds plain Q4_K and Q6_K
+quantizers (per-sub-block min/max and absmax scales, not llama.cpp's searched ones: valid
+blocks of those formats, all that the tests need)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +54,58 @@ def _tokens(vocab: int) -> list[str]:
     return SPECIALS + chars[: vocab - len(SPECIALS) - len(MERGES)] + [m.replace(" ", "") for m in MERGES]
 
 
-def write_gguf(model, path: Path, *, quantize: bool = False) -> Path:
-    """Write ``model`` (a transformers Llama/Qwen2/Qwen3) as a GGUF file at ``path``."""
+def _q4_k(a: np.ndarray) -> np.ndarray:
+    n = a.shape[0] * a.shape[1] // 256
+    x = a.reshape(n, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - lo) / 15.0
+    d, dmin = scale.max(-1) / 63.0, (-lo).max(-1) / 63.0
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    df, dminf = d16.astype(np.float32)[:, None], dmin16.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.round(np.divide(x + (dminf * mn)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 15).astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    qs = q.reshape(n, 4, 2, 32)
+    qs = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(n, 128)
+    blocks = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), scales, qs], axis=1)
+    return blocks.reshape(a.shape[0], -1)
+
+
+def _q6_k(a: np.ndarray) -> np.ndarray:
+    n = a.shape[0] * a.shape[1] // 256
+    x = a.reshape(n, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31.0
+    d16 = (scale.max(-1) / 127.0).astype(np.float16)
+    df = d16.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = (np.clip(np.round(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(n, 2, 128)  # halves h: input h*128 + r
+    ql = q[:, :, :64] & 15 | ((q[:, :, 64:] & 15) << 4)
+    hi = (q >> 4).reshape(n, 2, 4, 32)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], axis=1)
+    return blocks.reshape(a.shape[0], -1)
+
+
+def quantize_blocks(a: np.ndarray, qtype: str) -> np.ndarray:
+    """Rows of GGUF blocks of type ``qtype`` for the float matrix ``a [rows, k]``."""
+    import gguf
+
+    if qtype == "Q4_K":
+        return _q4_k(a)
+    if qtype == "Q6_K":
+        return _q6_k(a)
+    return gguf.quants.quantize(a, getattr(gguf.GGMLQuantizationType, qtype))
+
+
+def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str | None] = False) -> Path:
+    """Write ``model`` (a transformers Llama/Qwen2/Qwen3) as a GGUF file at ``path``. With
+    ``quantize`` every 2-D weight is quantized: to Q8_0 (True), to the type named, or to what
+    the callable returns for its GGUF name (None: float32)."""
     import gguf
 
     cfg = model.config
@@ -84,9 +140,10 @@ def write_gguf(model, path: Path, *, quantize: bool = False) -> Path:
             a = permute(a, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = permute(a, cfg.num_key_value_heads)
-        if quantize and a.ndim == 2:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        qtype = (quantize(_gguf_name(name)) if callable(quantize) else "Q8_0" if quantize is True else quantize or None) if a.ndim == 2 else None
+        if qtype:
+            q = quantize_blocks(a, qtype)
+            w.add_tensor(_gguf_name(name), q, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
         else:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
     w.write_header_to_file()

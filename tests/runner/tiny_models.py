@@ -26,8 +26,11 @@ LLAMA3_ROPE = {
 }
 
 
-def hf_config(arch: str):
+def hf_config(arch: str, **sizes):
+    """The transformers config of a tiny ``arch``; ``sizes`` override `TINY`'s."""
     import transformers as tf
+
+    TINY = {**globals()["TINY"], **sizes}
 
     if arch == "llama":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
@@ -42,13 +45,14 @@ def hf_config(arch: str):
     raise KeyError(arch)
 
 
-def build_tiny(arch: str, out_dir: Path, seed: int = 0):
+def build_tiny(arch: str, out_dir: Path, seed: int = 0, **sizes):
     """Save a tiny model with every parameter random (biases and norm weights included, so
-    each one matters) to ``out_dir``; returns the transformers model (fp32, eval)."""
+    each one matters) to ``out_dir``; returns the transformers model (fp32, eval). ``sizes``
+    override `TINY`'s."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, **sizes), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

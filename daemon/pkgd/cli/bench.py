@@ -69,6 +69,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated model.dtype values (auto, float32, bfloat16, float16): one engine each in this "
                         "process, the workload (and single stream) through each in turn, --repeats times in alternating "
                         "order; prints each one's output and single-stream tokens/s as ratios against the first")
+    p.add_argument("--quantizations", default=None, metavar="LIST",
+                   help="comma-separated model.quantization values (auto, none): as --dtypes, one engine each (of a "
+                        "GGUF model: its weights kept quantized, or dequantized), with their weight memory as ratios too")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
                         "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
@@ -78,14 +81,14 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     plot.add_plot_args(p)
 
 
-def offline_llm(args: argparse.Namespace, dtype: str | None = None) -> Any:
+def offline_llm(args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None) -> Any:
     """The offline `LLM` of a CLI command.
 
     Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
     tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
     run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
-    way the engine uses every core unless ``parallel.cpu_threads`` is set. ``dtype`` replaces
-    ``model.dtype``.
+    way the engine uses every core unless ``parallel.cpu_threads`` is set. ``dtype`` and
+    ``quantization`` replace ``model.dtype`` and ``model.quantization``.
     """
     from pkgd.offline.llm import LLM
 
@@ -94,8 +97,9 @@ def offline_llm(args: argparse.Namespace, dtype: str | None = None) -> Any:
         from pkgd.config.compose import compose
 
         config = compose(request).config
-        if dtype is not None:
-            config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": dtype})})
+        update = {k: v for k, v in (("dtype", dtype), ("quantization", quantization)) if v is not None}
+        if update:
+            config = config.model_copy(update={"model": config.model.model_copy(update=update)})
         return LLM(config=config)
     kwargs: dict[str, Any] = {}
     for item in getattr(args, "overrides", None) or []:
@@ -105,6 +109,8 @@ def offline_llm(args: argparse.Namespace, dtype: str | None = None) -> Any:
         kwargs[key.strip()] = yaml.safe_load(value)
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if quantization is not None:
+        kwargs["quantization"] = quantization
     return LLM(**kwargs)
 
 
@@ -113,7 +119,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from pkgd.benchmarks import hardware, throughput
 
-    if args.dtypes:
+    if args.dtypes or args.quantizations:
         return run_dtype_comparison(args)
     llm = offline_llm(args)
     engine = llm.engine
@@ -187,20 +193,28 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none")
 
 
 def run_dtype_comparison(args: argparse.Namespace) -> int:
-    """``--dtypes``: one engine per dtype, compared in one run (`pkgd.benchmarks.dtype_compare`)."""
+    """``--dtypes`` / ``--quantizations``: one engine per value, compared in one run
+    (`pkgd.benchmarks.dtype_compare`)."""
     import torch
 
     from pkgd.benchmarks import dtype_compare, throughput
 
-    names = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [d for d in names if d not in DTYPES]
+    if args.dtypes and args.quantizations:
+        raise SystemExit("--dtypes and --quantizations: one at a time")
+    flag, allowed, given = ("--dtypes", DTYPES, args.dtypes) if args.dtypes else ("--quantizations", QUANTIZATIONS, args.quantizations)
+    names = [d.strip() for d in given.split(",") if d.strip()]
+    bad = [d for d in names if d not in allowed]
     if bad or len(set(names)) != len(names) or not names:
-        raise SystemExit(f"--dtypes: each of {', '.join(DTYPES)} at most once, got {args.dtypes!r}")
-    llms = {d: offline_llm(args, d) for d in names}
-    first = llms[names[0]]
+        raise SystemExit(f"{flag}: each of {', '.join(allowed)} at most once, got {given!r}")
+    if args.dtypes:
+        llms = {d: offline_llm(args, d) for d in names}
+    else:
+        llms = {f"quant={q}": offline_llm(args, quantization=q) for q in names}
+    first = next(iter(llms.values()))
     torch.set_num_threads(first.config.parallel.cpu_threads)
     engine, tok = first.engine, first.get_tokenizer()
     workload = throughput.make_workload(
@@ -216,7 +230,7 @@ def run_dtype_comparison(args: argparse.Namespace) -> int:
         llms, workload, repeats=args.repeats, ignore_eos=args.ignore_eos, temperature=args.temperature,
         single_stream_len=None if args.skip_single_stream else args.single_stream_len, vocab_size=engine.vocab_size,
         progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else (lambda _: None))
-    print(f"pkgd bench throughput --dtypes: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
+    print(f"pkgd bench throughput {flag}: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
           f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, {torch.get_num_threads()} threads, "
           f"fastest of {args.repeats} alternating run(s) each")
     print("\n".join(dtype_compare.format_rows(rows)))
@@ -255,9 +269,13 @@ def _hf_runner(llm: Any, workload: Any, args: argparse.Namespace) -> Any:
     from pkgd.benchmarks.hf_baseline import load_hf_model, run_hf
 
     engine = llm.engine
-    model_dir = getattr(engine.model_files, "model_dir", None)
+    from pkgd.model_files.resolve import ensure_float_weights
+
+    files = engine.model_files
+    model_dir = getattr(files, "model_dir", None)
     if model_dir is None:
         raise SystemExit("--baseline hf needs a model directory with safetensors")
+    ensure_float_weights(files)  # a GGUF served quantized has no float copy until now
     model = load_hf_model(model_dir)
     tok = llm.get_tokenizer()
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (engine.eos_token_id or 0)

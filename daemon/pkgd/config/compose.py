@@ -1,6 +1,6 @@
 """Compose the five layers into one validated `VllmConfig` — the only place that calls Hydra.
 
-Layers, lowest first (DESIGN.md §2):
+Layers, lowest first (docs/architecture.md, "Configuration"):
 
 1. field defaults of the pydantic models (``default``);
 2. the packaged tree ``configs/``: ``pkgd.yaml`` is only a defaults list choosing one option

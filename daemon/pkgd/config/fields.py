@@ -9,7 +9,7 @@ metadata that the rest of pkgd reads from the JSON schema:
 * ``x-reload``: what a SIGHUP reload must do when the field changes (see `ReloadClass`).
 
 Keeping both in the schema gives the flag surface, ``--help`` and the reload planner one
-source (STYLE.md practices 5 and 7).
+source.
 """
 
 from __future__ import annotations

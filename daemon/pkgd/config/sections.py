@@ -1,7 +1,7 @@
-"""The sections of the `VllmConfig` tree (DESIGN.md §2).
+"""The sections of the `VllmConfig` tree.
 
 Every model is frozen and forbids unknown keys: the tree is validated once, then never
-touched (STYLE.md practice 4). What start-up discovers (KV block count, EOS id, effective
+touched. What start-up discovers (KV block count, EOS id, effective
 ``max_model_len``) lives in runtime objects beside the config, not in it.
 
 Field names follow vLLM's where they exist; the vLLM flag spelling is recorded as a CLI alias.
@@ -72,7 +72,8 @@ class ModelConfig(Section):
         "auto",
         "Weight and activation dtype. 'auto': on CUDA the checkpoint dtype; on CPU bfloat16 when "
         "the CPU has AMX or AVX512-BF16 and a start-up measurement on the model's shapes finds "
-        "bf16 faster (logged as dtype_choice), else float32 (bf16 GEMM is ~200x slower on AVX2).",
+        "bf16 faster (logged as dtype_choice), else float32 (bf16 GEMM is ~200x slower on AVX2); "
+        "float32 activations for GGUF weights kept quantized (model.quantization).",
         aliases=("--dtype",),
     )
     max_model_len: int | None = field(
@@ -81,6 +82,13 @@ class ModelConfig(Section):
         "writes it: 2k = 2000, 2K = 2048; -1 or auto = null.",
         aliases=("--max-model-len",),
         ge=16,
+    )
+    quantization: Literal["auto", "none"] = field(
+        "auto",
+        "Quantized GGUF weights: 'auto' keeps them quantized (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; CPU, "
+        "no tensor parallelism) when kernels exist for every tensor type of the file, else "
+        "dequantizes; 'none' always dequantizes to the model dtype. vLLM's 'gguf' means 'auto'.",
+        aliases=("--quantization", "-q"),
     )
     chat_template: str | None = field(None, "Jinja chat template: a file path or the template text; null = the tokenizer's.", aliases=("--chat-template",), reload=A)
     seed: int = field(0, "Seed of the engine's random state for requests without a seed.", aliases=("--seed",), ge=0)
@@ -145,6 +153,19 @@ class ModelConfig(Section):
         if v in (-1, "-1", "auto"):
             return None
         return human_int(v)
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _vllm_quantization(cls, v: object) -> object:
+        """vLLM's ``--quantization gguf`` is pkgd's auto; its other methods have no kernels here."""
+        if isinstance(v, str) and v.lower() == "gguf":
+            return "auto"
+        if isinstance(v, str) and v.lower() not in ("auto", "none"):
+            raise ValueError(
+                f"auto, none or gguf (vLLM's name for auto); pkgd has no kernels for {v!r}: it runs GGUF "
+                "files' own quantized types, not AWQ, GPTQ, FP8, bitsandbytes or other methods"
+            )
+        return v
 
 
 class ParallelConfig(Section):

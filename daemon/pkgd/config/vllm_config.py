@@ -1,6 +1,6 @@
 """`VllmConfig`, the root of the tree, its cross-section rules, and the serve plan.
 
-The cross-section rules are the seeds' "boundaries" of ``vllm serve`` (seed 000,
+The cross-section rules are the boundaries ``vllm serve`` enforces (vLLM's
 ``ServeSubcommand.cmd``): headless excludes API servers, LB modes are exclusive,
 ``api_server_count`` is derived when null, elastic EP caps it to 1, runtime LoRA updating
 needs a single API server, parsers must be registered.
@@ -69,7 +69,7 @@ class VllmConfig(Section):
         return self
 
     def serve_plan(self) -> ServePlan:
-        """The serve mode and process counts, as ``vllm serve`` chooses them (seed 000)."""
+        """The serve mode and process counts, as ``vllm serve`` chooses them."""
         return _serve_plan(self)
 
     def digest(self) -> str:

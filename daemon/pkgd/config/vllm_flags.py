@@ -98,7 +98,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "the tokenizer is the model's Hugging Face fast tokenizer and is always loaded": ("--skip-tokenizer-init",),
     "model.source is read as a Hugging Face directory or a .gguf file; no other config location": ("--hf-config-path",),
     _NO_HUB: ("--revision", "--code-revision", "--tokenizer-revision", "--hf-token", "--ignore-patterns"),
-    "pkgd runs unquantized weights (a GGUF file is dequantized when it is loaded)": ("--quantization", "-q", "--quantization-config", "--allow-deprecated-quantization"),
+    "pkgd runs a GGUF file's own quantized types (model.quantization) and no other quantization method": ("--quantization-config", "--allow-deprecated-quantization"),
     _NO_MOE: ("--enable-return-routed-experts", "--all2all-backend", "--enable-eplb", "--eplb-config",
               "--expert-placement-strategy", "--enable-ep-weight-filter", "--elastic-ep-max-dp-size",
               "--moe-backend"),

@@ -17,7 +17,7 @@ vLLM v1's design (``vllm/v1/core/block_pool.py``, "Automatic Prefix Caching" in 
   freed prefix is evicted (LRU among warm blocks) rather than kept while a cold block would
   do, so the prefix cache holds what fits in that working set.
 
-The pool is dumb and honest (STYLE.md practice 2): it knows nothing of queues or priorities,
+The pool is dumb and honest: it knows nothing of queues or priorities,
 answers "how many are free" without side effects, and running out is a normal return value
 (`get_new_blocks` returns None), never an exception. Torch-free.
 """

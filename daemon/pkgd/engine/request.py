@@ -1,6 +1,6 @@
 """`Request`: the engine core's state of one request (vLLM v1's ``vllm/v1/request.py``).
 
-The scheduler speaks in tokens (STYLE.md practice 1): a request knows all its tokens (prompt
+The scheduler speaks in tokens: a request knows all its tokens (prompt
 then outputs) and how many of them have KV in the cache (``num_computed_tokens``). Each step
 the scheduler hands out more computed tokens until they catch up with ``num_tokens``; the
 runner then samples one token, which `append_output_token_ids` adds. Prefill, chunked prefill,

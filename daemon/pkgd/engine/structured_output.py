@@ -6,7 +6,7 @@ Why there:
 
 * the matcher must advance with every *accepted* token, and only the scheduler knows which
   sampled tokens are kept (stop rules, aborts, preemption); the runner may run on other TP
-  ranks or another device and never holds `Request` objects (STYLE.md practice 3);
+  ranks or another device and never holds `Request` objects;
 * compiled grammars are shared by every request with the same constraint (``n > 1``
   children, repeated schemas), so they are cached once per engine, not per runner rank;
 * the bitmask is filled on the host, which is where xgrammar fills it; the runner copies it

@@ -4,7 +4,7 @@ config, report ready (or why it failed) on the ready pipe, and turn signals into
 The supervisor spawns children with ``subprocess.Popen([sys.executable, "-m", ...],
 pass_fds=...)`` and reads exactly one msgpack frame from each child's ``--ready-fd`` pipe
 (`pkgd.ipc.messages.Handshake`, `ApiServerReady` or `ChildFailed`). Entries stay short and
-uniform (STYLE.md practice 8); signal handlers only flip flags and wake the loop (practice 9).
+uniform; signal handlers only flip flags and wake the loop.
 Torch-free: API servers import this.
 """
 

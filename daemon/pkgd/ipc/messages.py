@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary, as versioned msgspec structs.
 
-One module so the protocol reads in one place (STYLE.md practice 12). Frames are msgpack;
+One module so the protocol reads in one place. Frames are msgpack;
 nothing is pickled. Each frame is a tagged union member (``type`` field), so a receiver
 dispatches by type through a table. ``PROTOCOL_VERSION`` is checked in the handshake: a
 client speaking another version is refused with a clear error.

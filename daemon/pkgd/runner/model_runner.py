@@ -30,13 +30,14 @@ import torch
 from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.logprobs import TokenLogprobs
-from pkgd.model_files.resolve import ModelFiles, default_cache_dir
+from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
 from pkgd.runner.allocator import collapse_to_huge_pages, lazy_zeroed_buffers, tensor_span, tune_cpu_allocator
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
+from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
@@ -60,6 +61,9 @@ class ModelInfo:
 
     ``max_model_len`` is effective: ``min(model.max_model_len, max_position_embeddings)``, in
     tokens. Head counts are the whole model's; ``num_kv_heads_per_rank`` what one rank caches.
+    ``num_params`` counts weights (a quantized matrix's elements, not its bytes);
+    ``weight_bytes`` is what they take in memory; ``quantization`` is ``none`` or ``gguf:``
+    and the quantized types kept (``gguf:Q4_1,Q8_0``).
     """
 
     architecture: str
@@ -80,6 +84,8 @@ class ModelInfo:
     pooling_type: str = "last"
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    quantization: str = "none"
+    weight_bytes: int = 0
 
 
 def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -134,12 +140,18 @@ class ModelRunner:
             tune_cpu_allocator()
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
                 self.cpu_kernels = self._load_cpu_kernels(config)
+        self.runner_type = config.model.runner_type
+        self.quantization, self._gguf = choose_quantization(
+            config.model.quantization, model_files.gguf_path, self.arch, device=self.device, tp_size=world_size,
+            kernels=self.cpu_kernels, dtype=config.model.dtype, pooling=self.runner_type == "pooling")
+        logger.info("quantization_choice", quantized=self.quantization.quantized, reason=self.quantization.reason,
+                    tensor_types=self.quantization.tensor_types)
         self.dtype_choice = self._choose_dtype()
         self.dtype = self.dtype_choice.dtype
-        self.runner_type = config.model.runner_type
         pooler_cfg = config.model.pooler
         self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
-        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch.")) as p:
+        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch."),
+                          quantized=self.quantization.quantized) as p:
             # a model class of pkgd.runner.models (compute_logits, cpu_decode ...); None after sleep(2)
             self.model: Any = self._load_model(progress=p)
         if self.device.type == "cpu":
@@ -159,15 +171,27 @@ class ModelRunner:
         self._offloaded: dict[torch.Tensor, torch.Tensor] | None = None  # sleep level 1 on a GPU
 
     def _load_model(self, progress: Any = None) -> torch.nn.Module:
+        """The model: the GGUF's blocks kept quantized when `choose_quantization` said so (the
+        file reopened when `wake_up` reloads it), else the float weights in ``self.dtype``."""
+        if self.quantization.quantized:
+            path = self.model_files.gguf_path
+            assert path is not None, "choose_quantization keeps quantized weights of a GGUF source only"
+            gguf, self._gguf = self._gguf or GGUFWeights(path, self.arch), None
+            return load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=progress)
+        ensure_float_weights(self.model_files)
         return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
                           progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
 
     def _choose_dtype(self) -> DtypeChoice:
         """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
-        broadcast, so every rank of a TP group runs one dtype; logged as ``dtype_choice``."""
+        broadcast, so every rank of a TP group runs one dtype; float32 activations for weights
+        kept quantized; logged as ``dtype_choice``."""
         first = self.tp.rank == 0
-        choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
-                              shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
+        if self.quantization.quantized:  # kept only for model.dtype auto or float32 (choose_quantization)
+            choice = DtypeChoice(torch.float32, self.config.model.dtype, "quantized weights take float32 activations")
+        else:
+            choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
+                                  shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
         if self.tp.size > 1:
             codes = list(_DTYPE_CODES)
             agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]
@@ -198,7 +222,10 @@ class ModelRunner:
         matryoshka, dims = matryoshka_of(self.config.model.pooler.matryoshka, a.raw)
         configured = self.config.model.max_model_len
         max_len = a.max_position_embeddings if configured is None else min(configured, a.max_position_embeddings)
-        num_params = sum(p.numel() for p in self.model.parameters())  # this rank's share
+        quantized = [m for m in self.model.modules() if hasattr(m, "qweight")]
+        num_params = sum(p.numel() for p in self.model.parameters() if p.is_floating_point())  # this rank's share
+        num_params += sum(m.num_weights for m in quantized)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return ModelInfo(
             architecture=a.architecture,
             max_model_len=max_len,
@@ -218,6 +245,8 @@ class ModelRunner:
             pooling_type=self.pooler.pooling_type,
             matryoshka=matryoshka,
             matryoshka_dimensions=tuple(dims) if dims else None,
+            quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()})) if quantized else "none",
+            weight_bytes=weight_bytes,
         )
 
     # ---- KV cache ------------------------------------------------------------------------

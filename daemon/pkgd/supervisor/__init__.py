@@ -1,4 +1,4 @@
-"""Supervisor: the daemon's main process (DESIGN.md §3–§4).
+"""Supervisor: the daemon's main process (docs/architecture.md, "Processes").
 
 Modules, one concern each:
 

@@ -1,4 +1,4 @@
-"""The supervisor: the daemon's main process (DESIGN.md §4).
+"""The supervisor: the daemon's main process (docs/architecture.md, "Processes").
 
 Life cycle, as a state machine (``state``): ``starting`` → ``running`` ⇄ ``reloading`` →
 ``stopping``.
@@ -10,7 +10,7 @@ Life cycle, as a state machine (``state``): ``starting`` → ``running`` ⇄ ``r
   (an API server loads its tokenizer while the cores load the model, and reports ready only
   once the cores answer); wait for every `Handshake` (``supervisor.engine_ready_timeout``),
   then every `ApiServerReady`; one ``ready`` log line with the URL; ``READY=1``.
-* ``running``: the loop waits for work. Signal handlers only flip state (STYLE.md practice 9):
+* ``running``: the loop waits for work. Signal handlers only flip state:
   SIGHUP/``pkgd reload`` queue a reload, SIGTERM/SIGINT request the stop; crashes are handled
   by `Fleet`. ``WATCHDOG=1`` goes out every half ``WATCHDOG_USEC`` while the children are
   healthy; ``/health`` of each endpoint is probed for ``pkgd status`` and the watchdog.

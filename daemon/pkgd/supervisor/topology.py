@@ -4,7 +4,7 @@ Every child gets ``--parent-pid`` (the supervisor's pid): it sets ``PR_SET_PDEAT
 exits at once if its parent is already gone, closing the window in which the supervisor could
 die before the child asked to die with it.
 
-The serve plan (`VllmConfig.serve_plan`, the seeds' ``ServeSubcommand.cmd`` modes) decides the
+The serve plan (`VllmConfig.serve_plan`, vLLM's ``ServeSubcommand.cmd`` modes) decides the
 counts; this module wires them together:
 
 * engine cores: one per local DP rank (``dp_start_rank`` … ``+ dp_local``). On one node they

@@ -17,7 +17,10 @@ PyTorch form, which computes the same thing:
 * `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
   read in place through the block table instead of gathering K/V copies;
 * `CpuKernels.rms_norm` / `CpuKernels.fused_add_rms_norm`: RMSNorm (with the residual add
-  fused), one pass over each row (at batch 1 PyTorch's composite op cost ~25 us a call).
+  fused), one pass over each row (at batch 1 PyTorch's composite op cost ~25 us a call);
+* `CpuKernels.quant_linear` / `CpuKernels.quant_gather`: linears and lookups on GGUF
+  quantized weights, from a library of their own (``quant.c``, `CpuKernels.quant`, built on
+  first use; `pkgd_kernels.cpu.quant`).
 
 A model family can build a fused step of its own on the same loops (`CpuKernels.load_library`
 with a `build.LibrarySpec` whose source includes ``kernels.h``), e.g. Llama's one-call decode
@@ -30,6 +33,7 @@ OpenMP thread pool and ``torch.set_num_threads`` sizes both.
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -109,6 +113,40 @@ class CpuKernels:
             CpuKernelsUnavailable: as `load`, or the library disagrees with ``spec``.
         """
         return open_library(spec, self.cache_dir)[0]
+
+    @functools.cached_property
+    def quant(self):
+        """The quantized-weight kernels (`pkgd_kernels.cpu.quant.QuantKernels`), built and loaded
+        on first use.
+
+        Raises:
+            CpuKernelsUnavailable: that library cannot be built or loaded.
+        """
+        from pkgd_kernels.cpu.quant import QUANT, QuantKernels
+
+        return QuantKernels(self.load_library(QUANT), self.cache_dir)
+
+    def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """C form of `pkgd_kernels.quant_linear` (`pkgd_kernels.cpu.quant.QuantKernels.quant_linear`)."""
+        return self.quant.quant_linear(x, weight, bias)
+
+    def quant_gather(self, weight, ids: torch.Tensor) -> torch.Tensor:
+        """C form of `pkgd_kernels.quant_gather` (`pkgd_kernels.cpu.quant.QuantKernels.quant_gather`)."""
+        return self.quant.quant_gather(weight, ids)
+
+    @staticmethod
+    def takes_quant_linear(x: torch.Tensor, weight) -> bool:
+        """Whether `quant_linear` takes these (`pkgd_kernels.cpu.quant.takes_quant_linear`)."""
+        from pkgd_kernels.cpu.quant import takes_quant_linear
+
+        return takes_quant_linear(x, weight)
+
+    @staticmethod
+    def takes_quant_gather(weight, ids: torch.Tensor) -> bool:
+        """Whether `quant_gather` takes these: a contiguous quantized weight, 1-D int64 ``ids`` on CPU."""
+        from pkgd_kernels.quant_layout import QuantWeight
+
+        return isinstance(weight, QuantWeight) and weight.data.is_contiguous() and ids.dtype == torch.int64 and ids.dim() == 1 and not ids.is_cuda
 
     # ---- which tensors each C form takes ----------------------------------------------------
 

@@ -4,8 +4,8 @@ A library is described by a `LibrarySpec`: a name, one C source (which may inclu
 ``kernels.h`` from this directory, on the include path), the ABI version its bindings expect and
 the ctypes structs they pass. Build: ``$CC`` (default ``gcc``; may carry arguments, e.g. ``ccache
 gcc``) with ``-O3 -march=native -fopenmp`` into ``<cache_dir>/<name>-<hash>.so``; the hash
-covers the source, ``kernels.h``, the flags and this CPU's feature flags, so a cache moved to
-another host is rebuilt rather than crashing, and a cache filled in advance needs no compiler.
+covers the source, the headers beside ``kernels.h`` (any may be included), the flags and this
+CPU's feature flags, so a cache moved to another host is rebuilt rather than crashing, and a cache filled in advance needs no compiler.
 Beside the library, ``<name>-<hash>.so.sha256`` holds its digest, checked before loading (a
 truncated library can crash the loader with SIGBUS). The file is written under a temporary name
 and renamed, so concurrent first starts (several engine cores) never load a half-written
@@ -145,7 +145,8 @@ def library_path(spec: LibrarySpec, cache_dir: Path) -> Path:
     (the compiler is not part of the key, so a cache filled in advance serves a host without
     one)."""
     key = hashlib.sha256()
-    for part in (spec.source.read_bytes(), HEADER.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+    headers = [h.read_bytes() for h in sorted(HEADER.parent.glob("*.h"))]  # any of them may be included
+    for part in (spec.source.read_bytes(), *headers, " ".join(CFLAGS).encode(), _cpu_flags().encode()):
         key.update(part)
     return cache_dir / f"{spec.name}-{key.hexdigest()[:16]}.so"
 

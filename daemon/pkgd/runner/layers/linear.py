@@ -1,13 +1,11 @@
 """Tensor-parallel linear layers (Megatron-LM's column/row split, Shoeybi et al., 2019).
 
 Layouts are chosen for the batch-1 (memory-bound) matrix-vector product, where MKL's speed
-depends on the shape; for batches both layouts reach the same GEMM speed. Measured here (fp32,
-one thread, best of 7, weights far beyond the caches): wide outputs (QKV 576->1728, gate/up
-576->3072, LM head 576->49152) read 21-26 GB/s as ``x @ W`` with ``W [in, out]`` against 12 GB/s
-with ``F.linear`` on ``[out, in]`` (DESIGN.md §5 "CPU specifics"), while the narrow
-row-parallel outputs (down 1536->576) read 15-17 GB/s with ``F.linear`` against 13-14 as
-``x @ W``. So column-parallel weights are stored ``[in, out]`` and row-parallel ones
-``[out, in]``.
+depends on the shape; for batches both layouts reach the same GEMM speed. Wide outputs (QKV,
+gate/up, the LM head) stream faster as ``x @ W`` with ``W [in, out]`` than with ``F.linear`` on
+``[out, in]``, while the narrow row-parallel outputs (down) stream faster with ``F.linear``
+(fp32, one thread, weights far beyond the caches; ``benchmarks/model_step.py`` shows the step).
+So column-parallel weights are stored ``[in, out]`` and row-parallel ones ``[out, in]``.
 
 * `MergedColumnParallelLinear`: several projections of one input fused into one GEMM (QKV,
   gate/up). Each part is split by output rows across ranks; the local weight is the

@@ -7,11 +7,15 @@
 #include <stddef.h>
 
 #include "kernels.h"
+#include "quant.h"
 
-#define PKGD_LLAMA_DECODE_ABI_VERSION 2
+#define PKGD_LLAMA_DECODE_ABI_VERSION 3
+
+enum { W_QUANT = 2 }; /* weights: a pkgd_qweight each (quant.h), GGUF's blocks kept quantized */
 
 /* Pointers of one decoder layer. Linear weights (qkv, o, gate_up, down) are in oneDNN's packing
- * of the dims' weight_dtype (kernels.h: float32 [out/64][in][64] or bf16 [out/32][in/2][32][2]);
+ * of the dims' weight_dtype (kernels.h: float32 [out/64][in][64] or bf16 [out/32][in/2][32][2]),
+ * or for W_QUANT each a pkgd_qweight (quant.h) whose rows are exactly the linear's outputs;
  * norms and biases float32; Q/K rows (and q_norm/k_norm) in the adjacent-pair RoPE layout.
  * Optional tensors are NULL when the model has none. Caches: [num_blocks, block_size, hkv, d] of
  * the dims' kv_dtype. */
@@ -31,10 +35,10 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rot_dim, block_size;
     float eps, scale;
-    int32_t weight_dtype;        /* W_F32 or W_BF16 */
+    int32_t weight_dtype;        /* W_F32, W_BF16 or W_QUANT */
     int32_t kv_dtype;            /* DT_F32, DT_F16 or DT_BF16 */
     int32_t bf16_impl;           /* BF16_DP or BF16_WIDEN (bf16 weights) */
-    int32_t reserved;
+    int32_t quant_impl;          /* QIMPL_* (quantized weights) */
     const float* final_norm;     /* [hidden] */
     const float* cos_sin_cache;  /* [max_position, rot_dim]: cos of each pair, then sin */
 } pkgd_decoder_dims;
@@ -83,16 +87,34 @@ int64_t pkgd_struct_layout(const char* name, int64_t* out, int64_t cap) {
         offsetof(pkgd_decoder_dims, rot_dim), offsetof(pkgd_decoder_dims, block_size),
         offsetof(pkgd_decoder_dims, eps), offsetof(pkgd_decoder_dims, scale),
         offsetof(pkgd_decoder_dims, weight_dtype), offsetof(pkgd_decoder_dims, kv_dtype),
-        offsetof(pkgd_decoder_dims, bf16_impl), offsetof(pkgd_decoder_dims, reserved),
+        offsetof(pkgd_decoder_dims, bf16_impl), offsetof(pkgd_decoder_dims, quant_impl),
         offsetof(pkgd_decoder_dims, final_norm), offsetof(pkgd_decoder_dims, cos_sin_cache),
     };
     const int64_t* src = NULL;
     int64_t n = 0;
     if (!strcmp(name, "pkgd_decoder_layer")) src = layer, n = sizeof layer / sizeof *layer;
     else if (!strcmp(name, "pkgd_decoder_dims")) src = dims, n = sizeof dims / sizeof *dims;
-    if (!src || n > cap) return -1;
+    if (!src) return quant_struct_layout(name, out, cap); /* pkgd_qweight, pkgd_qsegment */
+    if (n > cap) return -1;
     memcpy(out, src, sizeof(int64_t) * (size_t)n);
     return n;
+}
+
+/* One linear of a layer by a thread team (every thread calling): y = x W^T (+ bias), x rows of
+ * stride ldx, into gemv_team's output protocol. xbuf is this thread's scratch for x in the
+ * weights' form: bf16 pairs (W_BF16) or int8 activations (W_QUANT), made by each thread itself
+ * (cheaper than a barrier). */
+static inline void layer_gemv(const float* x, int64_t ldx, void* xbuf, const void* w, int wdt, int impl, int qimpl,
+                              const float* bias, float* y, int64_t m, int64_t n, int64_t k, float* part, int64_t* blk) {
+    if (wdt == W_QUANT) {
+        const pkgd_qweight* qw = (const pkgd_qweight*)w;
+        const uint8_t *a32, *a256;
+        quant_prepare((uint8_t*)xbuf, x, ldx, m, k, quant_families(qw), &a32, &a256);
+        qgemv_team(qw, a32, a256, qimpl, bias, y, m, part, blk);
+        return;
+    }
+    if (wdt == W_BF16) pack_x_bf16((uint32_t*)xbuf, x, ldx, m, k);
+    gemv_team(x, ldx, (const uint32_t*)xbuf, w, wdt, impl, bias, y, m, n, k, part, blk);
 }
 
 /* One decode step of m sequences (one new token each) through every layer, in one OpenMP
@@ -107,6 +129,8 @@ int64_t pkgd_struct_layout(const char* name, int64_t* out, int64_t cap) {
  * halves separately, and a long sequence's attention is cut into spans whose softmaxes are merged.
  * With bf16 weights the residual stream, norms, RoPE, softmax and SiLU stay float32; each GEMV
  * input is rounded to bf16 (as a bf16 GEMM's), and a bf16/fp16 cache stores the new K/V rounded.
+ * With quantized weights (W_QUANT) likewise, each GEMV input quantized to int8 as
+ * pkgd_quant_linear does (quant.h), in 16-output groups instead of packed blocks.
  *
  * emb: [m, hidden] embeddings of the new tokens; out: [m, hidden] final hidden states;
  * positions, slots: int64 [m] (slot -1: do not write); block_tables int32 [m, bt_stride];
@@ -119,8 +143,8 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     const int64_t H = md->hidden, hq = md->num_heads, hkv = md->num_kv_heads, d = md->head_dim;
     const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
     const int64_t rot = md->rot_dim, bs = md->block_size;
-    const int wdt = md->weight_dtype, kvdt = md->kv_dtype, impl = md->bf16_impl;
-    const int64_t bw = wdt == W_BF16 ? 32 : 64; /* outputs per packed block */
+    const int wdt = md->weight_dtype, kvdt = md->kv_dtype, impl = md->bf16_impl, qimpl = quant_usable_impl(md->quant_impl);
+    const int64_t bw = wdt == W_QUANT ? QROWS : wdt == W_BF16 ? 32 : 64; /* outputs per packed block */
     const int64_t maxk = H > qd ? (H > I ? H : I) : (qd > I ? qd : I);
     const int nt = omp_get_max_threads();
     const int split_silu = m > 2; /* else every thread computes all of SiLU*mul itself */
@@ -158,9 +182,11 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
         const size_t nown = (size_t)(2 * m * H + wrow + m * qd + (split_silu ? 0 : m * I) + (hq + hkv) * d +
                                      hq * sstride + d + 16);
         float* own = (float*)malloc(sizeof(float) * nown);
-        /* x of the current GEMV as bf16 pairs (bf16 weights): every thread packs its own copy */
-        uint32_t* xp = wdt == W_BF16 ? (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * maxk / 2 + 1)) : NULL;
-        if (!own || (wdt == W_BF16 && !xp)) {
+        /* x of the current GEMV as bf16 pairs or int8 (bf16 / quantized weights): every thread
+         * makes its own copy */
+        const size_t nxp = wdt == W_QUANT ? (size_t)quant_act_bytes(maxk, m, 3) : sizeof(uint32_t) * (size_t)(m * maxk / 2 + 1);
+        void* xp = wdt != W_F32 ? malloc(nxp) : NULL;
+        if (!own || (wdt != W_F32 && !xp)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -179,8 +205,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                 }
                 rms_row(xn + r * H, xr + r * H, L->ln1, H, md->eps);
             }
-            if (xp) pack_x_bf16(xp, xn, H, m, H);
-            gemv_team(xn, H, xp, L->qkv, wdt, impl, L->qkv_bias, qkv, m, nqkv, H, p_qkv, b_qkv);
+            layer_gemv(xn, H, xp, L->qkv, wdt, impl, qimpl, L->qkv_bias, qkv, m, nqkv, H, p_qkv, b_qkv);
 #pragma omp barrier
             /* per item: the sequence's Q/K (QK-norm, RoPE) on this thread's copy; the item
              * holding the last block first writes the new token's K/V into the cache */
@@ -224,16 +249,14 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                 const v16 iv = (v16){0} + 1.0f / den;
                 for (int64_t i = 0; i < d; i += 16) STOREV(o + i, LOADV(o + i) * iv);
             }
-            if (xp) pack_x_bf16(xp, at, qd, m, qd);
-            gemv_team(at, qd, xp, L->o, wdt, impl, NULL, y, m, H, qd, p_o, b_o);
+            layer_gemv(at, qd, xp, L->o, wdt, impl, qimpl, NULL, y, m, H, qd, p_o, b_o);
 #pragma omp barrier
             for (int64_t r = 0; r < m; r++) {
                 fixed_range(row, y + r * H, 0, H, p_o, b_o, nt, m, r, bw);
                 add_row(xr + r * H, row, L->o_bias, xr + r * H, H);
                 rms_row(xn + r * H, xr + r * H, L->ln2, H, md->eps);
             }
-            if (xp) pack_x_bf16(xp, xn, H, m, H);
-            gemv_team(xn, H, xp, L->gate_up, wdt, impl, L->gate_up_bias, gu, m, 2 * I, H, p_gu, b_gu);
+            layer_gemv(xn, H, xp, L->gate_up, wdt, impl, qimpl, L->gate_up_bias, gu, m, 2 * I, H, p_gu, b_gu);
 #pragma omp barrier
             const float* a_in = actp;
             if (split_silu) {
@@ -252,8 +275,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                     silu_mul_row(actp + r * I, row, row + I, I);
                 }
             }
-            if (xp) pack_x_bf16(xp, a_in, I, m, I);
-            gemv_team(a_in, I, xp, L->down, wdt, impl, NULL, y, m, H, I, p_down, b_down);
+            layer_gemv(a_in, I, xp, L->down, wdt, impl, qimpl, NULL, y, m, H, I, p_down, b_down);
 #pragma omp barrier
         }
         if (ok) {

@@ -18,7 +18,9 @@ It serves a step when all of these hold, else the model's per-layer forward runs
 * CPU, float32 or bfloat16 model, no tensor parallelism, the C kernels loaded (bf16 weights:
   the GEMVs multiply by the handle's `pkgd_kernels.cpu.CpuKernels.bf16_impl`, the residual
   stream and everything between GEMVs stay float32);
-* every linear's packed weight verified for the C GEMV (`layers.linear.packed_view`);
+* every linear's packed weight verified for the C GEMV (`layers.linear.packed_view`), or every
+  linear quantized (`layers.quantized.QuantizedLinear`, GGUF blocks: the GEMVs are
+  ``pkgd_kernels.quant_linear``'s, on the path of the handle's ``quant.impl``);
 * ``head_dim % 16 == 0`` and at most 256 query heads;
 * contiguous KV caches of one dtype (float32, float16 or bfloat16);
 * every sequence of the step is a decode (one new token) and there are at most
@@ -37,8 +39,11 @@ import torch
 from pkgd import log
 from pkgd.runner.attention import AttentionMetadata, KVCache
 from pkgd.runner.layers.linear import GEMV_MAX_BATCH
+from pkgd.runner.layers.quantized import QuantizedLinear
 from pkgd_kernels.cpu import BF16_IMPLS, CpuKernels
 from pkgd_kernels.cpu.build import CpuKernelsUnavailable, LibrarySpec
+from pkgd_kernels.cpu.quant import IMPLS as QUANT_IMPLS
+from pkgd_kernels.cpu.quant import QSegment, QWeightStruct, descriptor
 
 # The model is a `pkgd.runner.models.llama.LlamaForCausalLM` (or a subclass); that module builds
 # this step, so it is typed by what it is read for, not imported.
@@ -52,7 +57,7 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class DecoderLayerPointers(ctypes.Structure):
     """Addresses of one decoder layer's tensors (C struct ``pkgd_decoder_layer``): linear
     weights in oneDNN's packing of the dims' ``weight_dtype`` (float32 ``[out/64][in][64]``, bf16
-    ``[out/32][in/2][32][2]``), float32 norms and biases, Q/K rows and QK-norm weights in the
+    ``[out/32][in/2][32][2]``) or quantized (a ``pkgd_qweight`` each), float32 norms and biases, Q/K rows and QK-norm weights in the
     adjacent-pair RoPE layout, caches ``[num_blocks, block_size, Hkv, D]`` of the dims'
     ``kv_dtype``; 0 (NULL) for a tensor the model does not have."""
 
@@ -66,8 +71,8 @@ class DecoderLayerPointers(ctypes.Structure):
 class DecoderDims(ctypes.Structure):
     """Sizes of a Llama-family model (C struct ``pkgd_decoder_dims``): counts in
     heads/features/tokens, ``scale`` the attention's ``1/sqrt(head_dim)``, ``weight_dtype`` (0
-    float32, 1 bf16), ``kv_dtype`` (0 float32, 1 float16, 2 bf16), ``bf16_impl`` (0 widen, 1
-    vdpbf16ps), ``cos_sin_cache`` float32 ``[max_position, rot_dim]`` (cos | sin)."""
+    float32, 1 bf16, 2 quantized), ``kv_dtype`` (0 float32, 1 float16, 2 bf16), ``bf16_impl`` (0
+    widen, 1 vdpbf16ps), ``quant_impl`` (`pkgd_kernels.cpu.quant.IMPLS`), ``cos_sin_cache`` float32 ``[max_position, rot_dim]`` (cos | sin)."""
 
     _c_name_ = "pkgd_decoder_dims"
     _fields_ = [
@@ -76,17 +81,18 @@ class DecoderDims(ctypes.Structure):
         )],
         ("eps", _f32),
         ("scale", _f32),
-        *[(name, ctypes.c_int32) for name in ("weight_dtype", "kv_dtype", "bf16_impl", "reserved")],
+        *[(name, ctypes.c_int32) for name in ("weight_dtype", "kv_dtype", "bf16_impl", "quant_impl")],
         ("final_norm", _p),
         ("cos_sin_cache", _p),
     ]  # fmt: skip
 
 
 LLAMA_DECODE = LibrarySpec(
-    "llama-cpu-decode", Path(__file__).with_name("llama_cpu_decode.c"), abi_version=2,
-    structs=(DecoderLayerPointers, DecoderDims),
+    "llama-cpu-decode", Path(__file__).with_name("llama_cpu_decode.c"), abi_version=3,
+    structs=(DecoderLayerPointers, DecoderDims, QSegment, QWeightStruct),
 )  # fmt: skip
-"""The library of ``llama_cpu_decode.c``, checked against the two structs above at load."""
+"""The library of ``llama_cpu_decode.c``, checked against the structs above at load (and the
+quantized weight's, `pkgd_kernels.cpu.quant`)."""
 
 
 class LlamaDecodeKernel:
@@ -145,7 +151,13 @@ class LlamaDecodeKernel:
 
 
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+W_QUANT = 2
 _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _quant_ptr(linear: QuantizedLinear) -> int:
+    """Address of a quantized linear's ``pkgd_qweight`` (kept alive by its weight)."""
+    return ctypes.addressof(descriptor(linear.packed))
 
 
 class CpuDecodeStep:
@@ -162,8 +174,10 @@ class CpuDecodeStep:
         self.kernels = kernels
         self.kernel = kernel
         self.dtype = model.dtype
+        self.quantized = isinstance(first.qkv_proj, QuantizedLinear)
         self._f32: list[torch.Tensor] = []  # float32 copies of a 16-bit model's norms and biases
         _ptr = self._f32_ptr
+        _w = _quant_ptr if self.quantized else (lambda m: m.gemv_weight.data_ptr())
         self.dims = DecoderDims(
             num_layers=len(model.layers),
             hidden=cfg.hidden_size,
@@ -175,7 +189,7 @@ class CpuDecodeStep:
             block_size=0,
             eps=cfg.rms_norm_eps,
             scale=first.scale,
-            weight_dtype=_WEIGHT_DTYPES[model.dtype],
+            weight_dtype=W_QUANT if self.quantized else _WEIGHT_DTYPES[model.dtype],
             final_norm=_ptr(model.norm.weight),
             cos_sin_cache=_ptr(model.rotary_emb.cos_sin_cache),
         )
@@ -183,13 +197,13 @@ class CpuDecodeStep:
         for ptrs, layer in zip(self.layers, model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             ptrs.ln1 = _ptr(layer.input_layernorm.weight)
-            ptrs.qkv, ptrs.qkv_bias = attn.qkv_proj.gemv_weight.data_ptr(), _ptr(attn.qkv_proj.bias)
+            ptrs.qkv, ptrs.qkv_bias = _w(attn.qkv_proj), _ptr(attn.qkv_proj.bias)
             if attn.qk_norm:
                 ptrs.q_norm, ptrs.k_norm = _ptr(attn.q_norm.weight), _ptr(attn.k_norm.weight)
-            ptrs.o, ptrs.o_bias = attn.o_proj.gemv_weight.data_ptr(), _ptr(attn.o_proj.bias)
+            ptrs.o, ptrs.o_bias = _w(attn.o_proj), _ptr(attn.o_proj.bias)
             ptrs.ln2 = _ptr(layer.post_attention_layernorm.weight)
-            ptrs.gate_up, ptrs.gate_up_bias = mlp.gate_up_proj.gemv_weight.data_ptr(), _ptr(mlp.gate_up_proj.bias)
-            ptrs.down, ptrs.down_bias = mlp.down_proj.gemv_weight.data_ptr(), _ptr(mlp.down_proj.bias)
+            ptrs.gate_up, ptrs.gate_up_bias = _w(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias)
+            ptrs.down, ptrs.down_bias = _w(mlp.down_proj), _ptr(mlp.down_proj.bias)
         self._caches_key: tuple[int, ...] | None = None
 
     def _f32_ptr(self, t: torch.Tensor | None) -> int | None:
@@ -212,7 +226,10 @@ class CpuDecodeStep:
         if attn.head_dim % 16 or attn.num_heads > 256 or attn.num_heads % attn.num_kv_heads:
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(m.gemv_weight is None or m.gemv_weight.dtype != model.dtype for m in linears):
+        if all(isinstance(m, QuantizedLinear) for m in linears):
+            if any(m.qweight is None or m.qweight.rows != m.out_features for m in linears):
+                return None
+        elif any(getattr(m, "gemv_weight", None) is None or m.gemv_weight.dtype != model.dtype for m in linears):
             return None
         try:
             kernel = LlamaDecodeKernel(kernels)
@@ -235,6 +252,8 @@ class CpuDecodeStep:
         ):
             return None
         self.dims.bf16_impl = BF16_IMPLS[self.kernels.bf16_impl]
+        if self.quantized:
+            self.dims.quant_impl = QUANT_IMPLS[self.kernels.quant.impl]
         out = self.kernel.decode_forward(
             self.dims, self.layers, embeddings.float(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
         )

@@ -1,0 +1,147 @@
+"""Layers on GGUF quantized weights kept quantized (``model.quantization: auto`` on a GGUF file).
+
+Drop-ins for the float layers of `pkgd.runner.layers.linear` / `.embedding` with the same
+loading interface (``load_part`` / ``load`` of the full tensor, here a GGUF tensor's rows of
+blocks: uint8 ``[out, row_bytes]``, rows already permuted as the model wants them), holding a
+`pkgd_kernels.quant_layout.QuantWeight` instead of a float matrix:
+
+* `QuantizedLinear`: a fused column projection (Q/K/V, gate/up: one part per GGUF tensor, each
+  of its own type) or a row projection (o_proj, down_proj); ``forward`` is
+  ``pkgd_kernels.quant_linear`` (int8 activations; its C form for every batch size: a decode
+  step reads ~4.5-6.5 bits a weight, a prefill step runs int8 dot products);
+* `QuantizedLMHead`: the LM head, whose table also serves a tied embedding's lookups
+  (``pkgd_kernels.quant_gather``); `QuantizedEmbedding`: an untied embedding.
+
+They are tensor-parallel size 1 only (the runner keeps the float path for TP). The packed bytes
+are a uint8 parameter (``qdata``), so the runner's huge-page pass covers them;
+``num_weights`` counts the matrix's elements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import pkgd_kernels as pk
+from pkgd_kernels.quant_layout import QuantWeight, pack_gguf_rows
+
+
+class _Packed(nn.Module):
+    """Holds one `QuantWeight` built from the parts `_take` receives (packed once all are in)."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], part_qtypes: list[int], kernels) -> None:
+        super().__init__()
+        if len(part_sizes) != len(part_qtypes):
+            raise ValueError("one GGUF type per part")
+        self.kernels = kernels
+        self.in_features, self.out_features = in_features, sum(part_sizes)
+        self.part_sizes, self.part_qtypes = list(part_sizes), list(part_qtypes)
+        self.qweight: QuantWeight | None = None
+        self.qdata: nn.Parameter | None = None
+        self._parts: dict[int, torch.Tensor] = {}
+
+    @property
+    def num_weights(self) -> int:
+        return self.in_features * self.out_features
+
+    @property
+    def packed(self) -> QuantWeight:
+        """The packed weight. Raises ValueError before every part is loaded."""
+        if self.qweight is None:
+            raise ValueError(f"quantized weight incomplete: parts {sorted(self._parts)} of {len(self.part_sizes)} loaded")
+        return self.qweight
+
+    def _take(self, index: int, raw: torch.Tensor, what: str) -> None:
+        if self.qweight is not None:
+            raise RuntimeError(f"{what}: weights are already packed")
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[0] != self.part_sizes[index]:
+            raise ValueError(f"{what}: expected the GGUF rows uint8 [{self.part_sizes[index]}, row bytes], got {raw.dtype} {tuple(raw.shape)}")
+        self._parts[index] = raw
+        if len(self._parts) == len(self.part_sizes):
+            parts = [(self.part_qtypes[i], self._parts[i]) for i in range(len(self.part_sizes))]
+            self.qweight = pack_gguf_rows(parts, self.in_features)
+            self.qdata = nn.Parameter(self.qweight.data, requires_grad=False)
+            self._parts.clear()
+
+    def process_weights_after_loading(self) -> None:
+        _ = self.packed  # raises ValueError when a part is missing
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = pk.quant_linear(x if x.dtype == torch.float32 else x.float(), self.packed, bias, kernels=self.kernels)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class QuantizedLinear(_Packed):
+    """``y = x @ [W_0 | W_1 | ...]^T (+ b)`` on quantized parts. ``part_sizes``: output rows of
+    each part; ``part_qtypes``: their GGML types. Input ``[T, in]``, output ``[T, out]`` in the
+    input's dtype (computed in float32)."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], part_qtypes: list[int], *, bias: bool,
+                 dtype: torch.dtype = torch.float32, kernels=None) -> None:
+        super().__init__(in_features, part_sizes, part_qtypes, kernels)
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=torch.float32), requires_grad=False) if bias else None
+        self.gemv_weight = None  # no float packing (the fused decode step reads `qweight`)
+
+    @classmethod
+    def replacing(cls, layer: Any, part_qtypes: list[int]) -> QuantizedLinear:
+        """A quantized layer of ``layer``'s shape (a `MergedColumnParallelLinear` or
+        `RowParallelLinear`, TP size 1)."""
+        if getattr(layer, "tp", None) is not None and layer.tp.size != 1:
+            raise ValueError("quantized weights are for tensor-parallel size 1")
+        sizes = getattr(layer, "part_sizes", [layer.out_features])
+        return cls(layer.in_features, sizes, part_qtypes, bias=layer.bias is not None, kernels=layer.kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.bias)
+
+    def load_part(self, index: int, tensor: torch.Tensor, kind: str = "weight") -> None:
+        """Part ``index``'s GGUF rows (``kind="weight"``), or its float ``bias [out_i]``."""
+        if kind == "bias":
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias for a layer built without one")
+            start = sum(self.part_sizes[:index])
+            if tensor.shape != (self.part_sizes[index],):
+                raise ValueError(f"part {index} bias: checkpoint shape {tuple(tensor.shape)} does not match ({self.part_sizes[index]},)")
+            self.bias[start : start + self.part_sizes[index]].copy_(tensor)
+            return
+        self._take(index, tensor, f"part {index} weight")
+
+    def load(self, tensor: torch.Tensor, kind: str = "weight") -> None:
+        """A single-part layer's GGUF rows or bias (`RowParallelLinear`'s interface)."""
+        self.load_part(0, tensor, kind)
+
+
+class QuantizedLMHead(_Packed):
+    """``h [N, H] -> logits [N, V]`` float32 on a quantized ``[V, H]`` table; `embedding_rows`
+    serves a tied embedding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, qtype: int, *, tied: bool = False, kernels=None) -> None:
+        super().__init__(hidden_size, [vocab_size], [qtype], kernels)
+        self.tied = tied
+        self.local = vocab_size
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self._linear(h, None).float()
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 ``[T]``) of the table, float32 ``[T, H]``."""
+        return pk.quant_gather(self.packed, ids, kernels=self.kernels)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        """The table's GGUF rows (``token_embd`` when tied, else ``output``)."""
+        self._take(0, tensor, "lm_head")
+
+
+class QuantizedEmbedding(_Packed):
+    """Token ids ``[T]`` (int64) -> float32 ``[T, H]`` rows of a quantized ``[V, H]`` table."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, qtype: int, *, kernels=None) -> None:
+        super().__init__(hidden_size, [vocab_size], [qtype], kernels)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return pk.quant_gather(self.packed, ids, kernels=self.kernels)
+
+    def load(self, tensor: torch.Tensor) -> None:
+        self._take(0, tensor, "embedding")

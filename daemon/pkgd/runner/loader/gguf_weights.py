@@ -1,0 +1,213 @@
+"""Load a GGUF file's weights kept quantized, and decide whether to (``model.quantization``).
+
+`choose_quantization` is the one place that decides: ``auto`` keeps the file's quantized
+blocks when every tensor can stay so (each 2-D weight of a type `pkgd_kernels.quant_layout`
+reads, norms and biases in float) and the C kernels for them load, on CPU without tensor
+parallelism; otherwise, and for ``none``, the runner loads the dequantized float weights
+(`pkgd.model_files.resolve.ensure_float_weights`). The choice and its reason are logged.
+
+`load_quantized_model` builds the model, swaps its linears, LM head and embedding for the
+layers of `pkgd.runner.layers.quantized`, and feeds the GGUF tensors through the model's own
+``load_weights`` (HF names, llama.cpp's Q/K row permutation undone on the rows of blocks, as
+the float conversion does on floats), read from the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pkgd.model_files.gguf_convert import hf_name, permutes_qk, read_gguf, unpermute_qk
+from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
+from pkgd.runner.models import get_model_class
+from pkgd.runner.models.config import ArchConfig
+from pkgd_kernels.quant_layout import BLOCK, GROUP_ROWS, QTYPE_NAMES, supports
+
+_FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+# Parts of fused projections: every part but the last of a fused weight starts a 16-row group.
+_FUSED_PARTS = ("q_proj", "k_proj", "gate_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationChoice:
+    """``quantized``: whether the GGUF blocks are kept; ``reason``: why (logged);
+    ``tensor_types``: type name -> tensor count of the file (empty for a non-GGUF source)."""
+
+    quantized: bool
+    reason: str
+    tensor_types: dict[str, int]
+
+
+class GGUFWeights:
+    """A GGUF file's tensors by HF name (memory-mapped; nothing read until iterated).
+
+    Raises (from the constructor):
+        ModelSourceError: not a readable GGUF of a supported architecture.
+    """
+
+    def __init__(self, path: Path, cfg: ArchConfig) -> None:
+        self.path = path
+        self.cfg = cfg
+        self._reader, _, arch = read_gguf(path)
+        self._permute = permutes_qk(arch)
+        self.tensors = {hf_name(t.name) or t.name: t for t in self._reader.tensors}
+        self._unknown = [t.name for t in self._reader.tensors if hf_name(t.name) is None]
+
+    def qtype(self, name: str) -> int:
+        """GGML type id of tensor ``name`` (HF name)."""
+        return int(self.tensors[name].tensor_type)
+
+    def tensor_types(self) -> dict[str, int]:
+        return dict(collections.Counter(_type_name(int(t.tensor_type)) for t in self.tensors.values()))
+
+    def problems(self) -> list[str]:
+        """Why the file cannot run quantized (empty when it can)."""
+        out = [f"{name} has no counterpart in the model" for name in self._unknown]
+        for name, t in self.tensors.items():
+            qt, shape = int(t.tensor_type), [int(d) for d in reversed(t.shape)]
+            if len(shape) == 1:
+                if qt not in _FLOAT_TYPES:
+                    out.append(f"{t.name} (1-D) is {_type_name(qt)}")
+            elif qt not in QTYPE_NAMES:
+                out.append(f"{t.name} is {_type_name(qt)}, a type the quantized kernels do not read")
+            elif not supports(qt, shape[-1]):
+                out.append(f"{t.name} has {shape[-1]} inputs per row, not a multiple of {BLOCK[qt]}")
+            elif name.rsplit(".", 2)[-2] in _FUSED_PARTS and shape[0] % GROUP_ROWS:
+                out.append(f"{t.name} has {shape[0]} rows, not a multiple of {GROUP_ROWS} (a fused projection's part)")
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, tensor)``: float32 for float tensors, the uint8 rows of blocks
+        ``[rows, row_bytes]`` for quantized ones (a copy, so the mapping can close)."""
+        from gguf.quants import dequantize
+
+        c = self.cfg
+        for name, t in self.tensors.items():
+            qt = int(t.tensor_type)
+            if qt in QTYPE_NAMES:
+                a = np.asarray(t.data)
+            else:
+                a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if self._permute and ".q_proj." in name:
+                a = unpermute_qk(a, c.num_attention_heads)
+            elif self._permute and ".k_proj." in name:
+                a = unpermute_qk(a, c.num_key_value_heads)
+            yield name, torch.from_numpy(np.array(a, copy=True))
+
+    def close(self) -> None:
+        """Drop the file mapping (its pages stop counting towards the process's memory)."""
+        self.tensors = {}
+        self._reader = None
+
+
+def _type_name(qt: int) -> str:
+    if qt in _FLOAT_TYPES:
+        return _FLOAT_TYPES[qt]
+    if qt in QTYPE_NAMES:
+        return QTYPE_NAMES[qt]
+    try:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(qt).name
+    except ValueError:
+        return f"type {qt}"
+
+
+def choose_quantization(requested: str, gguf_path: Path | None, cfg: ArchConfig, *, device: torch.device,
+                        tp_size: int, kernels: Any, dtype: str = "auto",
+                        pooling: bool = False) -> tuple[QuantizationChoice, GGUFWeights | None]:
+    """Whether to keep ``gguf_path``'s weights quantized (module docstring), and the opened
+    file when so. ``dtype``: ``model.dtype`` (the kernels take float32 activations, so a 16-bit
+    one asked for dequantizes); ``pooling``: ``model.runner`` is pooling (float weights).
+
+    Raises:
+        ModelSourceError: a GGUF that cannot be read.
+    """
+    if requested == "none":
+        return QuantizationChoice(False, "model.quantization is none", {}), None
+    if gguf_path is None:
+        return QuantizationChoice(False, "the model is not a GGUF file", {}), None
+    weights = GGUFWeights(gguf_path, cfg)
+    types = weights.tensor_types()
+    reason = None
+    if device.type != "cpu":
+        reason = f"the quantized kernels run on CPU, not {device.type}"
+    elif tp_size > 1:
+        reason = "tensor parallelism runs float weights"
+    elif dtype not in ("auto", "float32"):
+        reason = f"model.dtype is {dtype}; the quantized kernels take float32 activations"
+    elif pooling:
+        reason = "the pooling runner loads float weights"
+    elif kernels is None:
+        reason = "the C kernels are unavailable"
+    elif problems := weights.problems():
+        reason = f"{len(problems)} tensors cannot stay quantized, e.g. {problems[0]}"
+    else:
+        from pkgd_kernels.cpu import CpuKernelsUnavailable
+
+        try:
+            kernels.quant  # noqa: B018 - builds and loads the library
+        except CpuKernelsUnavailable as e:
+            reason = f"the quantized kernels are unavailable ({e})"
+    if reason is not None:
+        weights.close()
+        return QuantizationChoice(False, reason, types), None
+    return QuantizationChoice(True, f"kernels for every tensor type of {gguf_path.name}", types), weights
+
+
+def load_quantized_model(cfg: ArchConfig, weights: GGUFWeights, *, kernels: Any, progress: Any = None) -> nn.Module:
+    """Build ``cfg.architecture`` (float32 activations) with quantized layers and load the
+    GGUF's tensors into them. ``progress`` is told one step per tensor, then one for the
+    post-loading processing.
+
+    Raises:
+        UnsupportedArchitectureError: the architecture is not registered.
+        ValueError: tensors that do not fit the architecture.
+    """
+    model = get_model_class(cfg.architecture)(cfg, dtype=torch.float32, kernels=kernels)
+    _swap_layers(model, weights, kernels)
+    tensors: Iterator[tuple[str, torch.Tensor]] = iter(weights)
+    if progress is not None:
+        progress.set_total(len(weights.tensors) + 1)
+        tensors = _counted(tensors, progress)
+    with torch.no_grad():
+        model.load_weights(tensors)
+        weights.close()
+        for module in reversed(list(model.modules())):
+            if hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+    if progress is not None:
+        progress.advance()
+    return model.eval()
+
+
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], progress: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in tensors:
+        yield item
+        progress.advance()
+
+
+def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
+    """Replace the float linears, LM head and embedding (placeholders never written, so never
+    resident) by quantized ones of the file's types."""
+    cfg = model.cfg
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = QuantizedLinear.replacing(attn.qkv_proj, [weights.qtype(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        attn.o_proj = QuantizedLinear.replacing(attn.o_proj, [weights.qtype(p + "self_attn.o_proj.weight")])
+        mlp.gate_up_proj = QuantizedLinear.replacing(mlp.gate_up_proj, [weights.qtype(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+        mlp.down_proj = QuantizedLinear.replacing(mlp.down_proj, [weights.qtype(p + "mlp.down_proj.weight")])
+    table = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    model.lm_head = QuantizedLMHead(cfg.vocab_size, cfg.hidden_size, weights.qtype(table), tied=cfg.tie_word_embeddings, kernels=kernels)
+    if cfg.tie_word_embeddings:
+        model.embed_tokens.tied_rows = model.lm_head.embedding_rows
+    else:
+        model.embed_tokens = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, weights.qtype("model.embed_tokens.weight"), kernels=kernels)
