@@ -36,11 +36,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "supervisor"), str(ROOT / "tests" / "faults")]
 
 import httpx  # noqa: E402
+from cases import (  # noqa: E402
+    CLIENTS,
+    Case,
+    engine_reload,
+    fault_config,
+    frontend_reload,
+    kill_api_server,
+    kill_engine_core,
+    sigterm,
+)
+from supervisor_helpers import Daemon, merge  # noqa: E402
 
-from cases import CLIENTS, Case, engine_reload, fault_config, frontend_reload, kill_api_server, kill_engine_core, sigterm  # noqa: E402
 from pkgd.benchmarks.streams import StreamClients  # noqa: E402
 from pkgd.config.vllm_config import VllmConfig  # noqa: E402
-from supervisor_helpers import Daemon, merge  # noqa: E402
 
 
 def largest_bodies() -> dict[str, dict]:
@@ -134,9 +143,10 @@ def loop_lag(repeats: int = 3) -> list[dict]:
     import gc
 
     from api.fakes import FakeEngineClient
+
     from pkgd.api import serving_chat, serving_completion
-    from pkgd.frontend.async_llm import AsyncLLM, load_frontend_tokenizer
     from pkgd.api.state import ServerState
+    from pkgd.frontend.async_llm import AsyncLLM, load_frontend_tokenizer
 
     async def window(work) -> float:
         lags: list[float] = []

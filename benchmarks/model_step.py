@@ -32,10 +32,10 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch  # noqa: E402
 
 from pkgd.config.vllm_config import VllmConfig  # noqa: E402
-from pkgd.sampling_params import SamplingParams  # noqa: E402
-from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 from pkgd.model_files.resolve import resolve_model  # noqa: E402
 from pkgd.runner.model_runner import ModelRunner  # noqa: E402
+from pkgd.sampling_params import SamplingParams  # noqa: E402
+from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 

@@ -38,7 +38,8 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """The embedded SmolLM2's tokenizer, read from its GGUF (no engine, no torch)."""
-    from pkgd.frontend.tokenizer import load_tokenizer
     from tests.smollm2 import smollm2_gguf
+
+    from pkgd.frontend.tokenizer import load_tokenizer
 
     return load_tokenizer(None, tokenizer=str(smollm2_gguf()))

@@ -23,12 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from pkgd_kernels.attention_cpu import (
-    DecodeChunk,
-    PrefillSeq,
-    paged_attention_decode_cpu,
-    paged_attention_prefill_cpu,
-)
 from pkgd_kernels._util import (
     FLOAT_DTYPES,
     check_dtype,
@@ -39,6 +33,12 @@ from pkgd_kernels._util import (
     triton_module,
     unit_stride,
     use_triton,
+)
+from pkgd_kernels.attention_cpu import (
+    DecodeChunk,
+    PrefillSeq,
+    paged_attention_decode_cpu,
+    paged_attention_prefill_cpu,
 )
 
 _DECODE = "paged_attention_decode"

@@ -53,7 +53,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
+    l_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
@@ -69,20 +69,20 @@ def _decode_kernel(
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v_off = block * stride_vc_b + in_block * stride_vc_o + kv_head * stride_vc_h
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if SINGLE:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]  # empty sequence -> zeros
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # empty sequence -> zeros
         dst = out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:  # partials are contiguous [S, num_heads, num_partitions(, D_PAD)]
         slot = (seq * tl.num_programs(1) * group_size + heads) * num_partitions + part
         tl.store(part_m_ptr + slot, m, mask=row_mask)
-        tl.store(part_l_ptr + slot, l, mask=row_mask)
+        tl.store(part_l_ptr + slot, l_sum, mask=row_mask)
         tl.store(part_acc_ptr + slot[:, None] * D_PAD + dims[None, :], acc, mask=out_mask)
 
 
@@ -102,12 +102,12 @@ def _reduce_kernel(
     p_mask = parts < used
     base = (seq * tl.num_programs(1) + head) * num_partitions
     m = tl.load(part_m_ptr + base + parts, mask=p_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + base + parts, mask=p_mask, other=0.0)
+    l_sum = tl.load(part_l_ptr + base + parts, mask=p_mask, other=0.0)
     acc = tl.load(part_acc_ptr + (base + parts)[:, None] * D_PAD + dims[None, :],
                   mask=p_mask[:, None], other=0.0)
     m_max = tl.maximum(tl.max(m, axis=0), -1e30)  # finite even for an empty sequence
     weight = tl.where(p_mask, tl.exp(m - m_max), 0.0)
-    total = tl.sum(l * weight, axis=0)
+    total = tl.sum(l_sum * weight, axis=0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     dst = out_ptr + seq * stride_o_s + head * stride_o_h + dims
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)

@@ -69,7 +69,7 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_end = tl.minimum(seq_len, context + first_row + BLOCK_M)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
@@ -88,12 +88,12 @@ def _prefill_kernel(
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v_off = block * stride_vc_b + in_block * stride_vc_o + kv_head * stride_vc_h
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     dst = out_ptr + tokens[:, None] * stride_o_t + head * stride_o_h + dims[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 

@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
@@ -100,8 +100,9 @@ def _elementwise_cases(a, device, dtype, es: int) -> list[Case]:
     gate_up = rand(t, 2 * inter)
     kv = (rand(t, a.num_kv_heads, a.head_dim), rand(t, a.num_kv_heads, a.head_dim))
     num_blocks = -(-t // a.block_size) + 1
-    caches = tuple(rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim) for _ in range(2))
-    ref_caches = tuple(c.clone() for c in caches)  # each path writes its own copy
+    caches = (rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim),
+              rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim))
+    ref_caches = (caches[0].clone(), caches[1].clone())  # each path writes its own copy
     slots = torch.randperm(num_blocks * a.block_size, generator=g)[:t].to(device)
     pos = torch.randint(0, 4096, (t,), generator=g).to(device)
     qr, kr = rand(t, a.num_heads * a.head_dim), rand(t, a.num_kv_heads * a.head_dim)
@@ -110,10 +111,17 @@ def _elementwise_cases(a, device, dtype, es: int) -> list[Case]:
     top_k = torch.full((a.num_seqs,), 50, dtype=torch.int32, device=device)
     top_p = torch.full((a.num_seqs,), 0.9, dtype=torch.float32, device=device)
     qk_bytes = t * (a.num_heads + a.num_kv_heads) * a.head_dim * es
+
+    def cache_triton() -> tuple[torch.Tensor, torch.Tensor]:
+        K.reshape_and_cache_triton(*kv, *caches, slots)
+        return caches
+
+    def cache_ref() -> tuple[torch.Tensor, torch.Tensor]:
+        K.reshape_and_cache_ref(*kv, *ref_caches, slots)
+        return ref_caches
+
     return [
-        Case("reshape_and_cache", f"T={t} Hkv={a.num_kv_heads}x{a.head_dim}",
-             lambda: K.reshape_and_cache_triton(*kv, *caches, slots) or caches,
-             lambda: K.reshape_and_cache_ref(*kv, *ref_caches, slots) or ref_caches,
+        Case("reshape_and_cache", f"T={t} Hkv={a.num_kv_heads}x{a.head_dim}", cache_triton, cache_ref,
              bytes=4 * t * a.num_kv_heads * a.head_dim * es + 8 * t),
         Case("rms_norm", f"T={t} H={h}", lambda: K.rms_norm_triton(x, w, 1e-5),
              lambda: K.rms_norm_ref(x, w, 1e-5), bytes=(2 * t * h + h) * es),
@@ -163,7 +171,8 @@ def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> floa
     return statistics.median(times) * 1e3
 
 
-def _max_diff(a: object, b: object) -> float:
+def _max_diff(a: Any, b: Any) -> float:
+    """Largest finite difference between two outputs: tensors, or tuples of tensors."""
     pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
     return max(
         float((x.float() - y.float()).nan_to_num(posinf=0.0, neginf=0.0).abs().max())

@@ -76,6 +76,7 @@ def launch_rms_norm(
     has_residual = residual is not None
     if not has_residual:  # unused pointers; any valid tensor of the right dtype will do
         residual, new_residual = x, out
+    assert residual is not None
     _rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, out, new_residual,
         x.stride(0), residual.stride(0), out.stride(0),

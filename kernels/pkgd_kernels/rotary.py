@@ -199,6 +199,7 @@ def rotary_embedding_cpu(
     adjacent, so each pair is one complex number and the rotation one complex multiplication
     (3 ATen ops a tensor instead of ~10); NeoX pairs take the rotate-half form."""
     p = plan or plan_rotary(positions, cos_sin_cache, is_neox)
+    assert p is not None  # plan_rotary plans every CPU call
     return (_rotate_cpu(query, p.cos, p.sin, p.turn, head_size), _rotate_cpu(key, p.cos, p.sin, p.turn, head_size))
 
 

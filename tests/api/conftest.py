@@ -46,9 +46,9 @@ async def served(tokenizer, *, config: VllmConfig | None = None, script: Callabl
                  runner: str = "generate") -> AsyncIterator:
     """(httpx client on the app, ServerState, FakeEngineClient)."""
     from pkgd.api.app import build_app
+    from pkgd.api.state import ServerState
     from pkgd.frontend.async_llm import AsyncLLM
     from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
-    from pkgd.api.state import ServerState
 
     config = config or VllmConfig()
     fakes: list[FakeEngineClient] = []

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
-from pkgd.logprobs import TokenLogprobs
 from pkgd.ipc.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -26,6 +25,7 @@ from pkgd.ipc.messages import (
     SchedulerStats,
     UtilityResult,
 )
+from pkgd.logprobs import TokenLogprobs
 
 EOS = 2
 MAX_MODEL_LEN = 2048

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import structlog
 
+from pkgd.config.vllm_config import VllmConfig
 from pkgd.frontend import async_llm
 from pkgd.frontend.async_llm import AsyncLLM
-from pkgd.config.vllm_config import VllmConfig
 
 from .fakes import FakeEngineClient
 

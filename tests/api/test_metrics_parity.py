@@ -7,11 +7,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pkgd.frontend.metrics import (
-    Metrics,
     E2E_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     EngineStatsCollector,
+    Metrics,
     request_tokens_buckets,
 )
 from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats

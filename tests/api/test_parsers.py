@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from pkgd.config.vllm_config import VllmConfig
 from pkgd.parsers import load_parser, registered_names
 from pkgd.parsers.hermes import HermesToolParser
 from pkgd.parsers.reasoning import ThinkTagReasoningParser
-from pkgd.config.vllm_config import VllmConfig
 
 from .conftest import answer_script, served
 

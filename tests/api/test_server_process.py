@@ -10,12 +10,11 @@ import time
 
 import httpx
 import pytest
+from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_config
 
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.ipc import transport
 from pkgd.ipc.messages import ApiServerReady, ChildFailed
-
-from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_config
 
 FAKE_ENV = {"FAKE_VOCAB": "49152", "FAKE_MAX_MODEL_LEN": "8192"}
 

@@ -13,11 +13,11 @@ import time
 import httpx
 import openai
 import pytest
+from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_config
 
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.ipc import transport
 
-from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_config
 from .test_errors import CASES
 
 pytestmark = pytest.mark.slow

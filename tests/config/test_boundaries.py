@@ -3,8 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from pkgd.parsers import registered_names
 from pkgd.config import VllmConfig
+from pkgd.parsers import registered_names
 
 
 def cfg(**sections) -> VllmConfig:

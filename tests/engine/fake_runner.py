@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pkgd.sampling_params import SamplingParams
-from pkgd.scheduler_output import SchedulerOutput
 from pkgd.logprobs import TokenLogprobs
 from pkgd.runner_output import ModelRunnerOutput
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import SchedulerOutput
 
 
 def hash_next_token(tokens: list[int], vocab_size: int) -> int:

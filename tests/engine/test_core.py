@@ -5,8 +5,8 @@ import pytest
 
 from pkgd.config import VllmConfig
 from pkgd.engine.core import EngineCore
-from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason, Handshake
+from pkgd.sampling_params import SamplingParams
 
 from .fake_runner import fake_factory
 

@@ -3,11 +3,11 @@
 import json
 
 import pytest
+from tests.smollm2 import smollm2_gguf
 
 from pkgd import LLM
 from pkgd.cli.run_batch import process_batch
 
-from tests.smollm2 import smollm2_gguf
 from .fake_runner import fake_factory
 
 

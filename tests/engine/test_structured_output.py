@@ -10,13 +10,13 @@ import re
 import threading
 
 import pytest
+from tests.smollm2 import smollm2_gguf
 
 from pkgd.config import VllmConfig
 from pkgd.engine.core import EngineCore
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason
 from pkgd.sampling_params import SamplingParams, StructuredOutputsParams
 
-from tests.smollm2 import smollm2_gguf
 from .fake_runner import fake_factory
 
 VOCAB = 49152

@@ -13,13 +13,13 @@ import os
 import signal
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from pathlib import Path
+from supervisor_helpers import Daemon, reload_and_wait
 
 from pkgd.benchmarks.streams import Outcome, StreamClients, summarize
 from pkgd.config.sections import DEFAULT_MODEL_SOURCE
-from supervisor_helpers import Daemon, reload_and_wait
 
 CLIENTS = 32
 SETTLE_S = 1.0  # load kept running after the fault

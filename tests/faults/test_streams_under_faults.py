@@ -12,7 +12,6 @@ share one daemon and run in order (SIGTERM last).
 from __future__ import annotations
 
 import pytest
-
 from cases import CLIENTS, engine_reload, frontend_reload, kill_api_server, kill_engine_core, sigterm
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

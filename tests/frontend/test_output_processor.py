@@ -4,9 +4,9 @@ import pytest
 
 from pkgd.frontend.input_processor import InputProcessor
 from pkgd.frontend.output_processor import OutputProcessor
-from pkgd.sampling_params import RequestOutputKind, SamplingParams
-from pkgd.logprobs import TokenLogprobs
 from pkgd.ipc.messages import EngineCoreOutput, FinishReason
+from pkgd.logprobs import TokenLogprobs
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import os
 import sys
 import time
 
-from pkgd.logprobs import TokenLogprobs
 from pkgd.ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats
+from pkgd.logprobs import TokenLogprobs
 
 VOCAB = int(os.environ.get("FAKE_VOCAB", "1000"))
 MAX_MODEL_LEN = int(os.environ.get("FAKE_MAX_MODEL_LEN", "256"))

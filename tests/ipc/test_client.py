@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from pkgd.sampling_params import SamplingParams
 from pkgd.ipc import transport
 from pkgd.ipc.client import EngineClient, EngineRequestError, EngineUnavailableError
 from pkgd.ipc.messages import ChildFailed, EngineCoreRequest, EngineOutputs, Handshake
+from pkgd.sampling_params import SamplingParams
 
 from .launch import spawn_engine, write_config
 

@@ -10,7 +10,6 @@ import pytest
 import zmq
 
 from pkgd.engine.core_proc import EngineCoreProc
-from pkgd.sampling_params import SamplingParams
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,
@@ -26,6 +25,7 @@ from pkgd.ipc.messages import (
     decode_engine,
     encode,
 )
+from pkgd.sampling_params import SamplingParams
 
 from .fake_engine import CRASH_TOKEN, MAX_MODEL_LEN, FakeEngineCore
 
@@ -62,7 +62,8 @@ class Served:
         self.signals.request_stop()
         self.thread.join(5)
         if self.thread.is_alive():
-            import sys, traceback
+            import sys
+            import traceback
             traceback.print_stack(sys._current_frames()[self.thread.ident])
         assert not self.thread.is_alive()
 

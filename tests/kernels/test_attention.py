@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import pkgd_kernels as K
 from pkgd_kernels import (
     paged_attention_decode,
     paged_attention_decode_ref,
@@ -21,8 +22,6 @@ from pkgd_kernels import (
     paged_attention_prefill_ref,
     paged_attention_prefill_triton,
 )
-
-import pkgd_kernels as K
 
 from .paged import dense_causal_attention, make_batch, zero_padding
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tests.runner.tiny_gguf import quantize_blocks
 
 import pkgd_kernels as pk
 from pkgd_kernels import cpu
 from pkgd_kernels.quant import dequantized_activations, quantize_activations
 from pkgd_kernels.quant_layout import BLOCK, GGUF_BLOCK_BYTES, QTYPES, dequantize, pack_gguf_rows
-from tests.runner.tiny_gguf import quantize_blocks
 
 TYPES = list(QTYPES)
 EPS = torch.finfo(torch.float32).eps
@@ -44,7 +44,8 @@ def _raw(qtype: str, n: int, k: int, seed: int, kind: str = "quantized") -> np.n
     qt = QTYPES[qtype]
     nb = k // BLOCK[qt]
     b = rng.integers(0, 256, (n, nb, GGUF_BLOCK_BYTES[qt]), dtype=np.uint8)
-    scale = lambda: (rng.standard_normal((n, nb)) * 0.02).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    def scale():
+        return (rng.standard_normal((n, nb)) * 0.02).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
     offsets = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[qtype]
     for o in offsets:
         b[..., o : o + 2] = scale()

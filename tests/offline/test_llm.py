@@ -3,14 +3,13 @@
 import io
 
 import pytest
+from tests.engine.fake_runner import fake_factory
+from tests.smollm2 import smollm2_gguf
 from tqdm import tqdm
 
 from pkgd import LLM, SamplingParams
 from pkgd.offline import progress
 from pkgd.sampling_params import BeamSearchParams
-
-from tests.smollm2 import smollm2_gguf
-from tests.engine.fake_runner import fake_factory
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tests.runner.factory import C_KERNELS, LogitsRecorder, make_runner  # noqa: F401 (re-exported)
 from tests.runner.tiny_models import build_tiny
 

@@ -57,9 +57,9 @@ def _huge_kib(addr: int, nbytes: int) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise only")
 def test_collapse_moves_a_tensor_onto_huge_pages_and_keeps_its_contents():
-    from pkgd.runner.allocator import HUGE_PAGE_BYTES, collapse_to_huge_pages, tensor_span
-
     import torch
+
+    from pkgd.runner.allocator import HUGE_PAGE_BYTES, collapse_to_huge_pages, tensor_span
 
     t = torch.arange(3 * HUGE_PAGE_BYTES // 4 + 1000, dtype=torch.float32)  # spans >= 2 whole huge pages
     want = t.clone()
@@ -102,7 +102,6 @@ def _smaps_kib(addr: int, nbytes: int, field: str) -> int:
 
 def test_the_runner_puts_weights_on_huge_pages_and_the_kv_cache_in_lazy_zero_memory(tiny_dirs):
     from structlog.testing import capture_logs
-
     from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("llama")
@@ -129,9 +128,9 @@ def test_the_runner_puts_weights_on_huge_pages_and_the_kv_cache_in_lazy_zero_mem
 
 
 def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkeypatch):
-    from pkgd.runner import model_runner
-
     from tests.runner.factory import make_runner
+
+    from pkgd.runner import model_runner
 
     calls, lazy = [], []
     monkeypatch.setattr(model_runner, "collapse_to_huge_pages", lambda spans: calls.append(spans) or 0)

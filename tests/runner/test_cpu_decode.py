@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.runner.driver import Driver
+from tests.runner.factory import make_runner
 
-from pkgd.sampling_params import SamplingParams
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.models.llama_cpu_decode import LLAMA_DECODE, CpuDecodeStep, DecoderDims
-from tests.runner.factory import make_runner
-from tests.runner.driver import Driver
+from pkgd.sampling_params import SamplingParams
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]
 BLOCK = 4

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.runner.conftest import LogitsRecorder
+from tests.runner.driver import Driver
 
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.model_files.resolve import resolve_model
 from pkgd.sampling_params import SamplingParams
-from tests.runner.conftest import LogitsRecorder
-from tests.runner.driver import Driver
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh)")
 

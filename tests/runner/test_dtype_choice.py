@@ -104,7 +104,6 @@ def test_the_measurement_on_this_host(monkeypatch):
 
 def test_the_runner_logs_its_choice(tiny_dirs):
     from structlog.testing import capture_logs
-
     from tests.runner.factory import make_runner
 
     model_dir, _ = tiny_dirs("qwen2")

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
 from pkgd.config.sections import ModelConfig
 from pkgd.model_files import resolve as R
 from pkgd.model_files.resolve import ModelSourceError, ensure_float_weights, resolve_model
-from tests.runner.tiny_gguf import CHAT_TEMPLATE, write_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,9 +70,10 @@ def test_gguf_conversion_matches_transformers_gguf_loading(tiny_gguf, tmp_path, 
 def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_path, arch):
     """Un-permutation (llama) and head_dim / QK-norm mapping (qwen3, whose GGUF transformers'
     own loader misreads) must be right for the logits."""
-    from pkgd.sampling_params import SamplingParams
-    from tests.runner.factory import make_runner
     from tests.runner.driver import Driver
+    from tests.runner.factory import make_runner
+
+    from pkgd.sampling_params import SamplingParams
 
     path, hf = tiny_gguf[arch]
     mf = _resolve_floats(path, tmp_path)

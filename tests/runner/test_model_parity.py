@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.runner.driver import Driver
+from tests.runner.factory import LogitsRecorder, make_runner
 
 from pkgd.sampling_params import SamplingParams
-from tests.runner.factory import LogitsRecorder, make_runner
-from tests.runner.driver import Driver
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]
 TOL = 1e-4

@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 import torch
+from tests.runner.driver import Driver
+from tests.runner.factory import make_runner
 
+from pkgd.runner.models import UnsupportedArchitectureError
 from pkgd.sampling_params import SamplingParams
 from pkgd.scheduler_output import CachedRequestData, SchedulerOutput
-from pkgd.runner.models import UnsupportedArchitectureError
-from tests.runner.factory import make_runner
-from tests.runner.driver import Driver
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -144,10 +144,11 @@ def test_unsupported_architecture_lists_supported(llama, tmp_path):
 
 @pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
 def test_a_16_bit_kv_cache_halves_the_bytes_and_keeps_the_logits_close(llama, cache_dtype):
+    from tests.runner.factory import LogitsRecorder
+
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.model_files.resolve import resolve_model
     from pkgd.runner.model_runner import ModelRunner
-    from tests.runner.factory import LogitsRecorder
 
     model_dir, _ = llama
     cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32"}, cache={"cache_dtype": cache_dtype})

@@ -27,16 +27,16 @@ import contextlib
 
 import pytest
 import torch
+from tests.runner.driver import Driver
+from tests.runner.factory import LogitsRecorder
+from tests.runner.tiny_gguf import write_gguf
+from tests.runner.tiny_models import build_tiny
 
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.model_files.resolve import resolve_model
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 from pkgd.runner.loader.gguf_weights import choose_quantization
 from pkgd.sampling_params import SamplingParams
-from tests.runner.factory import LogitsRecorder
-from tests.runner.driver import Driver
-from tests.runner.tiny_gguf import write_gguf
-from tests.runner.tiny_models import build_tiny
 
 LEGACY = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
           "ffn_up": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"}

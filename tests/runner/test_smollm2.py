@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.runner.driver import Driver
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.sampling_params import SamplingParams
 from pkgd.model_files.resolve import ensure_float_weights, resolve_model
-from tests.runner.driver import Driver
+from pkgd.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ def smollm2(tmp_path_factory):
 
 
 def test_gguf_conversion_equals_transformers_gguf_loading(smollm2):
-    from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     _, mf = smollm2
     ref = AutoModelForCausalLM.from_pretrained(mf.gguf_path.parent, gguf_file=mf.gguf_path.name, dtype=torch.float32)

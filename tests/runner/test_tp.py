@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.runner.driver import Driver
+from tests.runner.factory import LogitsRecorder, make_runner
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.sampling_params import SamplingParams
 from pkgd.model_files.resolve import resolve_model
 from pkgd.runner.tp_executor import TPExecutor
-from tests.runner.factory import LogitsRecorder, make_runner
-from tests.runner.driver import Driver
+from pkgd.sampling_params import SamplingParams
 
 
 def _run(runner, prompts, sp, chunk=None):

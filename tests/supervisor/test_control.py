@@ -11,7 +11,6 @@ from pathlib import Path
 
 from pkgd.cli.ctl import _accepts_connections, find_runtime_dir
 
-
 PKGD = str(Path(sys.executable).with_name("pkgd"))
 
 

@@ -8,6 +8,7 @@ import time
 from datetime import datetime
 
 from supervisor_helpers import pid_alive
+
 from pkgd.config.sections import SupervisorConfig
 from pkgd.supervisor.restart import RestartPolicy
 

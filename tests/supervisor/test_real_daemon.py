@@ -15,7 +15,6 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-
 from supervisor_helpers import free_port_pair, merge, pid_alive, reload_and_wait
 
 pytestmark = [

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 from pydantic import ValidationError
-
 from supervisor_helpers import Load, pid_alive, reload_and_wait
+
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.supervisor.reload import config_problems
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from supervisor_helpers import merge
 
 pytestmark = [

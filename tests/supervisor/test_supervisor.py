@@ -9,7 +9,6 @@ import threading
 import time
 
 import httpx
-
 from supervisor_helpers import pid_alive
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from supervisor_helpers import HARNESS, free_port_pair
+
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.supervisor.runtime import RuntimeDir
 from pkgd.supervisor.sockets import BindError, Listener, ListenSpec, listen_specs

@@ -14,7 +14,6 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from supervisor_helpers import free_port_pair
 
 pytestmark = pytest.mark.slow

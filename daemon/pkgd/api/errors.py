@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from pkgd import log
-from pkgd.sampling_params import SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
+from pkgd.sampling_params import SamplingParams
 
 logger = log.get_logger(__name__)
 

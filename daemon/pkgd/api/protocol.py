@@ -155,7 +155,7 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(x, int) for x in p)):
             pass
-        elif not p or any(not x for x in p):  # type: ignore[union-attr]
+        elif not p or any(not x for x in p):
             raise ValueError("prompt must not be empty")
         if self.suffix:
             raise ValueError("suffix is not supported")

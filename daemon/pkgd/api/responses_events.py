@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -178,9 +179,10 @@ class EventTranslator:
         if self.current is None or self.current.kind != kind:
             yield from self._open_text(kind)
         item = self.current
+        assert item is not None  # _open_text sets it
         item.text += delta
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         yield self._event(name, item_id=item.id, output_index=item.index, content_index=0, delta=delta, **extra)
 
     def _open_text(self, kind: str) -> Iterator[dict[str, Any]]:
@@ -220,7 +222,7 @@ class EventTranslator:
                               arguments=item.text, name=item.name)
         else:
             done = "response.output_text.done" if item.kind == "message" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item.kind == "message" else {}
+            extra: dict[str, Any] = {"logprobs": []} if item.kind == "message" else {}
             yield self._event(done, item_id=item.id, output_index=item.index, content_index=0, text=item.text, **extra)
             yield self._event("response.content_part.done", item_id=item.id, output_index=item.index, content_index=0,
                               part=self._part(item, item.text))

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from pkgd.api.errors import APIError, error_response
+from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -22,14 +23,13 @@ from pkgd.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol_embeddings import EmbeddingRequest
 from pkgd.api.protocol_responses import ResponsesRequest
 from pkgd.api.serving import process
-from pkgd.api.serving_embedding import create_embedding
-from pkgd.api.serving_responses import create_response, retrieve_response
 from pkgd.api.serving_chat import create_chat_completion
 from pkgd.api.serving_completion import create_completion
+from pkgd.api.serving_embedding import create_embedding
+from pkgd.api.serving_responses import create_response, retrieve_response
 from pkgd.api.state import ServerState
 
 router = APIRouter()
@@ -125,7 +125,9 @@ def _tokenize(state: ServerState, raw: bytes) -> JSONResponse:
         tokens = process(state, lambda ip: ip.tokenize(text, add_special_tokens=False))
     else:
         tokens = process(state, lambda ip: ip.tokenize(body.prompt or "", add_special_tokens=body.add_special_tokens))
-    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=state.llm.input_processor.max_model_len, tokens=tokens).model_dump())
+    ip = state.llm.input_processor
+    assert ip is not None  # check_ready(): a ready engine has one
+    return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=ip.max_model_len, tokens=tokens).model_dump())
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["utilities"], openapi_extra=_body(DetokenizeRequest))
@@ -139,7 +141,9 @@ async def detokenize(request: Request) -> Any:
 def _detokenize(state: ServerState, raw: bytes) -> JSONResponse:
     body = parse_body(raw, DetokenizeRequest, state.config.frontend.limits)
     state.resolve_model(body.model)
-    vocab = state.llm.input_processor.vocab_size
+    ip = state.llm.input_processor
+    assert ip is not None  # check_ready(): a ready engine has one
+    vocab = ip.vocab_size
     bad = next((t for t in body.tokens if vocab is not None and t >= vocab), None)
     if bad is not None:
         raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")

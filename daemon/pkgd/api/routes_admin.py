@@ -14,6 +14,7 @@ keys on ``/v1`` only; pkgd is stricter, see `pkgd.api.app`).
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pydantic
@@ -34,7 +35,7 @@ router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 503)}
 
 # /invocations tries these in order (vLLM's order), among the ones the served runner has.
-_INVOCATIONS = [
+_INVOCATIONS: list[tuple[type[pydantic.BaseModel], Callable[..., Awaitable[Any]], str]] = [
     (ChatCompletionRequest, create_chat_completion, "generate"),
     (CompletionRequest, create_completion, "generate"),
     (EmbeddingRequest, create_embedding, "pooling"),

@@ -42,10 +42,10 @@ from hypercorn.config import Config as HypercornConfig
 from pkgd import log
 from pkgd.api.app import build_app
 from pkgd.api.http_server import HttpServer
-from pkgd.frontend.async_llm import AsyncLLM
-from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
 from pkgd.api.state import ServerState
 from pkgd.config.vllm_config import VllmConfig
+from pkgd.frontend.async_llm import AsyncLLM
+from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
 from pkgd.ipc import child
 from pkgd.ipc.messages import ApiServerReady
 

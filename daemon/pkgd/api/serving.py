@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -22,12 +22,12 @@ from pkgd import log
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
 from pkgd.api.structured import Constraint, request_constraint
-from pkgd.sampling_params import RequestOutputKind, SamplingParams
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
     from pkgd.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -147,10 +147,12 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def process(state: ServerState, build: Any) -> ProcessedRequest:
+def process(state: ServerState, build: Callable[[InputProcessor], T]) -> T:
     """Call the `InputProcessor` (``build(input_processor)``); its `ValueError` is a 400."""
+    ip = state.llm.input_processor
+    assert ip is not None  # callers check_ready() first, and a ready engine has one
     try:
-        return build(state.llm.input_processor)
+        return build(ip)
     except ValueError as exc:
         raise from_value_error(exc) from None
 
@@ -196,7 +198,7 @@ async def run_until_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected
 
 
-async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
     """Items of several async iterators as they come, tagged with the iterator's index.
     One iterator is passed straight through; closing the merge closes them all."""
     if len(streams) == 1:
@@ -207,7 +209,7 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     end = object()
 
-    async def pump(i: int, it: AsyncIterator[T]) -> None:
+    async def pump(i: int, it: AsyncGenerator[T, None]) -> None:
         try:
             async with contextlib.aclosing(it):  # a cancelled pump closes its stream at once
                 async for item in it:

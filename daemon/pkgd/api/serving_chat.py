@@ -28,8 +28,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pkgd.api import serving
 from pkgd.api.errors import APIError
 from pkgd.api.preprocess import parse_body
-from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
-from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -42,7 +40,10 @@ from pkgd.api.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     DeltaToolCall,
+    ToolCall,
 )
+from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
+from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
@@ -137,7 +138,8 @@ class _Chat:
             finish = "tool_calls" if tool_calls and c.finish_reason == "stop" and self._named() is None else c.finish_reason
             choices.append(ChatCompletionChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls),
+                message=ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                            tool_calls=[ToolCall.model_validate(tc) for tc in tool_calls]),
                 logprobs=self._logprobs(c.logprobs) if self.body.logprobs else None,
                 finish_reason=finish, stop_reason=c.stop_reason,
             ))

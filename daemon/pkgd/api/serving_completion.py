@@ -70,7 +70,8 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest
     processed = []
     for i, p in enumerate(prompts):
         try:
-            processed.append(serving.process(state, lambda ip, i=i, p=p: ip.process(
+            # process() calls the lambda at once, so it sees this iteration's i and p
+            processed.append(serving.process(state, lambda ip: ip.process(
                 f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
                 add_special_tokens=body.add_special_tokens, priority=body.priority,
             )))

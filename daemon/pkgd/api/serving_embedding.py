@@ -57,7 +57,8 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: EmbeddingRequest 
     inputs = body.inputs()
     for i, prompt in enumerate(inputs):
         try:
-            processed.append(serving.process(state, lambda ip, i=i, prompt=prompt: ip.process_pooling(
+            # process() calls the lambda at once, so it sees this iteration's i and prompt
+            processed.append(serving.process(state, lambda ip: ip.process_pooling(
                 f"{rid}-{i}", prompt, params, truncate_prompt_tokens=body.truncate_prompt_tokens,
                 add_special_tokens=body.add_special_tokens, priority=body.priority,
             )))

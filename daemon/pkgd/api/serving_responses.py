@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, cast
 
 import pydantic
 from starlette.requests import Request
@@ -200,8 +200,10 @@ async def _stream(answer: StreamingResponse, state: ServerState, builder: Respon
     translator = EventTranslator(builder, lambda text: _reasoning_tokens(state, text))
     for event in translator.start():
         yield _sse(event)
+    # the chat completion's own SSE generator (starlette types it as any async iterable)
+    body = cast("AsyncGenerator[str | bytes, None]", answer.body_iterator)
     try:
-        async with contextlib.aclosing(answer.body_iterator) as chunks:  # closing it aborts the engine request
+        async with contextlib.aclosing(body) as chunks:  # closing it aborts the engine request
             async for frame in chunks:
                 data = (frame if isinstance(frame, str) else frame.decode()).strip().removeprefix("data: ")
                 if data == "[DONE]":

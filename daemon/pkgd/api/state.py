@@ -16,9 +16,9 @@ from pkgd.frontend.structured_outputs import ConstraintValidator
 from pkgd.parsers import load_parser
 
 if TYPE_CHECKING:
+    from pkgd.config.vllm_config import VllmConfig
     from pkgd.frontend.async_llm import AsyncLLM
     from pkgd.frontend.metrics import Metrics
-    from pkgd.config.vllm_config import VllmConfig
 
 
 class ServerState:
@@ -31,8 +31,9 @@ class ServerState:
         self.draining = False
         f = config.frontend
         self.preprocess = Preprocessor(f.preprocess_threads)
-        self.tool_parser: type | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
-        self.reasoning_parser: type | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+        # parser classes; they share no base class (their extract()s differ in what they return)
+        self.tool_parser: type[Any] | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
+        self.reasoning_parser: type[Any] | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
         self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
         self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
 

@@ -110,7 +110,7 @@ def tool_calls_of(constraint: Constraint, text: str) -> list[dict[str, Any]]:
     except ValueError:
         return []
     if constraint.tool_mode == "named":
-        calls = [(constraint.tool_names[0], value)]
+        calls: list[tuple[Any, Any]] = [(constraint.tool_names[0], value)]
     elif isinstance(value, list):
         calls = [(c.get("name"), c.get("parameters", {})) for c in value if isinstance(c, dict)]
     else:

@@ -46,6 +46,7 @@ def compare_dtypes(
     for rep in range(repeats if single_stream_len else 0):
         for name in names if rep % 2 == 0 else names[::-1]:
             progress(f"{name}: single stream {rep + 1}/{repeats}")
+            assert single_stream_len is not None  # the loop runs only when it is set
             single[name].append(run_single_stream(llms[name], input_len=single_stream_len, output_len=single_stream_len,
                                                   vocab_size=vocab_size))
     rows = []

@@ -29,7 +29,6 @@ from typing import Any
 import httpx
 
 
-
 @dataclasses.dataclass
 class Outcome:
     kind: str

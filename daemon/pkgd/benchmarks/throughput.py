@@ -175,7 +175,7 @@ def run_single_stream(llm: LLM, *, input_len: int = 128, output_len: int = 128, 
     t0 = time.time()
     try:
         if paced is not None:
-            llm.engine = paced
+            llm.engine = paced  # type: ignore[assignment]  # duck-typed: step() paced, the rest forwarded
         (out,) = llm.generate([prompt], sp, use_tqdm=False)
     finally:
         llm.engine = engine

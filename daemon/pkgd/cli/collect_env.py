@@ -137,8 +137,8 @@ def _dtype_report(config: Any, device: str) -> dict[str, Any]:
     converted once, as at start-up); a model that does not resolve gives its error instead."""
     from pkgd.model_files.errors import ModelSourceError
     from pkgd.model_files.resolve import resolve_model
-    from pkgd.runner.models.config import load_arch_config
     from pkgd.runner.loader.dtype import choose_dtype, probe_cpu_dtype
+    from pkgd.runner.models.config import load_arch_config
 
     try:
         arch = load_arch_config(resolve_model(config.model).model_dir)

@@ -33,7 +33,7 @@ from pkgd.supervisor.runtime import CONTROL_SOCKET, ROOT_RUNTIME_DIR, default_ru
 def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None, configured: str | None = None) -> Path:
     """The runtime directory to use (see module docstring); ``configured`` is
     ``supervisor.runtime_dir`` of the composed configuration."""
-    env = os.environ if environ is None else environ
+    env = dict(os.environ) if environ is None else environ
     if explicit:
         return Path(explicit)
     if configured:
@@ -101,6 +101,8 @@ def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
 
 class _ControlCommand(CLISubcommand):
     """A subcommand that sends ``name`` to the daemon's control socket and prints the reply."""
+
+    description: str  # each command's --help text
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.description)

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from typing import TextIO
 
 from pkgd.cli.base import CLISubcommand, add_config_source_args  # noqa: E402
 from pkgd.cli.flags import split_argv  # noqa: E402
@@ -166,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def print_problems(problems: Sequence[str], *, file: object = None) -> None:
+def print_problems(problems: Sequence[str], *, file: TextIO | None = None) -> None:
     """Print a `ConfigError`'s problems, one per line, to stderr."""
     out = file or sys.stderr
     print(f"pkgd: invalid configuration ({len(problems)} problem{'s' if len(problems) != 1 else ''}):", file=out)

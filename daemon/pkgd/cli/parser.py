@@ -64,7 +64,10 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> Any:
+    # typeshed overloads the result on the namespace's type; this forwards both cases unchanged
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> Any:
         ran = _RAN.get()
         if ran is not None:
             ran.append(self)

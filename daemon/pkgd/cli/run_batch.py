@@ -208,7 +208,8 @@ def _forced_calls(item: _Item, c: Any, choice: dict[str, Any]) -> None:
 
 def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str, Any]:
     chat = item.url == "/v1/chat/completions"
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices: list[dict[str, Any]] = []
+    prompt_tokens, completion_tokens = 0, 0
     echo = bool(item.body.get("echo")) and not chat
     for ro in outputs:
         prompt_tokens += len(ro.prompt_token_ids)

@@ -63,7 +63,7 @@ def section(model: type, description: str, *, aliases: tuple[str, ...] = ()) -> 
     ``aliases``: vLLM flags whose value is a JSON object of the section's keys
     (``--override-generation-config '{"temperature": 0.5}'``).
     """
-    extra = {"x-cli-aliases": list(aliases)} if aliases else None
+    extra: dict[str, Any] | None = {"x-cli-aliases": list(aliases)} if aliases else None
     return Field(default_factory=model, description=description, json_schema_extra=extra)
 
 

@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import functools
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +266,7 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     return (values if not problems else {}), details, warnings, problems
 
 
-def _misspelt_env(var: str, parts: list[str], sections: list[str]) -> str | None:
+def _misspelt_env(var: str, parts: list[str], sections: Sequence[str]) -> str | None:
     """The problem line for a variable that looks like config without naming a section:
     ``PKGD_X__…`` with an unknown or misspelt section, or ``PKGD_SECTION_FIELD`` (one
     underscore) with a known or nearly known section; None for anything else."""

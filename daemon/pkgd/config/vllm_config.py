@@ -192,7 +192,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _unregistered(path: str, name: str | None, kind: str) -> list[str]:
+def _unregistered(path: str, name: str | None, kind: Literal["tool", "reasoning"]) -> list[str]:
     if name is None:
         return []
     from pkgd.parsers import registered_names  # light: names only, no parser code

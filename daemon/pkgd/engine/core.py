@@ -27,9 +27,9 @@ from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
 from pkgd.engine.structured_output import StructuredOutputManager
-from pkgd.scheduler_output import SchedulerOutput
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
+from pkgd.scheduler_output import SchedulerOutput
 
 # The CPU default budget: vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE, 4 GiB), capped at this
 # share of MemAvailable. The CPU cache is resident only where blocks are written and the block
@@ -54,6 +54,10 @@ class ModelRunnerLike(Protocol):
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: list[str]) -> None: ...
 
 
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -281,6 +285,7 @@ class EngineCore:
             return
         if self.runner_type == "pooling":
             raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
+        assert request.sampling_params is not None  # exactly one of the two (checked above)
         request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
         # The frontend validates the prompt and max_tokens against max_model_len with the
         # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
@@ -298,6 +303,7 @@ class EngineCore:
     def _validate_pooling(self, request: EngineCoreRequest) -> None:
         if self.runner_type != "pooling":
             raise ValueError("this model is served for generation (model.runner: generate); embeddings need model.runner: pooling")
+        assert request.pooling_params is not None  # only called for pooling requests
         request.pooling_params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka,
                                       matryoshka_dimensions=self.matryoshka_dimensions)
         if len(request.prompt_token_ids) > self.max_model_len:

@@ -287,11 +287,11 @@ class EngineCoreProc:
         for identity, ids in list(self.clients.items()):
             if not ids:
                 continue
-            ids = list(ids)
+            id_list = list(ids)
             if abort:
-                self.core.abort_requests(ids)
-            self._forget(ids)
-            self._send(identity, EngineError(engine_index=self.engine_index, message=message, request_ids=ids))
+                self.core.abort_requests(id_list)
+            self._forget(id_list)
+            self._send(identity, EngineError(engine_index=self.engine_index, message=message, request_ids=id_list))
 
 
 # ---- process entry -------------------------------------------------------------------

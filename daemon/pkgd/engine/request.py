@@ -13,10 +13,10 @@ import enum
 import itertools
 from typing import Any
 
+from pkgd.ipc.messages import EngineCoreRequest, FinishReason
+from pkgd.logprobs import TokenLogprobs
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
-from pkgd.logprobs import TokenLogprobs
-from pkgd.ipc.messages import EngineCoreRequest, FinishReason
 
 
 class RequestStatus(enum.IntEnum):

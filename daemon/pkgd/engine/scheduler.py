@@ -44,9 +44,9 @@ from pkgd.config.sections import SchedulerConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager, cdiv
 from pkgd.engine.request import Request, RequestStatus
 from pkgd.engine.request_queue import create_request_queue
-from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
+from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 # Admission lookahead, in tokens (see the module docstring). Chosen by simulating 256 requests
 # of 128 prompt tokens on SmolLM2's then-default CPU cache (728 blocks of 16, 512 MiB) with a null runner and

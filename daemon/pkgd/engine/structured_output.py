@@ -115,6 +115,7 @@ class StructuredOutputManager:
         Raises:
             ValueError: the engine has no tokenizer, or the constraint's shape is invalid.
         """
+        assert request.sampling_params is not None  # only sampling requests carry a constraint
         so = request.sampling_params.structured_outputs
         if so is None:
             return

@@ -18,19 +18,19 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pkgd import log
-from pkgd.ipc.client import EngineClient, EngineRequestError
 from pkgd.frontend.pooling import pooling_request_output
+from pkgd.ipc.client import EngineClient, EngineRequestError
 from pkgd.ipc.messages import EngineCoreOutput, EngineOutputs, Handshake
 from pkgd.outputs import PoolingRequestOutput
 
 if TYPE_CHECKING:
-    from pkgd.frontend.metrics import Metrics
     from pkgd.config.vllm_config import VllmConfig
     from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
+    from pkgd.frontend.metrics import Metrics
     from pkgd.outputs import RequestOutput
 
 logger = log.get_logger(__name__)
@@ -144,7 +144,9 @@ class AsyncLLM:
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def generate(self, processed: ProcessedRequest, *, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, processed: ProcessedRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Send ``processed`` to an engine core and yield its `RequestOutput`s until the last.
 
         Raises:
@@ -166,7 +168,7 @@ class AsyncLLM:
                 return out
         raise EngineRequestError("the engine ended a pooling request without its vector")
 
-    async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncIterator[Any]:
+    async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
         rid = processed.request_id
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")

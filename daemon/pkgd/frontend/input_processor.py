@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from pkgd.ipc.messages import EngineCoreRequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
-from pkgd.ipc.messages import EngineCoreRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -130,9 +130,10 @@ class InputProcessor:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         try:
-            return tok.apply_chat_template(
+            text = tok.apply_chat_template(
                 list(messages),
-                tools=tools,
+                # transformers annotates a list of dict-or-callable (invariant); these are dicts
+                tools=tools,  # type: ignore[arg-type]
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -141,6 +142,7 @@ class InputProcessor:
             )
         except Exception as exc:  # jinja2 errors, bad message shapes
             raise ValueError(f"cannot apply the chat template: {exc}") from exc
+        return cast(str, text)  # tokenize=False: the rendered text
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -52,7 +52,8 @@ LABELS = ["model_name", "engine"]
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
     """vLLM's ``request_tokens`` family: 1, 2, 5, 10, 20, 50 … up to ``max_model_len``."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_model_len:
@@ -284,10 +285,10 @@ class EngineStatsCollector:
                 family.add_metric([self.model_name, str(index)], get(stats))
             yield family
         for name, (doc, get) in counters.items():
-            family = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
+            counter = CounterMetricFamily(f"vllm:{name}", doc, labels=LABELS)
             for index, (_, stats) in engines:
-                family.add_metric([self.model_name, str(index)], get(stats))
-            yield family
+                counter.add_metric([self.model_name, str(index)], get(stats))
+            yield counter
         steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS)
         for index, (_, stats) in engines:
             steps.add_metric([self.model_name, str(index)], _cumulative(stats.iteration_tokens_counts), stats.iteration_tokens_sum)
@@ -303,7 +304,8 @@ class EngineStatsCollector:
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
     """Prometheus ``le`` buckets from per-bucket step counts (`SchedulerStats`)."""
     counts = counts or [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-    total, out = 0, []
+    total = 0
+    out: list[tuple[str, float]] = []
     for bound, count in zip((*ITERATION_TOKENS_BUCKETS, float("inf")), counts, strict=True):
         total += count
         out.append(("+Inf" if bound == float("inf") else str(float(bound)), total))

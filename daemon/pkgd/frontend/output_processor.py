@@ -26,15 +26,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pkgd.frontend.detokenizer import IncrementalDetokenizer
 from pkgd.frontend.input_processor import ProcessedRequest
-from pkgd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pkgd.frontend.parallel_sampling import ParentRequest
-from pkgd.sampling_params import RequestOutputKind, SamplingParams
-from pkgd.logprobs import TokenLogprobs
 from pkgd.ipc.messages import EngineCoreOutput, FinishReason
+from pkgd.logprobs import TokenLogprobs
+from pkgd.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pkgd.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -51,13 +51,18 @@ def complete_token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, conte
     partial character."""
     for n in range(1, min(MAX_UTF8_BYTES, len(context)) + 1):
         ctx = context[-n:]
-        full = tokenizer.decode([*ctx, token_id])
+        full = _decode(tokenizer, [*ctx, token_id])
         if full.endswith(REPLACEMENT_CHAR):
             continue
-        before = tokenizer.decode(ctx).rstrip(REPLACEMENT_CHAR)
+        before = _decode(tokenizer, ctx).rstrip(REPLACEMENT_CHAR)
         if full.startswith(before):
             return full[len(before):]
-    return tokenizer.decode([token_id]).rstrip(REPLACEMENT_CHAR)
+    return _decode(tokenizer, [token_id]).rstrip(REPLACEMENT_CHAR)
+
+
+def _decode(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    # transformers annotates str | list[str]; one list of ids decodes to one str
+    return cast(str, tokenizer.decode(ids))
 
 
 @dataclasses.dataclass
@@ -116,6 +121,7 @@ class RequestState:
             offset = len(context) - len(self.token_ids) + start
             for j, entry in enumerate(out.new_logprobs):
                 self.logprobs.append(self._logprob_dict(entry, context[max(0, offset + j - MAX_UTF8_BYTES) : offset + j]))
+                assert self.cumulative_logprob is not None  # tracked together with logprobs
                 self.cumulative_logprob += entry.logprobs[0]
         engine_stop = out.finish_reason == FinishReason.STOP
         stop_str = self.detokenizer.update(out.new_token_ids, engine_stop)
@@ -139,7 +145,7 @@ class RequestState:
     def _decode_token(self, token_id: int, context: list[int]) -> str | None:
         if self.tokenizer is None or not self.params.detokenize:
             return None
-        text = self.tokenizer.decode([token_id])
+        text = _decode(self.tokenizer, [token_id])
         if not text.endswith(REPLACEMENT_CHAR):
             return text
         return complete_token_text(self.tokenizer, token_id, context)
@@ -216,9 +222,11 @@ class OutputProcessor:
             raise ValueError(f"request id {processed.request_id!r} is already in use")
         parent = None
         if len(processed.engine_requests) > 1:
+            assert processed.sampling_params is not None  # only sampling requests fan out (n > 1)
             parent = ParentRequest(processed.request_id, len(processed.engine_requests), processed.sampling_params.output_kind)
             self.parents[processed.request_id] = parent
         for index, req in enumerate(processed.engine_requests):
+            assert req.sampling_params is not None  # pooling requests are not tracked here
             self.request_states[req.request_id] = RequestState(
                 req.request_id, index, processed, req.sampling_params, self.tokenizer, parent
             )

@@ -26,7 +26,7 @@ import itertools
 import os
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import zmq
@@ -123,7 +123,9 @@ class EngineClient:
         self._sink = sink
         self._ctx = zmq.asyncio.Context()
         self._cores = [
-            _Core(i, address, transport.dealer(self._ctx, self.client_id.encode())) for i, address in enumerate(addresses)
+            # an asyncio context makes asyncio sockets
+            _Core(i, address, cast(zmq.asyncio.Socket, transport.dealer(self._ctx, self.client_id.encode())))
+            for i, address in enumerate(addresses)
         ]
         self._owner: dict[str, _Core] = {}  # request id -> core running it
         self._rotation = itertools.count()
@@ -269,7 +271,8 @@ class EngineClient:
         return self._send_frame(core, encode(msg))
 
     def _send_frame(self, core: _Core, frame: bytes) -> bool:
-        fut = core.sock.send(frame, flags=zmq.DONTWAIT)
+        # pyzmq annotates an Awaitable; zmq.asyncio returns an asyncio.Future
+        fut = cast("asyncio.Future[Any]", core.sock.send(frame, flags=zmq.DONTWAIT))
         exc = fut.exception()  # DONTWAIT futures are already done
         if exc is not None:
             logger.warning("engine_send_failed", address=core.address, error=str(exc))
@@ -324,7 +327,7 @@ class EngineClient:
     def _drain(self, core: _Core) -> None:
         """Dispatch the frames already received (a dying core's last errors come first)."""
         while True:
-            fut = core.sock.recv(flags=zmq.DONTWAIT)
+            fut = cast("asyncio.Future[bytes]", core.sock.recv(flags=zmq.DONTWAIT))  # as in _send
             if fut.exception() is not None:
                 return
             self._dispatch(core, fut.result())

@@ -16,10 +16,9 @@ Directions:
 from __future__ import annotations
 
 import enum
+from typing import Any, Literal
 
 import msgspec
-
-from typing import Any, Literal
 
 from pkgd.logprobs import TokenLogprobs
 from pkgd.pooling_params import PoolingParams

@@ -255,7 +255,7 @@ def _write_tokenizer(meta: dict[str, Any], arch: str, config: dict[str, Any], ou
         **({"chat_template": tok_config["chat_template"]} if "chat_template" in tok_config else {}),
     }
     _write_json(out_dir / "tokenizer_config.json", tok_config)
-    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    gen: dict[str, Any] = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     _write_json(out_dir / "generation_config.json", gen)
 
 

@@ -20,27 +20,27 @@ core unless ``parallel.cpu_threads`` says otherwise.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import msgspec
 
 from pkgd import host, log
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.engine.core import EngineCore, RunnerFactory
 from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
-from pkgd.offline.llm_config import build_llm_config
 from pkgd.frontend.output_processor import OutputProcessor
 from pkgd.frontend.pooling import pooling_request_output
 from pkgd.frontend.structured_outputs import check as check_constraint
-from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
-from pkgd.offline.progress import ProgressBar, UseTqdm
-from pkgd.pooling_params import PoolingParams
-from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
+from pkgd.offline.beam_search import BeamSearchOutput, beam_search
+from pkgd.offline.llm_config import build_llm_config
+from pkgd.offline.progress import ProgressBar, UseTqdm
+from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
+from pkgd.pooling_params import PoolingParams
+from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | Sequence[int] | dict[str, Any]
 
@@ -144,9 +144,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of
         them, through the model's chat template; one `RequestOutput` per conversation."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # one conversation when its first item is a message, else a list of conversations
+        conversations = cast(
+            "list[Sequence[dict[str, Any]]]",
+            [messages] if messages and isinstance(messages[0], dict) else list(messages),
+        )
         params = self._params_per_prompt(sampling_params, len(conversations))
-        kw = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+        kw: dict[str, Any] = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, tools=tools,
                   chat_template_kwargs=chat_template_kwargs)
         processed = []
@@ -175,7 +179,12 @@ class LLM:
                                   vocab_size=self.engine.vocab_size, eos_token_id=self.engine.eos_token_id,
                                   max_logprobs=max(k, 1))
             outs = self.run_processed([proc.process(self.next_request_id(), s, sp) for s in seqs], use_tqdm=False)
-            return [o.outputs[0].logprobs[0] for o in outs]
+            firsts = []
+            for o in outs:
+                lps = o.outputs[0].logprobs
+                assert lps is not None  # asked for: logprobs=k
+                firsts.append(lps[0])
+            return firsts
 
         tok = self.tokenizer
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
@@ -276,6 +285,7 @@ class LLM:
         added: list[str] = []
         try:
             for p in processed:
+                assert p.sampling_params is not None  # generate requests
                 p.sampling_params = msgspec.structs.replace(p.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
                 p.engine_requests = [_final_only(r) for r in p.engine_requests]
                 self.output_processor.add_request(p)
@@ -350,6 +360,7 @@ def _load_tokenizer(config: VllmConfig, model_files: Any):
 
 
 def _final_only(req: EngineCoreRequest) -> EngineCoreRequest:
+    assert req.sampling_params is not None  # generate requests
     sp = msgspec.structs.replace(req.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
     return msgspec.structs.replace(req, sampling_params=sp)
 
@@ -357,10 +368,10 @@ def _final_only(req: EngineCoreRequest) -> EngineCoreRequest:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]  # one prompt of token ids
-    return prompts
+    items: list[Any] = list(prompts)
+    if items and isinstance(items[0], int):
+        return [items]  # one prompt of token ids
+    return items
 
 
 def _prompt_of(prompt: PromptType) -> str | list[int]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import pkgd_kernels as pk
 import torch
+
+import pkgd_kernels as pk
 from pkgd_kernels.attention_cpu import DecodeChunk, PrefillSeq, plan_decode, plan_prefill
 
 # One layer's paged KV cache: (key cache, value cache), each

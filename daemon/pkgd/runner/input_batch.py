@@ -155,6 +155,7 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
 
 
 def _add_prompt_logprobs(batch: StepBatch, st: RequestState, start: int, end: int, offset: int) -> None:
+    assert st.sampling_params is not None  # prompt logprobs are a sampling request's
     num_prompt = len(st.prompt_token_ids)
     last = min(end, num_prompt - 1)  # position num_prompt - 1 predicts the first output
     targets = st.prompt_token_ids[start + 1 : last + 1] if last > start else []

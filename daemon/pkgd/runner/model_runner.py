@@ -23,28 +23,29 @@ import dataclasses
 import gc
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.scheduler_output import SchedulerOutput
 from pkgd.logprobs import TokenLogprobs
-from pkgd.runner.attention import AttentionMetadata
+from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
 from pkgd.runner.allocator import collapse_to_huge_pages, lazy_zeroed_buffers, tensor_span, tune_cpu_allocator
+from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
-from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
 from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
 from pkgd.runner.pooler import Pooler, matryoshka_of, resolve_pooling_type
-from pkgd.runner_output import ModelRunnerOutput
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
+from pkgd.runner_output import ModelRunnerOutput
+from pkgd.sampling_params import SamplingParams
+from pkgd.scheduler_output import SchedulerOutput
 
 logger = log.get_logger("pkgd.runner")
 
@@ -151,7 +152,8 @@ class ModelRunner:
         self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
         with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch."),
                           quantized=self.quantization.quantized) as p:
-            self.model = self._load_model(progress=p)
+            # a model class of pkgd.runner.models (compute_logits, cpu_decode ...); None after sleep(2)
+            self.model: Any = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         if self.cpu_kernels is not None:
@@ -172,7 +174,9 @@ class ModelRunner:
         """The model: the GGUF's blocks kept quantized when `choose_quantization` said so (the
         file reopened when `wake_up` reloads it), else the float weights in ``self.dtype``."""
         if self.quantization.quantized:
-            gguf, self._gguf = self._gguf or GGUFWeights(self.model_files.gguf_path, self.arch), None
+            path = self.model_files.gguf_path
+            assert path is not None, "choose_quantization keeps quantized weights of a GGUF source only"
+            gguf, self._gguf = self._gguf or GGUFWeights(path, self.arch), None
             return load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=progress)
         ensure_float_weights(self.model_files)
         return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
@@ -382,7 +386,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
         logits = logits.cpu()
-        spec = [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
+        # sample_states hold sampling requests only (pooling requests are never sampled)
+        spec = [SamplingRow(cast(SamplingParams, st.sampling_params), st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
         result = self.sampler(logits, spec)
         tokens = result.token_ids.tolist()
         for st, tok, lp in zip(batch.sample_states, tokens, result.logprobs):

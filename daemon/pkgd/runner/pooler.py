@@ -105,6 +105,8 @@ class Pooler:
         for span in spans:
             vec = self._accumulate(hidden, span)
             if span.finishes:
+                # a finishing span has its vector; pooling spans are only made for pooling requests
+                assert vec is not None and span.state.pooling_params is not None
                 out[span.state.req_id] = self.finish(vec, span.state.pooling_params)
         return out
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import pkgd_kernels as pk
 import torch
 
+import pkgd_kernels as pk
 from pkgd.logprobs import TokenLogprobs
 from pkgd.sampling_params import SamplingParams
 

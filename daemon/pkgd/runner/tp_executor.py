@@ -24,18 +24,19 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from pkgd.config.vllm_config import VllmConfig
-from pkgd.scheduler_output import SchedulerOutput
 from pkgd.model_files.resolve import ModelFiles
 from pkgd.runner.model_runner import ModelRunner
 from pkgd.runner.models.config import load_arch_config
 from pkgd.runner.models.llama import check_tp_size
 from pkgd.runner_output import ModelRunnerOutput
+from pkgd.scheduler_output import SchedulerOutput
 
 TP_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -102,7 +103,7 @@ class TPExecutor:
         self.world_size = p.tp
         check_tp_size(load_arch_config(model_files.model_dir), p.tp)  # fail before spawning
         port = p.master_port or free_port(p.master_addr)
-        spec = {
+        spec: dict[str, Any] = {
             "config": config.to_json_dict(reveal_secrets=True),
             "model_files": {k: str(v) if v is not None else None for k, v in vars(model_files).items()},
             "world_size": self.world_size,
@@ -113,6 +114,7 @@ class TPExecutor:
         self.workers: list[subprocess.Popen] = []
         for rank in range(1, self.world_size):
             proc = subprocess.Popen([sys.executable, "-m", "pkgd.runner.tp_worker"], stdin=subprocess.PIPE, text=True)
+            assert proc.stdin is not None  # stdin=PIPE
             proc.stdin.write(json.dumps({**spec, "rank": rank}) + "\n")
             proc.stdin.flush()
             self.workers.append(proc)

@@ -29,7 +29,7 @@ import dataclasses
 import signal
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pkgd import log
 from pkgd.ipc.config_channel import encode_config
@@ -162,7 +162,8 @@ class Fleet:
         ready = asyncio.gather(*(asyncio.shield(c.ready) for c in children))
         stop = asyncio.ensure_future(self.stop_event.wait())
         try:
-            done, _ = await asyncio.wait({ready, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {ready, stop}
+            done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
         if ready in done:
@@ -221,7 +222,8 @@ class Fleet:
         stops = asyncio.gather(*(c.stop(grace(c) if callable(grace) else grace) for c in children))
         force = asyncio.ensure_future(self.force_event.wait())
         try:
-            await asyncio.wait({stops, force}, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {stops, force}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             if not stops.done():
                 for child in children:
                     child.signal(signal.SIGKILL)
@@ -287,6 +289,6 @@ def _slot(gen: object, child: Child) -> dict[int, Child]:
     return gen.engines if child.spec.role == "engine-core" else gen.apis
 
 
-def _retrieve(fut: asyncio.Future[object]) -> None:
+def _retrieve(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()

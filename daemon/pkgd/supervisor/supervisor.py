@@ -292,7 +292,7 @@ class Supervisor:
         text = f"{self.plan.mode}: {len(self.fleet.engines)} engine core(s), {len(self.fleet.apis)} API server(s) on {where}"
         if self.health.summary():
             text += f"; {self.health.summary()}"
-        down = [c["role"] + "-" + str(c["index"]) for c in self.fleet.describe() if c["state"] != "ready"]
+        down = [f"{c['role']}-{c['index']}" for c in self.fleet.describe() if c["state"] != "ready"]
         if down and self.state == "running":
             text += f"; restarting {', '.join(down)}"
         if self.last_reload and not self.last_reload["ok"]:

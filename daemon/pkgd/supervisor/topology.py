@@ -92,7 +92,7 @@ def api_specs(
         groups = [(listeners[0], list(engines.values()))]
     else:
         groups = [(listeners[0], [*engines.values(), *config.parallel.remote_engines])]
-    specs = []
+    specs: list[ChildSpec] = []
     for listener, addresses in groups:
         for _ in range(plan.api_server_count):
             index = len(specs)

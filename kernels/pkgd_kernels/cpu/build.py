@@ -128,7 +128,9 @@ def _open(spec: LibrarySpec, path: Path) -> ctypes.CDLL:
         raise CpuKernelsUnavailable(f"{path} has ABI {version}, its bindings expect {spec.abi_version}")
     for struct in spec.structs:
         out = (ctypes.c_int64 * _LAYOUT_CAP)()
-        n = lib.pkgd_struct_layout(struct._c_name_.encode(), out, _LAYOUT_CAP)
+        # a plain str class attribute; ctypes' stubs type every Structure attribute as a field
+        c_name = str(struct._c_name_)
+        n = lib.pkgd_struct_layout(c_name.encode(), out, _LAYOUT_CAP)
         got, want = list(out[: max(n, 0)]), struct_layout(struct)
         if got != want:
             raise CpuKernelsUnavailable(

@@ -21,12 +21,12 @@ from urllib.parse import parse_qs
 
 import zmq
 import zmq.asyncio
+from common import config_source, die_with_parent, fake_options, report
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from common import config_source, die_with_parent, fake_options, report
-from pkgd.sampling_params import SamplingParams
 from pkgd.ipc import messages
+from pkgd.sampling_params import SamplingParams
 
 
 class Engines:

@@ -16,8 +16,8 @@ import sys
 import time
 
 import zmq
-
 from common import config_source, die_with_parent, fake_options, report
+
 from pkgd.ipc import messages
 
 stop = False

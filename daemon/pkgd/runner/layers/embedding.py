@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pkgd_kernels as pk
 import torch
 from torch import nn
 
+import pkgd_kernels as pk
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.linear import onednn_linear, pack_for_onednn, packed_view, small_batch_gemv
 
@@ -49,6 +49,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.tied_rows is not None:
             out = self.tied_rows(local_ids)
         else:
+            assert self.weight is not None  # set when there are no tied rows
             out = self.weight.index_select(0, local_ids)
         if mask is not None:
             out.masked_fill_(mask.unsqueeze(-1), 0)

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import Any, Protocol
 
-import pkgd_kernels as pk
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pkgd_kernels as pk
 from pkgd.runner.distributed import SINGLE, TPGroup
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -64,7 +65,17 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
 
 
-def _repack(layer: nn.Module, weight_out_in: torch.Tensor) -> None:
+class GemvLayer(Protocol):
+    """What `small_batch_gemv` reads of a layer."""
+
+    @property
+    def kernels(self) -> Any: ...  # the CPU kernels object, or None
+
+    @property
+    def gemv_weight(self) -> torch.Tensor | None: ...
+
+
+def _repack(layer: MergedColumnParallelLinear | RowParallelLinear, weight_out_in: torch.Tensor) -> None:
     """Replace ``layer.weight`` by its oneDNN packing (given as ``[out, in]``) once."""
     packed = None if layer.packed else pack_for_onednn(weight_out_in)
     if packed is not None:
@@ -80,6 +91,8 @@ def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     oneDNN's product on a random input; oneDNN picks other layouts for some shapes and CPUs);
     None otherwise. Valid while ``packed`` lives."""
     dtype = packed.dtype
+    shape: tuple[int, ...]
+    ctype: type[ctypes.c_float] | type[ctypes.c_uint16]
     if dtype == torch.float32:
         shape, ctype = (n // 64, k, 64), ctypes.c_float
     elif dtype == torch.bfloat16:
@@ -101,7 +114,7 @@ def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     return view
 
 
-def small_batch_gemv(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def small_batch_gemv(layer: GemvLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ W^T (+ bias)`` through the C form of ``pkgd_kernels.gemv_packed`` when the layer
     has the kernels and a packed view, ``x`` has at most `GEMV_MAX_BATCH` rows and the kernel
     takes it; None otherwise (the caller uses oneDNN's GEMM, faster than the op's reference)."""

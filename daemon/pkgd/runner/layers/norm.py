@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import pkgd_kernels as pk
 import torch
 from torch import nn
+
+import pkgd_kernels as pk
 
 
 class RMSNorm(nn.Module):

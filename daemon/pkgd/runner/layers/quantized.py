@@ -19,10 +19,13 @@ are a uint8 parameter (``qdata``), so the runner's huge-page pass covers them;
 
 from __future__ import annotations
 
-import pkgd_kernels as pk
+from typing import Any
+
 import torch
-from pkgd_kernels.quant_layout import QuantWeight, pack_gguf_rows
 from torch import nn
+
+import pkgd_kernels as pk
+from pkgd_kernels.quant_layout import QuantWeight, pack_gguf_rows
 
 
 class _Packed(nn.Module):
@@ -43,6 +46,13 @@ class _Packed(nn.Module):
     def num_weights(self) -> int:
         return self.in_features * self.out_features
 
+    @property
+    def packed(self) -> QuantWeight:
+        """The packed weight. Raises ValueError before every part is loaded."""
+        if self.qweight is None:
+            raise ValueError(f"quantized weight incomplete: parts {sorted(self._parts)} of {len(self.part_sizes)} loaded")
+        return self.qweight
+
     def _take(self, index: int, raw: torch.Tensor, what: str) -> None:
         if self.qweight is not None:
             raise RuntimeError(f"{what}: weights are already packed")
@@ -56,11 +66,10 @@ class _Packed(nn.Module):
             self._parts.clear()
 
     def process_weights_after_loading(self) -> None:
-        if self.qweight is None:
-            raise ValueError(f"quantized weight incomplete: parts {sorted(self._parts)} of {len(self.part_sizes)} loaded")
+        _ = self.packed  # raises ValueError when a part is missing
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = pk.quant_linear(x if x.dtype == torch.float32 else x.float(), self.qweight, bias, kernels=self.kernels)
+        y = pk.quant_linear(x if x.dtype == torch.float32 else x.float(), self.packed, bias, kernels=self.kernels)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -76,7 +85,7 @@ class QuantizedLinear(_Packed):
         self.gemv_weight = None  # no float packing (the fused decode step reads `qweight`)
 
     @classmethod
-    def replacing(cls, layer: nn.Module, part_qtypes: list[int]) -> QuantizedLinear:
+    def replacing(cls, layer: Any, part_qtypes: list[int]) -> QuantizedLinear:
         """A quantized layer of ``layer``'s shape (a `MergedColumnParallelLinear` or
         `RowParallelLinear`, TP size 1)."""
         if getattr(layer, "tp", None) is not None and layer.tp.size != 1:
@@ -118,7 +127,7 @@ class QuantizedLMHead(_Packed):
 
     def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 ``[T]``) of the table, float32 ``[T, H]``."""
-        return pk.quant_gather(self.qweight, ids, kernels=self.kernels)
+        return pk.quant_gather(self.packed, ids, kernels=self.kernels)
 
     def load(self, tensor: torch.Tensor) -> None:
         """The table's GGUF rows (``token_embd`` when tied, else ``output``)."""
@@ -132,7 +141,7 @@ class QuantizedEmbedding(_Packed):
         super().__init__(hidden_size, [vocab_size], [qtype], kernels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return pk.quant_gather(self.qweight, ids, kernels=self.kernels)
+        return pk.quant_gather(self.packed, ids, kernels=self.kernels)
 
     def load(self, tensor: torch.Tensor) -> None:
         self._take(0, tensor, "embedding")

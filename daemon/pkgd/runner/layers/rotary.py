@@ -32,6 +32,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 class RotaryEmbedding(nn.Module):
     """Holds ``cos_sin_cache [max_position, rot_dim]`` (float32; cos | sin halves)."""
 
+    cos_sin_cache: torch.Tensor  # a registered buffer
+
     def __init__(self, rot_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, is_neox: bool = True) -> None:
         super().__init__()
         self.rot_dim = rot_dim

@@ -124,7 +124,6 @@ def measure_bf16_speedup(shapes: Sequence[Shape], kernels: Any = None, *, repeat
 
 def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int) -> dict[str, float]:
     import pkgd_kernels as pk
-
     from pkgd.runner.layers.linear import onednn_linear, pack_for_onednn, packed_view
 
     g = torch.Generator().manual_seed(0)

@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from pkgd_kernels.quant_layout import BLOCK, GROUP_ROWS, QTYPE_NAMES, supports
 from torch import nn
 
 from pkgd.model_files.gguf_convert import hf_name, permutes_qk, read_gguf, unpermute_qk
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
+from pkgd_kernels.quant_layout import BLOCK, GROUP_ROWS, QTYPE_NAMES, supports
 
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 # Parts of fused projections: every part but the last of a fused weight starts a 16-row group.
@@ -194,7 +194,7 @@ def _counted(tensors: Iterator[tuple[str, torch.Tensor]], progress: Any) -> Iter
         progress.advance()
 
 
-def _swap_layers(model: nn.Module, weights: GGUFWeights, kernels: Any) -> None:
+def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
     """Replace the float linears, LM head and embedding (placeholders never written, so never
     resident) by quantized ones of the file's types."""
     cfg = model.cfg

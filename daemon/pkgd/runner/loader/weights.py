@@ -13,11 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.model_files.errors import ModelSourceError
+from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
-
 
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -101,7 +100,7 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
     if end - start != nbytes or base + end > size:
         raise ModelSourceError(f"{path}: tensor {name!r} data does not match its shape or lies past the end of the file")
     f.seek(base + start)
-    if nbytes and f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != nbytes:
+    if nbytes and f.readinto(t.view(-1).view(torch.uint8).numpy().data) != nbytes:
         raise ModelSourceError(f"{path}: tensor {name!r} is truncated")
     return t
 

@@ -21,13 +21,12 @@ every layer instead (`pkgd.runner.models.llama_cpu_decode`, set up in
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
-import pkgd_kernels as pk
 import torch
-from pkgd_kernels.rotary import RotaryPlan, plan_rotary
 from torch import nn
 
+import pkgd_kernels as pk
 from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -36,6 +35,7 @@ from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, to_interleaved
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama_cpu_decode import CpuDecodeStep
+from pkgd_kernels.rotary import RotaryPlan, plan_rotary
 
 
 class RopeStep(NamedTuple):
@@ -215,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
             names.append("lm_head.weight")  # tied: loaded from model.embed_tokens.weight
         if not self.cfg.tie_word_embeddings:
             names.append("model.embed_tokens.weight")
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast(Iterable[LlamaDecoderLayer], self.layers)):
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
             names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         if not name.startswith("model.layers."):
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         idx_str, _, rest = name[len("model.layers.") :].partition(".")
-        layer = self.layers[int(idx_str)]
+        layer = cast(LlamaDecoderLayer, self.layers[int(idx_str)])  # built from layer_cls
         _load_layer(layer, rest, self._to_pair_layout(rest, t), name)
         return name
 

@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pkgd_kernels.cpu import BF16_IMPLS, CpuKernels
-from pkgd_kernels.cpu.build import CpuKernelsUnavailable, LibrarySpec
-from pkgd_kernels.cpu.quant import IMPLS as QUANT_IMPLS
-from pkgd_kernels.cpu.quant import QSegment, QWeightStruct, descriptor
 
 from pkgd import log
 from pkgd.runner.attention import AttentionMetadata, KVCache
 from pkgd.runner.layers.linear import GEMV_MAX_BATCH
 from pkgd.runner.layers.quantized import QuantizedLinear
+from pkgd_kernels.cpu import BF16_IMPLS, CpuKernels
+from pkgd_kernels.cpu.build import CpuKernelsUnavailable, LibrarySpec
+from pkgd_kernels.cpu.quant import IMPLS as QUANT_IMPLS
+from pkgd_kernels.cpu.quant import QSegment, QWeightStruct, descriptor
 
 # The model is a `pkgd.runner.models.llama.LlamaForCausalLM` (or a subclass); that module builds
 # this step, so it is typed by what it is read for, not imported.
@@ -157,7 +157,7 @@ _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _quant_ptr(linear: QuantizedLinear) -> int:
     """Address of a quantized linear's ``pkgd_qweight`` (kept alive by its weight)."""
-    return ctypes.addressof(descriptor(linear.qweight))
+    return ctypes.addressof(descriptor(linear.packed))
 
 
 class CpuDecodeStep:
@@ -273,6 +273,7 @@ class CpuDecodeStep:
                 if c.dtype != dtype or dtype not in _KV_DTYPES or not c.is_contiguous() or tuple(c.shape[1:]) != want or c.is_cuda:
                     self._caches_key = None
                     return False
+        assert dtype is not None  # a model has layers, so caches
         d.kv_dtype = _KV_DTYPES[dtype]
         for ptrs, (k, v) in zip(self.layers, kv_caches):
             ptrs.k_cache, ptrs.v_cache = k.data_ptr(), v.data_ptr()
