@@ -29,7 +29,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = "import sys; from pkgd.cli.main import main; sys.exit(main())"
-PROBE = "import sys, atexit; atexit.register(lambda: sys.stderr.write('\\nTORCH=%s\\n' % ('torch' in sys.modules)))\n" + ENTRY
+PROBE = (
+    "import sys, atexit; atexit.register(lambda: sys.stderr.write('\\nTORCH=%s\\n' % ('torch' in sys.modules)))\n"
+    + ENTRY
+)
 
 
 def _run(cmd: list[str], env: dict[str, str]) -> float:
@@ -57,8 +60,13 @@ def _cold_start(env: dict[str, str], workdir: Path, timeout: float = 300.0) -> f
     port = _free_port()
     args = ["serve", "--port", str(port), f"supervisor.runtime_dir={workdir / 'run'}"]
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", ENTRY, *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENTRY, *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while time.perf_counter() - start < timeout:
             if proc.poll() is not None:
@@ -135,7 +143,9 @@ def _measure(opts: argparse.Namespace, tmpdir: Path, trees: dict[str, dict[str, 
         _cold_start(env, tmpdir / f"warm-{label}")  # converts and caches the weights, builds kernels
     for i in range(opts.cold_start):
         for label, env in trees.items():
-            times.setdefault(f"cold start to ready [{label}]", []).append(_cold_start(env, tmpdir / f"cold-{label}-{i}"))
+            times.setdefault(f"cold start to ready [{label}]", []).append(
+                _cold_start(env, tmpdir / f"cold-{label}-{i}")
+            )
     baseline = statistics.median(times["python -c pass (baseline)"])
     print(f"{'command':40} {'median s':>9} {'min s':>7} {'max s':>7} {'x baseline':>10}  torch")
     for name, ts in times.items():

@@ -52,9 +52,19 @@ def parse_args() -> argparse.Namespace:
 
 def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
     # Its own runtime directory: another daemon on this host keeps its control socket.
-    cmd = [str(ROOT / ".venv" / "bin" / "pkgd"), "serve", "--runner", "pooling", "--host", "127.0.0.1",
-           "--port", str(args.port), "--max-model-len", str(max(512, args.tokens + 16)),
-           f"supervisor.runtime_dir={log.parent / 'run'}"]
+    cmd = [
+        str(ROOT / ".venv" / "bin" / "pkgd"),
+        "serve",
+        "--runner",
+        "pooling",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--max-model-len",
+        str(max(512, args.tokens + 16)),
+        f"supervisor.runtime_dir={log.parent / 'run'}",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -73,7 +83,9 @@ def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
     raise SystemExit(f"pkgd serve not ready in 900 s:\n{log.read_text(errors='replace')[-2000:]}")
 
 
-async def embed_via_server(url: str, prompts: list[list[int]], per_request: int, concurrency: int) -> tuple[np.ndarray, float]:
+async def embed_via_server(
+    url: str, prompts: list[list[int]], per_request: int, concurrency: int
+) -> tuple[np.ndarray, float]:
     chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     sem = asyncio.Semaphore(concurrency)
     out: list[np.ndarray | None] = [None] * len(chunks)
@@ -101,7 +113,9 @@ def embed_with_transformers(model_dir: Path, prompts: list[list[int]], batch: in
     with torch.inference_mode():
         model(ids[:batch])  # warm-up
         t0 = time.perf_counter()
-        vecs = [F.normalize(model(ids[i : i + batch]).last_hidden_state[:, -1], dim=-1) for i in range(0, len(ids), batch)]
+        vecs = [
+            F.normalize(model(ids[i : i + batch]).last_hidden_state[:, -1], dim=-1) for i in range(0, len(ids), batch)
+        ]
         seconds = time.perf_counter() - t0
     return torch.cat(vecs).numpy(), seconds
 
@@ -114,7 +128,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(args, Path(tmp) / "serve.log")
         try:
-            asyncio.run(embed_via_server(url, prompts[: args.per_request * 2], args.per_request, args.concurrency))  # warm-up
+            asyncio.run(
+                embed_via_server(url, prompts[: args.per_request * 2], args.per_request, args.concurrency)
+            )  # warm-up
             ours, t_ours = asyncio.run(embed_via_server(url, prompts, args.per_request, args.concurrency))
         finally:
             server.terminate()
@@ -133,8 +149,10 @@ def main() -> None:
     ensure_float_weights(files)  # transformers reads the dequantized safetensors
     theirs, t_hf = embed_with_transformers(files.model_dir, prompts, args.hf_batch)
     n = len(prompts)
-    print(f"inputs: {n} x {args.tokens} tokens; pkgd: {args.concurrency} concurrent requests of {args.per_request}; "
-          f"transformers: static batches of {args.hf_batch}, {threads} torch thread(s); host cores: {os.cpu_count()}")
+    print(
+        f"inputs: {n} x {args.tokens} tokens; pkgd: {args.concurrency} concurrent requests of {args.per_request}; "
+        f"transformers: static batches of {args.hf_batch}, {threads} torch thread(s); host cores: {os.cpu_count()}"
+    )
     print(f"pkgd server   : {n / t_ours:8.1f} embeddings/s ({t_ours:.2f} s)")
     print(f"transformers  : {n / t_hf:8.1f} embeddings/s ({t_hf:.2f} s)")
     print(f"ratio pkgd / transformers: {t_hf / t_ours:.2f}x")

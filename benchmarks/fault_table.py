@@ -61,14 +61,25 @@ def largest_bodies() -> dict[str, dict]:
     ints = (body_bytes - 200) // 6  # "12345," per token id (compact JSON)
     return {
         f"chat: {limits.max_messages} messages, {limits.max_input_chars} chars": {
-            "path": "/v1/chat/completions", "json": {"messages": many, "max_tokens": 1}},
+            "path": "/v1/chat/completions",
+            "json": {"messages": many, "max_tokens": 1},
+        },
         f"completion: one {limits.max_input_chars}-char prompt": {
-            "path": "/v1/completions", "json": {"prompt": "word " * (limits.max_input_chars // 5), "max_tokens": 1}},
+            "path": "/v1/completions",
+            "json": {"prompt": "word " * (limits.max_input_chars // 5), "max_tokens": 1},
+        },
         f"completion: {ints} token ids ({body_bytes >> 20} MiB)": {
-            "path": "/v1/completions", "json": {"prompt": [12345] * ints, "max_tokens": 1}},
+            "path": "/v1/completions",
+            "json": {"prompt": [12345] * ints, "max_tokens": 1},
+        },
         f"chat: {body_bytes >> 20} MiB of chat_template_kwargs numbers": {
             "path": "/v1/chat/completions",
-            "json": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": {"x": [12345] * ints}}},
+            "json": {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+                "chat_template_kwargs": {"x": [12345] * ints},
+            },
+        },
     }
 
 
@@ -126,10 +137,19 @@ def stall(d: Daemon, seconds: float) -> list[dict]:
             gaps = [o.max_gap for o in outcomes if o.started >= a and o.ended <= b and o.kind == "ok"]
             return max(gaps, default=float("nan"))
 
-        rows.append({"body": name, "body_mib": round(len(data) / 2**20, 2), "statuses": sorted(set(statuses)),
-                     "big_requests": len(big_s), "big_request_s": round(statistics.median(big_s), 3),
-                     "baseline_gap_ms": round(1e3 * worst_gap(t0, t1), 1), "worst_gap_ms": round(1e3 * worst_gap(t1, t2), 1),
-                     "baseline_health_ms": round(1e3 * probe.worst(t0, t1), 1), "worst_health_ms": round(1e3 * probe.worst(t1, t2), 1)})
+        rows.append(
+            {
+                "body": name,
+                "body_mib": round(len(data) / 2**20, 2),
+                "statuses": sorted(set(statuses)),
+                "big_requests": len(big_s),
+                "big_request_s": round(statistics.median(big_s), 3),
+                "baseline_gap_ms": round(1e3 * worst_gap(t0, t1), 1),
+                "worst_gap_ms": round(1e3 * worst_gap(t1, t2), 1),
+                "baseline_health_ms": round(1e3 * probe.worst(t0, t1), 1),
+                "worst_health_ms": round(1e3 * probe.worst(t1, t2), 1),
+            }
+        )
     return rows
 
 
@@ -170,7 +190,9 @@ def loop_lag(repeats: int = 3) -> list[dict]:
     async def run() -> list[dict]:
         cfg = VllmConfig()
         tok = load_frontend_tokenizer(cfg)
-        llm = AsyncLLM(cfg, ["ipc:///unused"], tokenizer=tok, client_factory=lambda sink: FakeEngineClient(sink, lambda r: [1]))
+        llm = AsyncLLM(
+            cfg, ["ipc:///unused"], tokenizer=tok, client_factory=lambda sink: FakeEngineClient(sink, lambda r: [1])
+        )
         await llm.start(handshake_timeout=1)
         state = ServerState(cfg, llm, None)
         out = []
@@ -199,8 +221,13 @@ def loop_lag(repeats: int = 3) -> list[dict]:
                     lags["frozen" if frozen else "not frozen"].append(await window(work))
                     lags["idle"].append(await window(idle))
                     gc.unfreeze()
-            out.append({"body": name, "work_s": round(statistics.median(took), 2),
-                        **{f"{k}_lag_ms": round(1e3 * statistics.median(v), 1) for k, v in lags.items()}})
+            out.append(
+                {
+                    "body": name,
+                    "work_s": round(statistics.median(took), 2),
+                    **{f"{k}_lag_ms": round(1e3 * statistics.median(v), 1) for k, v in lags.items()},
+                }
+            )
         return out
 
     return asyncio.run(run())
@@ -210,7 +237,11 @@ def show(case: Case, round_: int | str = "") -> dict:
     s = case.summary
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(s["kinds"].items()) if k != "ok")
     rec = f"{case.recovery_s:.2f}" if case.recovery_s is not None else "-"
-    print(f"{case.name:<22} {round_!s:>5} {s['sent']:>6} {s['ok']:>6} {s['failed']:>7} {s['unavailable']:>6} {rec:>10}  {kinds}", flush=True)
+    print(
+        f"{case.name:<22} {round_!s:>5} {s['sent']:>6} {s['ok']:>6} {s['failed']:>7} {s['unavailable']:>6} "
+        f"{rec:>10}  {kinds}",
+        flush=True,
+    )
     return {"case": case.name, "round": round_, **s, "recovery_s": case.recovery_s}
 
 
@@ -229,7 +260,11 @@ def main() -> int:
     print(f"{'body':<46} {'work s':>6} {'idle ms':>8} {'heap not frozen ms':>18} {'frozen (pkgd) ms':>16}")
     for row in loop_lag():
         rows.append(row)
-        print(f"{row['body']:<46} {row['work_s']:>6} {row['idle_lag_ms']:>8} {row['not frozen_lag_ms']:>18} {row['frozen_lag_ms']:>16}", flush=True)
+        print(
+            f"{row['body']:<46} {row['work_s']:>6} {row['idle_lag_ms']:>8} {row['not frozen_lag_ms']:>18} "
+            f"{row['frozen_lag_ms']:>16}",
+            flush=True,
+        )
     if args.lag_only:
         return 0
     print()
@@ -242,7 +277,10 @@ def main() -> int:
         d = Daemon(work / "d", fault_config(work / "tiny"), real=True)
         d.wait_ready(300)
         print(f"daemon ready in {time.monotonic() - t:.1f} s at {d.url}; {CLIENTS} streaming clients", flush=True)
-        print(f"{'case':<22} {'round':>5} {'sent':>6} {'ok':>6} {'failed':>7} {'503':>6} {'recovery s':>10}  outcomes other than ok")
+        print(
+            f"{'case':<22} {'round':>5} {'sent':>6} {'ok':>6} {'failed':>7} {'503':>6} {'recovery s':>10}  "
+            "outcomes other than ok"
+        )
         for r in range(args.rounds):
             rows.append(show(frontend_reload(d, 6.0 + r % 2), r))
         for r in range(args.rounds):
@@ -251,19 +289,32 @@ def main() -> int:
         rows.append(show(kill_engine_core(d)))
         for name in ("frontend reload", "engine reload"):
             mine = [x for x in rows if x.get("case") == name]
-            print(f"{name:<22} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} {sum(x['failed'] for x in mine):>7}")
+            print(
+                f"{name:<22} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} "
+                f"{sum(x['failed'] for x in mine):>7}"
+            )
         print()
         rows.append(show(sigterm(d)))
         d.cleanup()
         (work / "s").mkdir()
         d = Daemon(work / "s", merge(fault_config(work / "tiny"), {"frontend": {"api_server_count": 1}}), real=True)
         d.wait_ready(300)
-        print("\nstall of the other streams while one request carries the largest body the limits allow (one API server):")
-        print(f"{'body':<46} {'MiB':>4} {'status':>6} {'big s':>6} {'gap ms: before':>14} {'during':>7} {'/health ms: before':>18} {'during':>7}")
+        print(
+            "\nstall of the other streams while one request carries the largest body the limits allow (one API server):"
+        )
+        print(
+            f"{'body':<46} {'MiB':>4} {'status':>6} {'big s':>6} {'gap ms: before':>14} {'during':>7} "
+            f"{'/health ms: before':>18} {'during':>7}"
+        )
         for row in stall(d, args.stall_seconds):
             rows.append(row)
-            print(f"{row['body']:<46} {row['body_mib']:>4} {','.join(map(str, row['statuses'])):>6} {row['big_request_s']:>6} "
-                  f"{row['baseline_gap_ms']:>14} {row['worst_gap_ms']:>7} {row['baseline_health_ms']:>18} {row['worst_health_ms']:>7}", flush=True)
+            print(
+                f"{row['body']:<46} {row['body_mib']:>4} {','.join(map(str, row['statuses'])):>6} "
+                f"{row['big_request_s']:>6} "
+                f"{row['baseline_gap_ms']:>14} {row['worst_gap_ms']:>7} {row['baseline_health_ms']:>18} "
+                f"{row['worst_health_ms']:>7}",
+                flush=True,
+            )
     finally:
         if d is not None:
             args.log.write_text("\n".join(d.lines) + "\n")

@@ -25,12 +25,16 @@ PY = sys.executable
 PKGD = str(Path(PY).parent / "pkgd")
 
 
-def step(name: str, argv: list[str], work: Path, env: dict[str, str] | None = None, timeout: float = 3600) -> tuple[bool, str]:
+def step(
+    name: str, argv: list[str], work: Path, env: dict[str, str] | None = None, timeout: float = 3600
+) -> tuple[bool, str]:
     """Run ``argv``; returns (ok, combined output); the output also goes to ``work/<name>.log``."""
     print(f"gpu_check: {name}: {' '.join(argv)}", flush=True)
     t0 = time.monotonic()
     try:
-        r = subprocess.run(argv, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        r = subprocess.run(
+            argv, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=REPO
+        )
         out, ok = r.stdout + r.stderr, r.returncode == 0
     except subprocess.TimeoutExpired as e:
         out, ok = f"{e}\n{e.stdout or ''}{e.stderr or ''}", False
@@ -61,12 +65,33 @@ def serve_64(work: Path, streams: int, prompts: int) -> dict:
     with Server("pkgd", [PKGD, "serve", "--port", str(port)], port, work / "serve-server.log") as server:
         cold = server.start(timeout=900)
         out = work / "serve.json"
-        ok, _ = step("bench_serve", [PKGD, "bench", "serve", "--base-url", server.base_url, "--num-prompts", str(prompts),
-                                     "--max-concurrency", str(streams), "--output-json", str(out)], work)
+        ok, _ = step(
+            "bench_serve",
+            [
+                PKGD,
+                "bench",
+                "serve",
+                "--base-url",
+                server.base_url,
+                "--num-prompts",
+                str(prompts),
+                "--max-concurrency",
+                str(streams),
+                "--output-json",
+                str(out),
+            ],
+            work,
+        )
         fig = json.loads(out.read_text()) if out.exists() else {}
-        return {"ok": ok and not fig.get("failed", 1), "cold_start_s": cold, "peak_rss_gb": server.sampler.peak_rss / 1e9,
-                "output_tok_s": fig.get("output_tokens_per_s"), "ttft_median_s": fig.get("ttft_s", {}).get("median"),
-                "ttft_p99_s": fig.get("ttft_s", {}).get("p99"), "tpot_median_ms": (fig.get("tpot_s", {}).get("median") or 0) * 1e3}
+        return {
+            "ok": ok and not fig.get("failed", 1),
+            "cold_start_s": cold,
+            "peak_rss_gb": server.sampler.peak_rss / 1e9,
+            "output_tok_s": fig.get("output_tokens_per_s"),
+            "ttft_median_s": fig.get("ttft_s", {}).get("median"),
+            "ttft_p99_s": fig.get("ttft_s", {}).get("p99"),
+            "tpot_median_ms": (fig.get("tpot_s", {}).get("median") or 0) * 1e3,
+        }
 
 
 def main() -> int:
@@ -87,11 +112,30 @@ def main() -> int:
     parity["ok"] = parity["ok"] and parity.get("skipped", 1) == 0  # skipped = not run on the GPU
     res["parity_fp16_bf16"] = parity
     out_json = work / "throughput.json"
-    ok, _ = step("bench_throughput", [PKGD, "bench", "throughput", "--num-prompts", "256", "--input-len", "128",
-                                      "--output-len", "128", "--ignore-eos", "--output-json", str(out_json)], work)
+    ok, _ = step(
+        "bench_throughput",
+        [
+            PKGD,
+            "bench",
+            "throughput",
+            "--num-prompts",
+            "256",
+            "--input-len",
+            "128",
+            "--output-len",
+            "128",
+            "--ignore-eos",
+            "--output-json",
+            str(out_json),
+        ],
+        work,
+    )
     fig = json.loads(out_json.read_text()) if out_json.exists() else {}
-    res["throughput"] = {"ok": ok, "output_tok_s": _find(fig, "output_tokens_per_s"),
-                         "single_stream_decode_tok_s": _find(fig, "decode_tokens_per_s")}
+    res["throughput"] = {
+        "ok": ok,
+        "output_tok_s": _find(fig, "output_tokens_per_s"),
+        "single_stream_decode_tok_s": _find(fig, "decode_tokens_per_s"),
+    }
     try:
         res["serve"] = serve_64(work, args.streams, args.serve_prompts)
     except (RuntimeError, OSError) as e:
@@ -116,20 +160,28 @@ def print_summary(res: dict, work: Path) -> None:
 
     k, p, t, s = res["kernel_tests"], res["parity_fp16_bf16"], res["throughput"], res["serve"]
     print(f"\n== gpu_check summary: {res['gpu']}, torch {res['torch']} (CUDA {res['cuda']})")
-    print(f"{mark(k)} kernel tests on the GPU: {k.get('tests', 0)} run, {k.get('failures', 0)} failed, "
-          f"{k.get('errors', 0)} errors, {k.get('skipped', 0)} skipped")
+    print(
+        f"{mark(k)} kernel tests on the GPU: {k.get('tests', 0)} run, {k.get('failures', 0)} failed, "
+        f"{k.get('errors', 0)} errors, {k.get('skipped', 0)} skipped"
+    )
     print(f"{mark(res['kernel_bench'])} kernel benchmark (Triton vs reference): see {work / 'kernel_bench.log'}")
-    print(f"{mark(p)} engine parity in float16/bfloat16: {p.get('tests', 0)} run, {p.get('failures', 0)} failed, "
-          f"{p.get('skipped', 0)} skipped")
-    print(f"{mark(t)} pkgd bench throughput 256 x 128->128: {t.get('output_tok_s') or 0:.1f} output tok/s; "
-          f"single stream {t.get('single_stream_decode_tok_s') or 0:.1f} tok/s")
+    print(
+        f"{mark(p)} engine parity in float16/bfloat16: {p.get('tests', 0)} run, {p.get('failures', 0)} failed, "
+        f"{p.get('skipped', 0)} skipped"
+    )
+    print(
+        f"{mark(t)} pkgd bench throughput 256 x 128->128: {t.get('output_tok_s') or 0:.1f} output tok/s; "
+        f"single stream {t.get('single_stream_decode_tok_s') or 0:.1f} tok/s"
+    )
     if "error" in s:
         print(f"FAILED serving: {s['error']}")
     else:
-        print(f"{mark(s)} serving {s.get('output_tok_s') or 0:.1f} output tok/s at 64 streams; TTFT median "
-              f"{s.get('ttft_median_s') or 0:.2f} s, p99 {s.get('ttft_p99_s') or 0:.2f} s; TPOT median "
-              f"{s.get('tpot_median_ms') or 0:.1f} ms; cold start {s.get('cold_start_s') or 0:.1f} s; "
-              f"peak RSS {s.get('peak_rss_gb') or 0:.2f} GB")
+        print(
+            f"{mark(s)} serving {s.get('output_tok_s') or 0:.1f} output tok/s at 64 streams; TTFT median "
+            f"{s.get('ttft_median_s') or 0:.2f} s, p99 {s.get('ttft_p99_s') or 0:.2f} s; TPOT median "
+            f"{s.get('tpot_median_ms') or 0:.1f} ms; cold start {s.get('cold_start_s') or 0:.1f} s; "
+            f"peak RSS {s.get('peak_rss_gb') or 0:.2f} GB"
+        )
     print(f"(logs and summary.json in {work})")
 
 

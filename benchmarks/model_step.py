@@ -156,9 +156,11 @@ def main() -> None:
     def prompts(n: int, length: int) -> list[list[int]]:
         return torch.randint(100, vocab, (n, length), generator=g).tolist()
 
-    print(f"model {runner.model_files.name} ({runner.arch.architecture}), dtype {runner.model_info.dtype}, "
-          f"threads {torch.get_num_threads()}, body {body / 1e6:.1f}M + LM head {lm / 1e6:.1f}M parameters, "
-          f"{weight_bytes / 1e6:.0f} MB of weights read per decoded token")
+    print(
+        f"model {runner.model_files.name} ({runner.arch.architecture}), dtype {runner.model_info.dtype}, "
+        f"threads {torch.get_num_threads()}, body {body / 1e6:.1f}M + LM head {lm / 1e6:.1f}M parameters, "
+        f"{weight_bytes / 1e6:.0f} MB of weights read per decoded token"
+    )
     # Each figure is paired with machine measurements taken right before and right after it
     # (the larger one is its reference, so a quiet moment never flatters a ratio), which keeps
     # ratios meaningful when other processes load the machine in bursts.
@@ -199,11 +201,16 @@ def report(results: dict[str, list[tuple[float, float]]], dtype: str) -> None:
         v, r = pairs[len(pairs) // 2]
         lo, hi = pairs[0][0] / pairs[0][1], pairs[-1][0] / pairs[-1][1]
         if name == "single-stream":
-            print(f"{name + ' decode:':24s} {v:6.1f} tok/s vs bound {r:5.1f} tok/s (read bandwidth "
-                  f"/ weight bytes) = {v / r:5.1%}   (rounds {lo:.0%}-{hi:.0%})")
+            print(
+                f"{name + ' decode:':24s} {v:6.1f} tok/s vs bound {r:5.1f} tok/s (read bandwidth "
+                f"/ weight bytes) = {v / r:5.1%}   (rounds {lo:.0%}-{hi:.0%})"
+            )
         else:
-            print(f"{name + ':':24s} {v / 1e9:6.1f} GFLOP/s vs {dtype} torch.mm {r / 1e9:5.1f} GFLOP/s = "
-                  f"{v / r:5.1%}   (rounds {lo:.0%}-{hi:.0%})")
+            print(
+                f"{name + ':':24s} {v / 1e9:6.1f} GFLOP/s vs {dtype} torch.mm {r / 1e9:5.1f} GFLOP/s = "
+                f"{v / r:5.1%}   (rounds {lo:.0%}-{hi:.0%})"
+            )
+
 
 if __name__ == "__main__":
     main()

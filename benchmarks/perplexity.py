@@ -46,8 +46,11 @@ def perplexity(llm, text: str, ctx: int) -> tuple[float, int, float]:
     if not prompts:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one chunk of {ctx}")
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+        use_tqdm=False,
+    )
     seconds = time.perf_counter() - t0
     total, n = 0.0, 0
     for prompt, out in zip(prompts, outs):
@@ -70,13 +73,18 @@ def main() -> None:
     text = args.file.read_text(encoding="utf-8")
     results = {}
     for q in ("auto", "none") if args.quantization == "both" else (args.quantization,):
-        llm = LLM(model=args.model, quantization=q, dtype="float32", cpu_threads=args.threads)  # one arithmetic for both
+        llm = LLM(
+            model=args.model, quantization=q, dtype="float32", cpu_threads=args.threads
+        )  # one arithmetic for both
         info = llm.engine.model_runner.model_info
         ppl, n, seconds = perplexity(llm, text, args.ctx)
         llm.shutdown()
         results[q] = ppl
-        print(f"quantization={q} ({info.quantization}, {info.weight_bytes / 1e6:.0f} MB of weights): perplexity {ppl:.4f} "
-              f"over {n} tokens ({args.ctx}-token chunks of {args.file.name}), {seconds:.1f} s")
+        print(
+            f"quantization={q} ({info.quantization}, {info.weight_bytes / 1e6:.0f} MB of weights): "
+            f"perplexity {ppl:.4f} "
+            f"over {n} tokens ({args.ctx}-token chunks of {args.file.name}), {seconds:.1f} s"
+        )
     if len(results) == 2:
         print(f"perplexity ratio quantized / dequantized: {results['auto'] / results['none']:.4f}")
 

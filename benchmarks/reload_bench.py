@@ -106,7 +106,11 @@ def gguf_path() -> str:
 
 def setup(args: argparse.Namespace, work: Path) -> tuple[list[str], Path, dict, dict[str, list]]:
     """Command, config file, base config, and the alternating values of each change."""
-    base = {"frontend": {"port": 0}, "supervisor": {"runtime_dir": str(work / "run"), "drain_timeout": 10}, "logging": {"format": "json"}}
+    base = {
+        "frontend": {"port": 0},
+        "supervisor": {"runtime_dir": str(work / "run"), "drain_timeout": 10},
+        "logging": {"format": "json"},
+    }
     if args.fake:
         cfg = work / "pkgd.yaml"
         sources = ["fake:load=0.5", "fake:load=0.6"]
@@ -132,7 +136,10 @@ def client_factory(args: argparse.Namespace, url: str):
 
         def make():
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=args.retries)
-            return lambda: client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
+            return lambda: client.completions.create(
+                model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0
+            )
+
     return make
 
 
@@ -150,13 +157,20 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", choices=["frontend", "model"], help="run one kind of change")
-    ap.add_argument("--retries", type=int, default=0, help="openai client max_retries (its default is 2); 0 counts every failed attempt")
+    ap.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="openai client max_retries (its default is 2); 0 counts every failed attempt",
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pkgd-bench-", dir="/tmp"))
     cmd, cfg_path, config, changes = setup(args, work)
     cfg_path.write_text(yaml.safe_dump(config))
     notify = Notify(work / "notify.sock")
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ, "NOTIFY_SOCKET": str(notify.path)})
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ, "NOTIFY_SOCKET": str(notify.path)}
+    )
     t_start = time.monotonic()
     url = None
     assert proc.stderr is not None
@@ -178,7 +192,10 @@ def main() -> int:
         time.sleep(3)
         t0 = time.monotonic()
         time.sleep(3)
-        print(f"baseline: {clients.done_between(t0, time.monotonic()) / 3:.1f} requests/s, failed {len(clients.failed_between(t0, time.monotonic()))}")
+        print(
+            f"baseline: {clients.done_between(t0, time.monotonic()) / 3:.1f} requests/s, failed "
+            f"{len(clients.failed_between(t0, time.monotonic()))}"
+        )
         print(f"{'change':<22} {'round':>5} {'SIGHUP->READY s':>16} {'drained s':>10} {'ok':>6} {'failed':>7}")
         for key, values in changes.items():
             if args.only and not key.startswith({"frontend": "frontend.", "model": "model."}[args.only]):
@@ -195,7 +212,10 @@ def main() -> int:
                 time.sleep(1)
                 failed = clients.failed_between(t_hup, t_drained)
                 times.append(t_ready - t_hup)
-                print(f"{key:<22} {r:>5} {t_ready - t_hup:>16.3f} {t_drained - t_hup:>10.2f} {clients.done_between(t_hup, t_drained):>6} {len(failed):>7}")
+                print(
+                    f"{key:<22} {r:>5} {t_ready - t_hup:>16.3f} {t_drained - t_hup:>10.2f} "
+                    f"{clients.done_between(t_hup, t_drained):>6} {len(failed):>7}"
+                )
                 for f in failed[:3]:
                     print(f"    {f}")
             print(f"{key:<22} {'median':>5} {statistics.median(times):>16.3f}")

@@ -5,7 +5,8 @@ child.
     python benchmarks/serve_local.py [--api-servers N] [--config KEY=VALUE ...] -- [bench serve args]
 
 Examples (the figures in the api report):
-    python benchmarks/serve_local.py --fake-engine -- --no-stream --input-len 8 --output-len 1 --num-prompts 2000 --max-concurrency 32
+    python benchmarks/serve_local.py --fake-engine -- --no-stream --input-len 8 --output-len 1 \\
+        --num-prompts 2000 --max-concurrency 32
     python benchmarks/serve_local.py -- --no-stream --input-len 8 --output-len 1 --num-prompts 1000 --max-concurrency 32
     python benchmarks/serve_local.py -- --input-len 128 --output-len 128 --num-prompts 128 --max-concurrency 64
 
@@ -64,8 +65,11 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--api-servers", type=int, default=1)
     p.add_argument("--config", nargs="*", default=[], help="dotted KEY=VALUE config overrides")
-    p.add_argument("--fake-engine", action="store_true",
-                   help="serve tests/ipc/fake_engine.py (no model compute): measures the frontend alone")
+    p.add_argument(
+        "--fake-engine",
+        action="store_true",
+        help="serve tests/ipc/fake_engine.py (no model compute): measures the frontend alone",
+    )
     args = p.parse_args(ours)
     bp = argparse.ArgumentParser()
     bench_serve.add_serve_args(bp)
@@ -92,12 +96,17 @@ def main() -> int:
         bench_serve.print_report(fig)
         api_cpu = sum(cpu_seconds(pid) - c for pid, c in cpu0.items())
         n = fig["num_prompts"] + bargs.warmup
-        print(f"CPU during the run: API server(s) {api_cpu:.1f} s = {1e3 * api_cpu / n:.2f} ms per request "
-              f"(~{n / api_cpu:.0f} requests/s per core), engine {cpu_seconds(engine.proc.pid) - engine_cpu0:.1f} s, "
-              f"wall {fig['elapsed_s']:.1f} s")
+        print(
+            f"CPU during the run: API server(s) {api_cpu:.1f} s = {1e3 * api_cpu / n:.2f} ms per request "
+            f"(~{n / api_cpu:.0f} requests/s per core), engine {cpu_seconds(engine.proc.pid) - engine_cpu0:.1f} s, "
+            f"wall {fig['elapsed_s']:.1f} s"
+        )
         rss = {"engine": vm_hwm(engine.proc.pid), **{f"api{i}": vm_hwm(a.proc.pid) for i, a in enumerate(apis)}}
-        print("Peak RSS (VmHWM): " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in rss.items())
-              + f"; sum {sum(rss.values()) / 1e6:.0f} MB")
+        print(
+            "Peak RSS (VmHWM): "
+            + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in rss.items())
+            + f"; sum {sum(rss.values()) / 1e6:.0f} MB"
+        )
     finally:
         for a in apis:
             a.stop()

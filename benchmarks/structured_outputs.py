@@ -41,13 +41,22 @@ _ids = itertools.count()
 
 
 def numbers_schema(name: str = "numbers") -> dict:
-    return {"type": "object", "properties": {name: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100000},
-                                                    "minItems": 1000}}, "required": [name]}
+    return {
+        "type": "object",
+        "properties": {
+            name: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100000}, "minItems": 1000}
+        },
+        "required": [name],
+    }
 
 
 def wide_schema(tag: str) -> dict:
-    kinds = [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 8}, {"enum": ["a", "b", "c"]},
-             {"type": "array", "items": {"type": "number"}, "maxItems": 3}]
+    kinds = [
+        {"type": "integer", "minimum": 0, "maximum": 9},
+        {"type": "string", "maxLength": 8},
+        {"enum": ["a", "b", "c"]},
+        {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    ]
     props = {f"{tag}_{i}": kinds[i % 4] for i in range(24)}
     return {"type": "object", "properties": props, "required": list(props)}
 
@@ -111,8 +120,12 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str,
             raise RuntimeError("a constraint failed to compile")
     wall = time.perf_counter() - start
     tpot = statistics.mean((last[r] - first[r]) / max(1, count[r] - 1) for r in count)
-    return {"ttft": statistics.mean(first[r] - start for r in first), "tpot": tpot,
-            "tok_s": sum(count.values()) / wall, "tokens": sum(count.values())}
+    return {
+        "ttft": statistics.mean(first[r] - start for r in first),
+        "tpot": tpot,
+        "tok_s": sum(count.values()) / wall,
+        "tokens": sum(count.values()),
+    }
 
 
 def main() -> None:
@@ -123,8 +136,12 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(max_model_len=1024)
     ip = llm.input_processor
-    prompts = [ip.tokenize(ip.render_chat([{"role": "user", "content": f"List {i + 3} numbers as JSON."}]), add_special_tokens=False)
-               for i in range(args.streams)]
+    prompts = [
+        ip.tokenize(
+            ip.render_chat([{"role": "user", "content": f"List {i + 3} numbers as JSON."}]), add_special_tokens=False
+        )
+        for i in range(args.streams)
+    ]
     free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     so = StructuredOutputsParams(json=numbers_schema())
     constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
@@ -149,7 +166,11 @@ def main() -> None:
     cold, warm = [], []
     one = prompts[:1]
     for i in range(args.repeat):
-        fresh = SamplingParams(temperature=0, max_tokens=2, structured_outputs=StructuredOutputsParams(json=wide_schema(f"k{i}_{time.time_ns()}")))
+        fresh = SamplingParams(
+            temperature=0,
+            max_tokens=2,
+            structured_outputs=StructuredOutputsParams(json=wide_schema(f"k{i}_{time.time_ns()}")),
+        )
         cold.append(run(llm, one, fresh)["ttft"])
         warm.append(run(llm, one, fresh)["ttft"])
 

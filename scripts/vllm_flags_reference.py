@@ -32,8 +32,10 @@ def main() -> int:
         flags.append({"flags": list(action.option_strings), "nargs": nargs, "group": group_of.get(id(action))})
     # one flag per line, so a new vLLM release shows as a readable diff
     rows = ",\n".join("  " + json.dumps(f) for f in flags)
-    sys.stdout.write(f'{{\n "vllm_version": {json.dumps(vllm.__version__)},\n "command": "vllm serve",\n'
-                     f' "flags": [\n{rows}\n ]\n}}\n')
+    sys.stdout.write(
+        f'{{\n "vllm_version": {json.dumps(vllm.__version__)},\n "command": "vllm serve",\n'
+        f' "flags": [\n{rows}\n ]\n}}\n'
+    )
     return 0
 
 

@@ -23,8 +23,12 @@ def test_relative_links_resolve():
 
 def test_no_reference_outside_the_repository():
     """Docs, code and help point only at what a clone has (no design notes kept elsewhere)."""
-    code = [p for top in ("daemon", "kernels", "benchmarks", "scripts") for p in (ROOT / top).rglob("*")
-            if p.is_file() and p.suffix in {".py", ".c", ".h", ".sh", ".md"} and ".work" not in p.parts]
+    code = [
+        p
+        for top in ("daemon", "kernels", "benchmarks", "scripts")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and p.suffix in {".py", ".c", ".h", ".sh", ".md"} and ".work" not in p.parts
+    ]
     for path in [*DOCS, *code]:
         text = path.read_text(errors="replace")
         assert not any(ref in text for ref in ("../shared", "DESIGN.md", "STYLE.md", "the seeds")), path
@@ -42,10 +46,23 @@ def test_no_merge_conflict_markers_left():
     suffixes = {".md", ".py", ".yaml", ".yml", ".toml", ".json", ".c", ".h", ".sh", ".service", ".socket"}
     hit = [
         str(path.relative_to(ROOT))
-        for top in ("README.md", "docs", "daemon", "kernels", "configs", "tests", "benchmarks", "schemas", "scripts", "systemd")
+        for top in (
+            "README.md",
+            "docs",
+            "daemon",
+            "kernels",
+            "configs",
+            "tests",
+            "benchmarks",
+            "schemas",
+            "scripts",
+            "systemd",
+        )
         for path in ([ROOT / top] if (ROOT / top).is_file() else (ROOT / top).rglob("*"))
         # hidden folders hold what scripts fetched or built (benchmarks/peers/.work, .gpu), not the project's files
         if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
-        and path.is_file() and path.suffix in suffixes and marker.search(path.read_text(errors="replace"))
+        and path.is_file()
+        and path.suffix in suffixes
+        and marker.search(path.read_text(errors="replace"))
     ]
     assert not hit

@@ -110,7 +110,9 @@ def _violations() -> list[str]:
             if src in SEAMS and dst not in SEAMS:
                 bad.append(f"{mod} -> {target}: a seam module imports only other seam modules")
             elif src not in SEAMS and LAYER_OF[dst] <= LAYER_OF[src]:
-                bad.append(f"{mod} -> {target}: {src} (layer {LAYER_OF[src]}) may not import {dst} (layer {LAYER_OF[dst]})")
+                bad.append(
+                    f"{mod} -> {target}: {src} (layer {LAYER_OF[src]}) may not import {dst} (layer {LAYER_OF[dst]})"
+                )
     return bad
 
 

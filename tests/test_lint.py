@@ -1,6 +1,6 @@
-"""The tree passes ruff's lint rules and mypy, as configured in pyproject.toml.
+"""The tree passes ruff's lint rules, ruff's formatter and mypy, as configured in pyproject.toml.
 
-Both run in a subprocess with this interpreter (the pinned versions from the ``test``
+All three run in a subprocess with this interpreter (the pinned versions from the ``test``
 extra); mypy keeps its incremental cache in ``.mypy_cache`` so a re-run after a small change
 takes seconds rather than a full check.
 """
@@ -21,6 +21,11 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_ruff_check_finds_nothing() -> None:
     result = _run("ruff", "check", "--no-fix", "--output-format", "concise", ".")
     assert result.returncode == 0, f"ruff check found problems:\n{result.stdout}{result.stderr}"
+
+
+def test_ruff_format_changes_nothing() -> None:
+    result = _run("ruff", "format", "--check", ".")
+    assert result.returncode == 0, f"ruff format would reformat (run `ruff format .`):\n{result.stdout}{result.stderr}"
 
 
 def test_mypy_finds_nothing() -> None:

@@ -21,8 +21,17 @@ def test_a_phase_logs_one_line_with_its_seconds_and_fields(capsys):
             for _ in range(3):
                 p.advance()
             p.note(tensors=3)
-    assert logs == [{"event": "model_phase", "log_level": "info", "phase": "load_weights", "seconds": logs[0]["seconds"],
-                     "dtype": "float32", "tensors": 3, "logger_name": "pkgd.phases"}]
+    assert logs == [
+        {
+            "event": "model_phase",
+            "log_level": "info",
+            "phase": "load_weights",
+            "seconds": logs[0]["seconds"],
+            "dtype": "float32",
+            "tensors": 3,
+            "logger_name": "pkgd.phases",
+        }
+    ]
     assert p.done == 3 and isinstance(logs[0]["seconds"], float)
     assert capsys.readouterr().err == ""  # not a terminal: no bar
 
@@ -49,8 +58,9 @@ with phases.phase("kv_cache", "allocating KV cache", total=4, unit="layer") as p
 @pytest.mark.parametrize("allowed", [True, False])
 def test_on_a_terminal_a_bar_is_drawn_then_erased(allowed):
     master, slave = pty.openpty()  # left unsized (0 x 0), as some terminals report
-    proc = subprocess.Popen([sys.executable, "-c", DRAW.format(allowed=allowed)], stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRAW.format(allowed=allowed)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave
+    )
     os.close(slave)
     out = b""
     while True:

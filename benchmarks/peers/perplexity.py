@@ -85,7 +85,11 @@ def parse_llama_perplexity(log: str) -> dict:
     chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
     if not m:
         raise ValueError("no 'Final estimate' in llama-perplexity's output")
-    return {"ppl": float(m.group(1)), "ppl_stderr": float(m.group(2)), "chunks": int(chunks.group(1)) if chunks else None}
+    return {
+        "ppl": float(m.group(1)),
+        "ppl_stderr": float(m.group(2)),
+        "chunks": int(chunks.group(1)) if chunks else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

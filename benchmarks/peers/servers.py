@@ -113,8 +113,14 @@ class Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log, "wb")  # noqa: SIM115 - closed with the process
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         out.close()
         self.sampler = MemorySampler(self.proc.pid)
         self.sampler.start()
@@ -125,9 +131,11 @@ class Server:
                 if self.model is None:
                     with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=5) as resp:
                         self.model = json.loads(resp.read())["data"][0]["id"]
-                post_json(f"{self.base_url}/v1/completions",
-                          {"model": self.model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
-                          timeout=max(1.0, timeout - (time.monotonic() - t0)))
+                post_json(
+                    f"{self.base_url}/v1/completions",
+                    {"model": self.model, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
+                    timeout=max(1.0, timeout - (time.monotonic() - t0)),
+                )
                 self.cold_start_s = time.monotonic() - t0
                 return self.cold_start_s
             except (urllib.error.URLError, ConnectionError, OSError, KeyError, IndexError, ValueError):

@@ -62,13 +62,20 @@ def log(msg: str) -> None:
     print(f"[peers {time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}", file=sys.stderr, flush=True)
 
 
-def run(argv: list[str], *, env: dict[str, str] | None = None, timeout: float, log_file: Path,
-        stdout_only: bool = False) -> str:
+def run(
+    argv: list[str], *, env: dict[str, str] | None = None, timeout: float, log_file: Path, stdout_only: bool = False
+) -> str:
     """Run to completion; its output to ``log_file``; returns stdout (and stderr after it unless
     ``stdout_only``). Raises `RuntimeError` on a non-zero exit."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(argv, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        argv,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     log_file.write_text(f"$ {shlex.join(argv)}\n{r.stdout}\n{r.stderr}")
     if r.returncode:
         raise RuntimeError(f"{Path(argv[0]).name} exited {r.returncode}; see {log_file}")
@@ -96,14 +103,21 @@ def offline(args, p: systems.Paths, res: Results, rep: int, sysname: str) -> Non
     out = p.work / "results" / f"offline-{sysname}-{rep}.json"
     n, i, o = args.offline_prompts, args.input_len, args.output_len
     if sysname.startswith("pkgd"):
-        run(systems.pkgd_offline(p, out, n, i, o, args.pkgd_config_for(sysname), single_stream=True),
-            timeout=args.timeout, log_file=out.with_suffix(".log"))
+        run(
+            systems.pkgd_offline(p, out, n, i, o, args.pkgd_config_for(sysname), single_stream=True),
+            timeout=args.timeout,
+            log_file=out.with_suffix(".log"),
+        )
         fig = json.loads(out.read_text())
         res.add(sysname, "offline_tok_s", _find(fig, "output_tokens_per_s"))
         res.add(sysname, "decode_engine_tok_s", _find(fig, "decode_tokens_per_s"))
     elif sysname.startswith("vllm"):
-        run(systems.vllm_offline(p, out, n, i, o, sysname.split("-")[1]), env=systems.VLLM_ENV,
-            timeout=args.timeout, log_file=out.with_suffix(".log"))
+        run(
+            systems.vllm_offline(p, out, n, i, o, sysname.split("-")[1]),
+            env=systems.VLLM_ENV,
+            timeout=args.timeout,
+            log_file=out.with_suffix(".log"),
+        )
         fig = json.loads(out.read_text())
         res.add(sysname, "offline_tok_s", fig["num_requests"] * o / fig["elapsed_time"])
     elif sysname == "llama.cpp":
@@ -138,9 +152,27 @@ def serve(args, p: systems.Paths, res: Results, rep: int, sysname: str) -> None:
         for c in args.concurrency:
             out = p.work / "results" / f"serve-{tag}-c{c}.json"
             n = max(args.min_serve_prompts, args.prompts_per_stream * c)
-            run([str(p.pkgd), "bench", "serve", "--base-url", server.base_url, "--num-prompts", str(n),
-                 "--max-concurrency", str(c), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                 "--output-json", str(out)], timeout=args.timeout, log_file=out.with_suffix(".log"))
+            run(
+                [
+                    str(p.pkgd),
+                    "bench",
+                    "serve",
+                    "--base-url",
+                    server.base_url,
+                    "--num-prompts",
+                    str(n),
+                    "--max-concurrency",
+                    str(c),
+                    "--input-len",
+                    str(args.input_len),
+                    "--output-len",
+                    str(args.output_len),
+                    "--output-json",
+                    str(out),
+                ],
+                timeout=args.timeout,
+                log_file=out.with_suffix(".log"),
+            )
             fig = json.loads(out.read_text())
             if fig["failed"]:
                 res.errors.append(f"{sysname} at {c} streams: {fig['failed']} failed: {fig['errors']}")
@@ -160,12 +192,21 @@ def ppl(args, p: systems.Paths, res: Results, names: list[str]) -> None:
     for sysname in names:
         out = p.work / "results" / f"ppl-{sysname}.log"
         if sysname.startswith("pkgd"):
-            line = run(systems.pkgd_perplexity(p, text, args.ppl_ctx, args.pkgd_config_for(sysname)),
-                       timeout=args.timeout, log_file=out, stdout_only=True)
+            line = run(
+                systems.pkgd_perplexity(p, text, args.ppl_ctx, args.pkgd_config_for(sysname)),
+                timeout=args.timeout,
+                log_file=out,
+                stdout_only=True,
+            )
             res.add(sysname, "ppl", json.loads(line.strip().splitlines()[-1])["ppl"])
         elif sysname == "llama.cpp":
-            res.add(sysname, "ppl", perplexity.parse_llama_perplexity(
-                run(systems.llama_perplexity(p, text, args.ppl_ctx), timeout=args.timeout, log_file=out))["ppl"])
+            res.add(
+                sysname,
+                "ppl",
+                perplexity.parse_llama_perplexity(
+                    run(systems.llama_perplexity(p, text, args.ppl_ctx), timeout=args.timeout, log_file=out)
+                )["ppl"],
+            )
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -181,8 +222,11 @@ def _fmt(v: float | None, unit: str) -> str:
 
 def report(res: Results, names: list[str], load: tuple[float, float]) -> list[str]:
     """The table (metric x system), then pkgd / peer ratios oriented so that > 1 = pkgd better."""
-    lines = [f"pkgd vs peers on {os.uname().nodename}: {systems.cores()} cores; load average {load[0]:.1f} at the start, "
-             f"{load[1]:.1f} at the end (ratios are within this run)", ""]
+    lines = [
+        f"pkgd vs peers on {os.uname().nodename}: {systems.cores()} cores; load average {load[0]:.1f} at the start, "
+        f"{load[1]:.1f} at the end (ratios are within this run)",
+        "",
+    ]
     width = max(len(label) for label, _, _ in METRICS.values()) + 2
     lines.append("figure".ljust(width) + "".join(n.rjust(14) for n in names))
     for metric, (label, unit, _) in METRICS.items():
@@ -193,7 +237,10 @@ def report(res: Results, names: list[str], load: tuple[float, float]) -> list[st
         lines[-1] += "".join(_fmt(v, unit).rjust(14) for v in row)
     pk = [n for n in names if n.startswith("pkgd")]
     peers = [n for n in names if not n.startswith("pkgd")]
-    lines += ["", "ratios, pkgd / peer, > 1 = pkgd better (throughput: pkgd/peer; latency, memory, cold start: peer/pkgd):"]
+    lines += [
+        "",
+        "ratios, pkgd / peer, > 1 = pkgd better (throughput: pkgd/peer; latency, memory, cold start: peer/pkgd):",
+    ]
     for mine in pk:
         for metric, (label, _, better) in METRICS.items():
             a = res.best(mine, metric)
@@ -205,8 +252,12 @@ def report(res: Results, names: list[str], load: tuple[float, float]) -> list[st
             if parts and metric != "ppl":
                 lines.append(f"  {mine} {label}: " + ", ".join(parts))
             elif parts:
-                lines.append(f"  {mine} {label}: " + ", ".join(f"{peer} {res.best(peer, metric):.4f} vs {a:.4f}"
-                                                               for peer in peers if res.best(peer, metric)))
+                lines.append(
+                    f"  {mine} {label}: "
+                    + ", ".join(
+                        f"{peer} {res.best(peer, metric):.4f} vs {a:.4f}" for peer in peers if res.best(peer, metric)
+                    )
+                )
     lines += [f"error: {e}" for e in res.errors]
     return lines
 
@@ -215,15 +266,31 @@ def report(res: Results, names: list[str], load: tuple[float, float]) -> list[st
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="benchmarks/peers/summary.py", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--systems", default="pkgd,vllm-float32,vllm-bfloat16,llama.cpp",
-                    help="comma-separated: pkgd variants (see --pkgd), vllm-float32, vllm-bfloat16, llama.cpp")
-    ap.add_argument("--pkgd", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
-                    help="a pkgd variant with config overrides, e.g. pkgd-bf16=model.dtype=bfloat16 (add NAME to --systems "
-                         "or it is appended); 'pkgd' alone runs the defaults")
-    ap.add_argument("--only", default="offline,serve,ppl", help="which parts: offline (also the single-stream decode "
-                    "in the engine), serve (also cold start, RSS, decode through the server), ppl")
+    ap = argparse.ArgumentParser(
+        prog="benchmarks/peers/summary.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument(
+        "--systems",
+        default="pkgd,vllm-float32,vllm-bfloat16,llama.cpp",
+        help="comma-separated: pkgd variants (see --pkgd), vllm-float32, vllm-bfloat16, llama.cpp",
+    )
+    ap.add_argument(
+        "--pkgd",
+        action="append",
+        default=[],
+        metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+        help="a pkgd variant with config overrides, e.g. pkgd-bf16=model.dtype=bfloat16 (add NAME to --systems "
+        "or it is appended); 'pkgd' alone runs the defaults",
+    )
+    ap.add_argument(
+        "--only",
+        default="offline,serve,ppl",
+        help="which parts: offline (also the single-stream decode "
+        "in the engine), serve (also cold start, RSS, decode through the server), ppl",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs of every system; the best is reported")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prompts-per-stream", type=int, default=4, help="serving requests = this x concurrency")
@@ -288,8 +355,19 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     out = p.work / "results" / time.strftime("summary-%Y%m%d-%H%M%S.json", time.localtime(started))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"systems": names, "values": res.values, "errors": res.errors,
-                               "load_start": load0, "load_end": os.getloadavg()[0], "report": lines}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "systems": names,
+                "values": res.values,
+                "errors": res.errors,
+                "load_start": load0,
+                "load_end": os.getloadavg()[0],
+                "report": lines,
+            },
+            indent=2,
+        )
+    )
     print(f"\n(figures of every run: {out})")
     return 1 if res.errors else 0
 

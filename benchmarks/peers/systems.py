@@ -74,10 +74,24 @@ def pkgd_serve(p: Paths, port: int, config: list[str]) -> tuple[list[str], dict[
     return [str(p.pkgd), "serve", "--port", str(port), *config], {}
 
 
-def pkgd_offline(p: Paths, out_json: Path, num_prompts: int, input_len: int, output_len: int,
-                 config: list[str], single_stream: bool) -> list[str]:
-    argv = [str(p.pkgd), "bench", "throughput", "--num-prompts", str(num_prompts), "--input-len", str(input_len),
-            "--output-len", str(output_len), "--ignore-eos", "--skip-roofline", "--output-json", str(out_json)]
+def pkgd_offline(
+    p: Paths, out_json: Path, num_prompts: int, input_len: int, output_len: int, config: list[str], single_stream: bool
+) -> list[str]:
+    argv = [
+        str(p.pkgd),
+        "bench",
+        "throughput",
+        "--num-prompts",
+        str(num_prompts),
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--ignore-eos",
+        "--skip-roofline",
+        "--output-json",
+        str(out_json),
+    ]
     if not single_stream:
         argv.append("--skip-single-stream")
     return argv + config
@@ -100,15 +114,42 @@ VLLM_ENV = {
 
 
 def vllm_serve(p: Paths, port: int, dtype: str) -> tuple[list[str], dict[str, str]]:
-    argv = [str(p.vllm), "serve", str(p.model_dir), "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
-            "--served-model-name", "SmolLM2-135M-Instruct"]
+    argv = [
+        str(p.vllm),
+        "serve",
+        str(p.model_dir),
+        "--dtype",
+        dtype,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--served-model-name",
+        "SmolLM2-135M-Instruct",
+    ]
     return argv, dict(VLLM_ENV)
 
 
 def vllm_offline(p: Paths, out_json: Path, num_prompts: int, input_len: int, output_len: int, dtype: str) -> list[str]:
-    return [str(p.vllm), "bench", "throughput", "--model", str(p.model_dir), "--dtype", dtype,
-            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--num-prompts", str(num_prompts), "--output-json", str(out_json)]
+    return [
+        str(p.vllm),
+        "bench",
+        "throughput",
+        "--model",
+        str(p.model_dir),
+        "--dtype",
+        dtype,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--output-json",
+        str(out_json),
+    ]
 
 
 # ---- llama.cpp ----------------------------------------------------------------------------
@@ -117,14 +158,40 @@ def vllm_offline(p: Paths, out_json: Path, num_prompts: int, input_len: int, out
 def llama_serve(p: Paths, port: int, slots: int, ctx_per_slot: int) -> tuple[list[str], dict[str, str]]:
     """llama-server with ``slots`` parallel sequences of ``ctx_per_slot`` tokens each (its
     context is split evenly between slots) and continuous batching (its default)."""
-    argv = [str(p.tool("llama-server")), "-m", str(p.gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(cores()), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-            "--alias", "SmolLM2-135M-Instruct"]
+    argv = [
+        str(p.tool("llama-server")),
+        "-m",
+        str(p.gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(cores()),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "--alias",
+        "SmolLM2-135M-Instruct",
+    ]
     return argv, {}
 
 
 def llama_bench(p: Paths, prompt: int, gen: int) -> list[str]:
-    return [str(p.tool("llama-bench")), "-m", str(p.gguf), "-t", str(cores()), "-p", str(prompt), "-n", str(gen), "-o", "json"]
+    return [
+        str(p.tool("llama-bench")),
+        "-m",
+        str(p.gguf),
+        "-t",
+        str(cores()),
+        "-p",
+        str(prompt),
+        "-n",
+        str(gen),
+        "-o",
+        "json",
+    ]
 
 
 def llama_perplexity(p: Paths, text: Path, ctx: int) -> list[str]:

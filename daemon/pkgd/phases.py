@@ -62,9 +62,17 @@ class Phase:
 
             # A pseudo-terminal nobody sized reports 0 x 0, where tqdm would draw nothing.
             sized = _terminal_columns() > 0
-            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, mininterval=REFRESH_S,
-                             dynamic_ncols=sized, ncols=None if sized else 80, nrows=None if sized else 24,
-                             bar_format=None if total else UNCOUNTED_FORMAT)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                leave=False,
+                mininterval=REFRESH_S,
+                dynamic_ncols=sized,
+                ncols=None if sized else 80,
+                nrows=None if sized else 24,
+                bar_format=None if total else UNCOUNTED_FORMAT,
+            )
             threading.Thread(target=self._refresh, name=f"phase-{name}", daemon=True).start()
 
     @property
@@ -111,8 +119,9 @@ def bars_wanted() -> bool:
 
 
 @contextlib.contextmanager
-def phase(name: str, desc: str, *, total: int | None = None, unit: str = "it", bar: bool = True,
-          **fields: Any) -> Iterator[Phase]:
+def phase(
+    name: str, desc: str, *, total: int | None = None, unit: str = "it", bar: bool = True, **fields: Any
+) -> Iterator[Phase]:
     """Run one phase named ``name`` (``convert_gguf``); ``desc`` labels its bar; ``fields``
     go on its log line with ``seconds``. See the module docstring."""
     p = Phase(name, desc, total, unit, bar and bars_wanted())

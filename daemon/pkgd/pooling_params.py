@@ -43,4 +43,6 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if d > hidden_size:
             raise ValueError(f"dimensions must be at most the model's hidden size {hidden_size}, got {d}")
         if matryoshka_dimensions and d not in matryoshka_dimensions:
-            raise ValueError(f"dimensions must be one of the model's Matryoshka dimensions {matryoshka_dimensions}, got {d}")
+            raise ValueError(
+                f"dimensions must be one of the model's Matryoshka dimensions {matryoshka_dimensions}, got {d}"
+            )

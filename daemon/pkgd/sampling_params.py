@@ -110,7 +110,9 @@ def build_grammar(xgr: Any, so: StructuredOutputsParams) -> Any:
     if kind == "regex":
         return xgr.Grammar.from_regex(text)
     if kind == "choice":
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice or ()))
+        return xgr.Grammar.from_ebnf(
+            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice or ())
+        )
     return xgr.Grammar.from_ebnf(text)
 
 

@@ -98,7 +98,15 @@ CPU_OPS = ("gemv_packed", "gather_packed", "quant_linear", "quant_gather")
 """CPU-only ops (oneDNN's packing, GGUF's quantized blocks): each has ``<name>`` and
 ``<name>_ref``, and a C form."""
 
-C_OPS = ("paged_attention_decode", "rms_norm", "fused_add_rms_norm", "gemv_packed", "gather_packed", "quant_linear", "quant_gather")
+C_OPS = (
+    "paged_attention_decode",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "gemv_packed",
+    "gather_packed",
+    "quant_linear",
+    "quant_gather",
+)
 """Ops with a C form: a method of that name on `pkgd_kernels.cpu.CpuKernels`, with a
 ``takes_<name>`` predicate the dispatcher asks (``fused_add_rms_norm`` shares ``rms_norm``'s)."""
 

@@ -103,22 +103,16 @@ def check_same(op: str, tensors: dict[str, torch.Tensor], *, dtype: bool = True)
     (first_name, first), *rest = tensors.items()
     for name, tensor in rest:
         if tensor.device != first.device:
-            raise ValueError(
-                f"{op}: {name} is on {tensor.device} but {first_name} is on {first.device}"
-            )
+            raise ValueError(f"{op}: {name} is on {tensor.device} but {first_name} is on {first.device}")
         if dtype and tensor.dtype != first.dtype:
-            raise ValueError(
-                f"{op}: {name} is {tensor.dtype} but {first_name} is {first.dtype}"
-            )
+            raise ValueError(f"{op}: {name} is {tensor.dtype} but {first_name} is {first.dtype}")
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Activation / KV-cache dtypes every op accepts."""
 
 
-def check_kv_cache(
-    op: str, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> tuple[int, int, int, int]:
+def check_kv_cache(op: str, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Check a layer's paged KV cache pair and return its sizes.
 
     Both are ``[num_blocks, block_size, num_kv_heads, head_dim]``, same dtype and device.

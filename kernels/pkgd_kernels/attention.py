@@ -64,15 +64,13 @@ def _check_common(
         check_same(op, {"query": query, "key_cache": key_cache})
     if query.shape[1] == 0 or query.shape[1] % num_kv_heads != 0:
         raise ValueError(
-            f"{op}: query heads ({query.shape[1]}) must be a positive multiple of the cache's "
-            f"KV heads ({num_kv_heads})"
+            f"{op}: query heads ({query.shape[1]}) must be a positive multiple of the cache's KV heads ({num_kv_heads})"
         )
     check_shape(op, "block_tables", block_tables, [seq_lens.shape[0], None])
     check_dtype(op, "block_tables", block_tables, [torch.int32])
     check_shape(op, "seq_lens", seq_lens, [None])
     check_dtype(op, "seq_lens", seq_lens, [torch.int32])
-    check_same(op, {"query": query, "block_tables": block_tables, "seq_lens": seq_lens},
-               dtype=False)
+    check_same(op, {"query": query, "block_tables": block_tables, "seq_lens": seq_lens}, dtype=False)
     if not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be finite, got {scale}")
 
@@ -85,8 +83,7 @@ def _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, 
 def _check_prefill(
     query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, mixed_cache=False
 ) -> None:
-    _check_common(_PREFILL, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                  mixed_cache)
+    _check_common(_PREFILL, query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache)
     check_shape(_PREFILL, "query_start_loc", query_start_loc, [seq_lens.shape[0] + 1])
     check_dtype(_PREFILL, "query_start_loc", query_start_loc, [torch.int32])
     check_same(_PREFILL, {"query": query, "query_start_loc": query_start_loc}, dtype=False)
@@ -98,19 +95,17 @@ def _check_values(
     """Reference-only value checks: lengths fit the block table, used block ids exist."""
     capacity = block_tables.shape[1] * block_size
     if bool(((seq_lens < 0) | (seq_lens > capacity)).any()):
-        raise ValueError(f"{op}: seq_lens must lie in [0, {capacity}] (block table width * "
-                         f"block_size), got {seq_lens.tolist()}")
+        raise ValueError(
+            f"{op}: seq_lens must lie in [0, {capacity}] (block table width * block_size), got {seq_lens.tolist()}"
+        )
     used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] * block_size
     used = used < seq_lens[:, None].long()
     ids = block_tables[used]
     if bool(((ids < 0) | (ids >= num_blocks)).any()):
-        raise ValueError(f"{op}: block_tables holds a block id outside [0, {num_blocks}) "
-                         f"within seq_lens")
+        raise ValueError(f"{op}: block_tables holds a block id outside [0, {num_blocks}) within seq_lens")
 
 
-def _gather(
-    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
-) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Keys or values of every sequence, dense: ``[S, max(seq_lens), num_kv_heads, head_dim]``.
 
     Copies whole blocks (one ``index_select`` of ``block_size`` rows each, ~10x faster on CPU
@@ -133,9 +128,7 @@ def _gather(
     return dense[:, :length].view(num_seqs, length, num_kv_heads, head_dim)
 
 
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked softmax attention in float32.
 
     Args:
@@ -255,19 +248,15 @@ def paged_attention_prefill_ref(
     return out
 
 
-def _query_spans(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
-) -> tuple[list[int], list[int]]:
+def _query_spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> tuple[list[int], list[int]]:
     """Each sequence's first query row and query length, checked against ``T`` and its keys."""
     starts = query_start_loc.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     if starts[0] != 0 or starts[-1] != num_tokens or min(q_lens, default=0) < 0:
-        raise ValueError(f"{_PREFILL}: query_start_loc must rise from 0 to T={num_tokens}, "
-                         f"got {starts}")
+        raise ValueError(f"{_PREFILL}: query_start_loc must rise from 0 to T={num_tokens}, got {starts}")
     lens = seq_lens.tolist()
     if any(q > n for q, n in zip(q_lens, lens)):
-        raise ValueError(f"{_PREFILL}: a sequence has more query tokens than keys: "
-                         f"q_lens {q_lens}, seq_lens {lens}")
+        raise ValueError(f"{_PREFILL}: a sequence has more query tokens than keys: q_lens {q_lens}, seq_lens {lens}")
     return starts[:-1], q_lens
 
 
@@ -296,8 +285,13 @@ def paged_attention_decode_triton(
     if query.shape[0] > 0:
         with on_device(query):
             triton_module("attention_decode_triton").launch_decode(
-                query, key_cache, value_cache, unit_stride(block_tables), unit_stride(seq_lens),
-                scale, out,
+                query,
+                key_cache,
+                value_cache,
+                unit_stride(block_tables),
+                unit_stride(seq_lens),
+                scale,
+                out,
             )
     return out
 
@@ -328,8 +322,14 @@ def paged_attention_prefill_triton(
     if query.shape[0] > 0:
         with on_device(query):
             triton_module("attention_prefill_triton").launch_prefill(
-                query, key_cache, value_cache, unit_stride(block_tables),
-                unit_stride(query_start_loc), unit_stride(seq_lens), scale, out,
+                query,
+                key_cache,
+                value_cache,
+                unit_stride(block_tables),
+                unit_stride(query_start_loc),
+                unit_stride(seq_lens),
+                scale,
+                out,
             )
     return out
 
@@ -351,14 +351,11 @@ def paged_attention_decode(
     :func:`paged_attention_decode_ref` for shapes and errors; on CPU the cache may also be
     16-bit under float32 queries)."""
     if use_triton(query):
-        return paged_attention_decode_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, scale
-        )
+        return paged_attention_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, scale)
     _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache=True)
     if kernels is not None and kernels.takes_paged_attention_decode(query, key_cache):
         return kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    return paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                      plan=plan)
+    return paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, plan=plan)
 
 
 def paged_attention_prefill(

@@ -57,7 +57,9 @@ class PrefillSeq:
     mask: torch.Tensor | None  # bool [1, 1, q_len, seq_len]; None when no cached context (causal)
 
 
-def plan_decode(block_tables: torch.Tensor, seq_lens: list[int], block_size: int, kv_bytes_per_token: int) -> list[DecodeChunk]:
+def plan_decode(
+    block_tables: torch.Tensor, seq_lens: list[int], block_size: int, kv_bytes_per_token: int
+) -> list[DecodeChunk]:
     """Chunks of the decode sequences (``block_tables`` int32 ``[S, max_blocks]`` on CPU,
     ``seq_lens`` their lengths) for `paged_attention_decode_cpu`; ``kv_bytes_per_token`` is one
     token's K+V of one layer as attended (sizes the chunks)."""
@@ -87,7 +89,9 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: list[int], block_size: int
     return chunks
 
 
-def plan_prefill(block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_size: int) -> list[PrefillSeq]:
+def plan_prefill(
+    block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], block_size: int
+) -> list[PrefillSeq]:
     """Per-sequence gathers and masks (``block_tables`` int32 ``[S, max_blocks]`` on CPU,
     ``query_start_loc`` ``S + 1`` offsets from 0, ``seq_lens`` ``S`` lengths) for
     `paged_attention_prefill_cpu`."""
@@ -133,7 +137,9 @@ def paged_attention_decode_cpu(
         return _decode_chunk(query, key_cache, value_cache, plan[0], scale, hq, hkv, d)
     out = torch.empty_like(query)
     for c in plan:
-        out[c.seq_start : c.seq_end] = _decode_chunk(query[c.seq_start : c.seq_end], key_cache, value_cache, c, scale, hq, hkv, d)
+        out[c.seq_start : c.seq_end] = _decode_chunk(
+            query[c.seq_start : c.seq_end], key_cache, value_cache, c, scale, hq, hkv, d
+        )
     return out
 
 
@@ -148,7 +154,9 @@ def _decode_chunk(q, key_cache, value_cache, c: DecodeChunk, scale, hq, hkv, d) 
         mask = mask.to(q.dtype)
     if k.dtype != q.dtype:  # a 16-bit cache: attend in the query dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    out = F.scaled_dot_product_attention(q.view(n, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.view(n, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
     return out.view(n, hq, d)
 
 

@@ -25,16 +25,37 @@ BLOCK_N = 64  # keys per inner tile on GPU (half that for float32, whose tiles t
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale, num_partitions,
-    stride_q_s, stride_q_h,
-    stride_kc_b, stride_kc_o, stride_kc_h,
-    stride_vc_b, stride_vc_o, stride_vc_h,
-    stride_bt_s, stride_o_s, stride_o_h,
-    group_size, head_dim, block_size, partition_size,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    scale,
+    num_partitions,
+    stride_q_s,
+    stride_q_h,
+    stride_kc_b,
+    stride_kc_o,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_o,
+    stride_vc_h,
+    stride_bt_s,
+    stride_o_s,
+    stride_o_h,
+    group_size,
+    head_dim,
+    block_size,
+    partition_size,
+    G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -50,16 +71,18 @@ def _decode_kernel(
     heads = kv_head * group_size + rows
     row_mask = rows < group_size
     dim_mask = dims < head_dim
-    q = tl.load(q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < end
-        block = tl.load(block_tables_ptr + seq * stride_bt_s + offs // block_size,
-                        mask=n_mask, other=0).to(tl.int64)
+        block = tl.load(block_tables_ptr + seq * stride_bt_s + offs // block_size, mask=n_mask, other=0).to(tl.int64)
         in_block = offs % block_size
         kv_mask = n_mask[:, None] & dim_mask[None, :]
         k_off = block * stride_kc_b + in_block * stride_kc_o + kv_head * stride_kc_h
@@ -88,9 +111,18 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
-    num_partitions, stride_o_s, stride_o_h, head_dim, partition_size,
-    P_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    seq_lens_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    num_partitions,
+    stride_o_s,
+    stride_o_h,
+    head_dim,
+    partition_size,
+    P_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     # Program (s, h) merges the partitions that hold keys: weight_p = exp(m_p - max m).
     seq = tl.program_id(0).to(tl.int64)
@@ -103,8 +135,7 @@ def _reduce_kernel(
     base = (seq * tl.num_programs(1) + head) * num_partitions
     m = tl.load(part_m_ptr + base + parts, mask=p_mask, other=float("-inf"))
     l_sum = tl.load(part_l_ptr + base + parts, mask=p_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + (base + parts)[:, None] * D_PAD + dims[None, :],
-                  mask=p_mask[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + (base + parts)[:, None] * D_PAD + dims[None, :], mask=p_mask[:, None], other=0.0)
     m_max = tl.maximum(tl.max(m, axis=0), -1e30)  # finite even for an empty sequence
     weight = tl.where(p_mask, tl.exp(m - m_max), 0.0)
     total = tl.sum(l_sum * weight, axis=0)
@@ -149,23 +180,52 @@ def launch_decode(
     parts = (num_seqs, num_heads, num_partitions)
     part_m = out if single else torch.empty(parts, dtype=torch.float32, device=out.device)
     part_l = out if single else torch.empty(parts, dtype=torch.float32, device=out.device)
-    part_acc = out if single else torch.empty(
-        (*parts, d_pad), dtype=torch.float32, device=out.device)
+    part_acc = out if single else torch.empty((*parts, d_pad), dtype=torch.float32, device=out.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        query, key_cache, value_cache, block_tables, seq_lens,
-        out, part_m, part_l, part_acc,
-        scale, num_partitions,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        group, head_dim, block_size, partition_size,
-        G_PAD=max(16, next_power_of_2(group)), D_PAD=d_pad, BLOCK_N=block_n,
-        SINGLE=single, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        scale,
+        num_partitions,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        group,
+        head_dim,
+        block_size,
+        partition_size,
+        G_PAD=max(16, next_power_of_2(group)),
+        D_PAD=d_pad,
+        BLOCK_N=block_n,
+        SINGLE=single,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if not single:
         _reduce_kernel[(num_seqs, num_heads)](
-            seq_lens, part_m, part_l, part_acc, out,
-            num_partitions, out.stride(0), out.stride(1), head_dim, partition_size,
-            P_PAD=next_power_of_2(num_partitions), D_PAD=d_pad,
+            seq_lens,
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            num_partitions,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            partition_size,
+            P_PAD=next_power_of_2(num_partitions),
+            D_PAD=d_pad,
         )

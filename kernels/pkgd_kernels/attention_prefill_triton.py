@@ -39,14 +39,32 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    scale, num_seqs,
-    stride_q_t, stride_q_h,
-    stride_kc_b, stride_kc_o, stride_kc_h,
-    stride_vc_b, stride_vc_o, stride_vc_h,
-    stride_bt_s, stride_o_t, stride_o_h,
-    group_size, head_dim, block_size,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_kc_b,
+    stride_kc_o,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_o,
+    stride_vc_h,
+    stride_bt_s,
+    stride_o_t,
+    stride_o_h,
+    group_size,
+    head_dim,
+    block_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -66,8 +84,11 @@ def _prefill_kernel(
     dims = tl.arange(0, D_PAD)
     dim_mask = dims < head_dim
     tokens = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -127,14 +148,32 @@ def launch_prefill(
         return
     grid = (num_tokens // block_m + num_seqs, num_heads)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
-        scale, num_seqs,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        num_heads // num_kv_heads, head_dim, block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_PAD=max(16, next_power_of_2(head_dim)),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        num_heads // num_kv_heads,
+        head_dim,
+        block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D_PAD=max(16, next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 64 else 8,
     )

@@ -72,20 +72,26 @@ def _attention_cases(a, device, dtype, es: int) -> list[Case]:
     heads = f"H={a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
     seqs = [a.context_len] * a.num_seqs
     q, kc, vc, bt, _, lens = _paged(a, device, dtype, seqs, [1] * a.num_seqs)
-    decode = Case("paged_attention_decode", f"S={a.num_seqs} ctx={a.context_len} {heads}",
-                  lambda: K.paged_attention_decode_triton(q, kc, vc, bt, lens, scale),
-                  lambda: K.paged_attention_decode_ref(q, kc, vc, bt, lens, scale),
-                  bytes=2 * sum(seqs) * kv_row + 2 * a.num_seqs * q_row,
-                  flops=4 * sum(seqs) * a.num_heads * a.head_dim)
+    decode = Case(
+        "paged_attention_decode",
+        f"S={a.num_seqs} ctx={a.context_len} {heads}",
+        lambda: K.paged_attention_decode_triton(q, kc, vc, bt, lens, scale),
+        lambda: K.paged_attention_decode_ref(q, kc, vc, bt, lens, scale),
+        bytes=2 * sum(seqs) * kv_row + 2 * a.num_seqs * q_row,
+        flops=4 * sum(seqs) * a.num_heads * a.head_dim,
+    )
     prompts = [a.prompt_len] * a.num_prompts
     pq, pkc, pvc, pbt, starts, plens = _paged(a, device, dtype, prompts, prompts)
     causal_pairs = sum(n * (n + 1) // 2 for n in prompts)
     args = (pq, pkc, pvc, pbt, starts, plens, scale)
-    prefill = Case("paged_attention_prefill", f"{a.num_prompts}x{a.prompt_len} {heads}",
-                   lambda: K.paged_attention_prefill_triton(*args),
-                   lambda: K.paged_attention_prefill_ref(*args),
-                   bytes=2 * sum(prompts) * (kv_row + q_row),
-                   flops=4 * causal_pairs * a.num_heads * a.head_dim)
+    prefill = Case(
+        "paged_attention_prefill",
+        f"{a.num_prompts}x{a.prompt_len} {heads}",
+        lambda: K.paged_attention_prefill_triton(*args),
+        lambda: K.paged_attention_prefill_ref(*args),
+        bytes=2 * sum(prompts) * (kv_row + q_row),
+        flops=4 * causal_pairs * a.num_heads * a.head_dim,
+    )
     return [decode, prefill]
 
 
@@ -100,8 +106,10 @@ def _elementwise_cases(a, device, dtype, es: int) -> list[Case]:
     gate_up = rand(t, 2 * inter)
     kv = (rand(t, a.num_kv_heads, a.head_dim), rand(t, a.num_kv_heads, a.head_dim))
     num_blocks = -(-t // a.block_size) + 1
-    caches = (rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim),
-              rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim))
+    caches = (
+        rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim),
+        rand(num_blocks, a.block_size, a.num_kv_heads, a.head_dim),
+    )
     ref_caches = (caches[0].clone(), caches[1].clone())  # each path writes its own copy
     slots = torch.randperm(num_blocks * a.block_size, generator=g)[:t].to(device)
     pos = torch.randint(0, 4096, (t,), generator=g).to(device)
@@ -121,30 +129,68 @@ def _elementwise_cases(a, device, dtype, es: int) -> list[Case]:
         return ref_caches
 
     return [
-        Case("reshape_and_cache", f"T={t} Hkv={a.num_kv_heads}x{a.head_dim}", cache_triton, cache_ref,
-             bytes=4 * t * a.num_kv_heads * a.head_dim * es + 8 * t),
-        Case("rms_norm", f"T={t} H={h}", lambda: K.rms_norm_triton(x, w, 1e-5),
-             lambda: K.rms_norm_ref(x, w, 1e-5), bytes=(2 * t * h + h) * es),
-        Case("fused_add_rms_norm", f"T={t} H={h}",
-             lambda: K.fused_add_rms_norm_triton(x, res, w, 1e-5),
-             lambda: K.fused_add_rms_norm_ref(x, res, w, 1e-5), bytes=(4 * t * h + h) * es),
-        Case("rotary_embedding", f"T={t} H={a.num_heads}/{a.num_kv_heads}x{a.head_dim}",
-             lambda: K.rotary_embedding_triton(pos, qr, kr, a.head_dim, table, True),
-             lambda: K.rotary_embedding_ref(pos, qr, kr, a.head_dim, table, True),
-             bytes=2 * qk_bytes + t * (a.head_dim * 4 + 8)),
-        Case("silu_and_mul", f"T={t} I={inter}", lambda: K.silu_and_mul_triton(gate_up),
-             lambda: K.silu_and_mul_ref(gate_up), bytes=3 * t * inter * es),
-        Case("top_k_top_p_mask", f"S={a.num_seqs} V={a.vocab} k=50 p=0.9",
-             lambda: K.top_k_top_p_mask_triton(logits, top_k, top_p),
-             lambda: K.top_k_top_p_mask_ref(logits, top_k, top_p),
-             bytes=2 * a.num_seqs * a.vocab * 4),
+        Case(
+            "reshape_and_cache",
+            f"T={t} Hkv={a.num_kv_heads}x{a.head_dim}",
+            cache_triton,
+            cache_ref,
+            bytes=4 * t * a.num_kv_heads * a.head_dim * es + 8 * t,
+        ),
+        Case(
+            "rms_norm",
+            f"T={t} H={h}",
+            lambda: K.rms_norm_triton(x, w, 1e-5),
+            lambda: K.rms_norm_ref(x, w, 1e-5),
+            bytes=(2 * t * h + h) * es,
+        ),
+        Case(
+            "fused_add_rms_norm",
+            f"T={t} H={h}",
+            lambda: K.fused_add_rms_norm_triton(x, res, w, 1e-5),
+            lambda: K.fused_add_rms_norm_ref(x, res, w, 1e-5),
+            bytes=(4 * t * h + h) * es,
+        ),
+        Case(
+            "rotary_embedding",
+            f"T={t} H={a.num_heads}/{a.num_kv_heads}x{a.head_dim}",
+            lambda: K.rotary_embedding_triton(pos, qr, kr, a.head_dim, table, True),
+            lambda: K.rotary_embedding_ref(pos, qr, kr, a.head_dim, table, True),
+            bytes=2 * qk_bytes + t * (a.head_dim * 4 + 8),
+        ),
+        Case(
+            "silu_and_mul",
+            f"T={t} I={inter}",
+            lambda: K.silu_and_mul_triton(gate_up),
+            lambda: K.silu_and_mul_ref(gate_up),
+            bytes=3 * t * inter * es,
+        ),
+        Case(
+            "top_k_top_p_mask",
+            f"S={a.num_seqs} V={a.vocab} k=50 p=0.9",
+            lambda: K.top_k_top_p_mask_triton(logits, top_k, top_p),
+            lambda: K.top_k_top_p_mask_ref(logits, top_k, top_p),
+            bytes=2 * a.num_seqs * a.vocab * 4,
+        ),
     ]
 
 
-OPS = ("reshape_and_cache", "paged_attention_decode", "paged_attention_prefill", "rms_norm",
-       "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_mask")
-_SHORT = {"decode": "paged_attention_decode", "prefill": "paged_attention_prefill",
-          "cache": "reshape_and_cache", "rope": "rotary_embedding", "topk": "top_k_top_p_mask"}
+OPS = (
+    "reshape_and_cache",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "top_k_top_p_mask",
+)
+_SHORT = {
+    "decode": "paged_attention_decode",
+    "prefill": "paged_attention_prefill",
+    "cache": "reshape_and_cache",
+    "rope": "rotary_embedding",
+    "topk": "top_k_top_p_mask",
+}
 
 
 def build_cases(a: argparse.Namespace) -> list[Case]:
@@ -160,8 +206,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> floa
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=max(iters, 1) * 2,
-                                             return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=max(iters, 1) * 2, return_mode="median"))
     fn()  # warm-up
     times = []
     for _ in range(iters):
@@ -174,10 +219,7 @@ def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> floa
 def _max_diff(a: Any, b: Any) -> float:
     """Largest finite difference between two outputs: tensors, or tuples of tensors."""
     pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
-    return max(
-        float((x.float() - y.float()).nan_to_num(posinf=0.0, neginf=0.0).abs().max())
-        for x, y in pairs
-    )
+    return max(float((x.float() - y.float()).nan_to_num(posinf=0.0, neginf=0.0).abs().max()) for x, y in pairs)
 
 
 def _si(value: float) -> str:
@@ -195,35 +237,43 @@ def run(a: argparse.Namespace, out: TextIO | None = None) -> None:
     # Under TRITON_INTERPRET=1 a dry run also runs the (interpreted) kernels on CPU tensors.
     run_triton = on_gpu or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     where = torch.cuda.get_device_name(device) if on_gpu else "CPU"
-    print(f"pkgd_kernels.bench: {a.dtype} on {where}" + (" (dry run)" if a.dry_run else ""),
-          file=out)
+    print(f"pkgd_kernels.bench: {a.dtype} on {where}" + (" (dry run)" if a.dry_run else ""), file=out)
     columns = ("bytes/call", "FLOP/call") if a.dry_run else ("GB/s", "TFLOP/s")
-    print(f"{'op':24} {'shape':34} {'triton ms':>10} {'ref ms':>10} {'speedup':>8} "
-          f"{columns[0]:>10} {columns[1]:>10} {'max|diff|':>10}", file=out)
+    print(
+        f"{'op':24} {'shape':34} {'triton ms':>10} {'ref ms':>10} {'speedup':>8} "
+        f"{columns[0]:>10} {columns[1]:>10} {'max|diff|':>10}",
+        file=out,
+    )
     for case in build_cases(a):
         ref_out = case.ref()
         diff = _max_diff(case.triton(), ref_out) if run_triton else float("nan")
         if a.dry_run:
             dashes = f"{'-':>10} {'-':>10} {'-':>8}"
-            print(f"{case.op:24} {case.shape:34} {dashes} {_si(case.bytes):>10} "
-                  f"{_si(case.flops):>10} {diff:10.2e}", file=out)
+            print(
+                f"{case.op:24} {case.shape:34} {dashes} {_si(case.bytes):>10} {_si(case.flops):>10} {diff:10.2e}",
+                file=out,
+            )
             continue
         ref_ms = _time_ms(case.ref, device, a.iters)
         tri_ms = _time_ms(case.triton, device, a.iters) if on_gpu else float("nan")
         best = tri_ms if on_gpu else ref_ms
-        print(f"{case.op:24} {case.shape:34} {tri_ms:10.4f} {ref_ms:10.4f} "
-              f"{ref_ms / tri_ms:7.2f}x {case.bytes / best / 1e6:10.4g} "
-              f"{case.flops / best / 1e9:10.4g} {diff:10.2e}", file=out)
+        print(
+            f"{case.op:24} {case.shape:34} {tri_ms:10.4f} {ref_ms:10.4f} "
+            f"{ref_ms / tri_ms:7.2f}x {case.bytes / best / 1e6:10.4g} "
+            f"{case.flops / best / 1e9:10.4g} {diff:10.2e}",
+            file=out,
+        )
     if not on_gpu and not a.dry_run:
         print("CPU: the Triton column needs CUDA; GB/s and TFLOP/s are the reference's.", file=out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pkgd_kernels.bench",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ops", default="all",
-                   help=f"comma-separated ops ({', '.join(OPS)}; short: {', '.join(_SHORT)})")
+    p = argparse.ArgumentParser(
+        prog="python -m pkgd_kernels.bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--ops", default="all", help=f"comma-separated ops ({', '.join(OPS)}; short: {', '.join(_SHORT)})")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--num-seqs", type=int, default=64, help="decode batch; top-k/top-p rows")
@@ -239,9 +289,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's own choice); OpenMP threads "
-                        "busy-wait, so on a shared CPU 1 is often fastest")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's own choice); OpenMP threads "
+        "busy-wait, so on a shared CPU 1 is often fastest",
+    )
     p.add_argument("--dry-run", action="store_true", help="run each op once, time nothing")
     a = p.parse_args(argv)
     names = OPS if a.ops == "all" else [_SHORT.get(n, n) for n in a.ops.split(",")]

@@ -105,9 +105,9 @@ def reshape_and_cache_triton(
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, 4096 // block_d))
     with on_device(key):
-        kernels.launch_reshape_and_cache(key, value, key_cache, value_cache,
-                                         unit_stride(slot_mapping), block_h=block_h,
-                                         block_d=block_d)
+        kernels.launch_reshape_and_cache(
+            key, value, key_cache, value_cache, unit_stride(slot_mapping), block_h=block_h, block_d=block_d
+        )
 
 
 def reshape_and_cache_cpu(

@@ -31,14 +31,26 @@ import torch
 
 import pkgd_kernels as K
 
-MODULES = ("cache_triton", "norm_triton", "activation_triton", "rotary_triton",
-           "attention_decode_triton", "attention_prefill_triton", "sampling_triton")
+MODULES = (
+    "cache_triton",
+    "norm_triton",
+    "activation_triton",
+    "rotary_triton",
+    "attention_decode_triton",
+    "attention_prefill_triton",
+    "sampling_triton",
+)
 # Most shared memory one block may use, by compute capability (CUDA C++ Programming Guide,
 # "Technical Specifications per Compute Capability": 163 KB on sm_80, 99 KB on sm_86/89,
 # 227 KB on sm_90).
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
-_POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                  torch.int32: "i32", torch.int64: "i64"}
+_POINTER_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 class _Recorder:
@@ -80,9 +92,13 @@ def _run_ops(dtype: torch.dtype, head_dim: int) -> None:
         return torch.randn(shape, generator=g).to(dtype)
 
     cache = rand(64, block_size, num_kv_heads, head_dim)
-    K.reshape_and_cache_triton(rand(num_tokens, num_kv_heads, head_dim),
-                               rand(num_tokens, num_kv_heads, head_dim), cache, cache.clone(),
-                               torch.arange(num_tokens))
+    K.reshape_and_cache_triton(
+        rand(num_tokens, num_kv_heads, head_dim),
+        rand(num_tokens, num_kv_heads, head_dim),
+        cache,
+        cache.clone(),
+        torch.arange(num_tokens),
+    )
     x = rand(num_tokens, hidden)
     K.rms_norm_triton(x, rand(hidden), 1e-6)
     K.fused_add_rms_norm_triton(x, rand(num_tokens, hidden), rand(hidden), 1e-6)
@@ -90,21 +106,23 @@ def _run_ops(dtype: torch.dtype, head_dim: int) -> None:
     K.silu_and_mul_triton(rand(num_tokens, 2 * hidden))
     table = torch.randn(4096, head_dim, dtype=torch.float32)
     for is_neox in (True, False):
-        K.rotary_embedding_triton(torch.arange(num_tokens), rand(num_tokens, num_heads * head_dim),
-                                  rand(num_tokens, num_kv_heads * head_dim), head_dim, table,
-                                  is_neox)
+        K.rotary_embedding_triton(
+            torch.arange(num_tokens),
+            rand(num_tokens, num_heads * head_dim),
+            rand(num_tokens, num_kv_heads * head_dim),
+            head_dim,
+            table,
+            is_neox,
+        )
     for width in (4, 64):  # one partition; split-KV with the reduction
         tables = torch.zeros(4, width, dtype=torch.int32)
         lens = torch.full((4,), 10, dtype=torch.int32)
-        K.paged_attention_decode_triton(rand(4, num_heads, head_dim), cache, cache, tables, lens,
-                                        0.125)
+        K.paged_attention_decode_triton(rand(4, num_heads, head_dim), cache, cache, tables, lens, 0.125)
     tables = torch.zeros(3, 8, dtype=torch.int32)
     starts = torch.tensor([0, 10, 20, num_tokens], dtype=torch.int32)
     lens = torch.full((3,), 30, dtype=torch.int32)
-    K.paged_attention_prefill_triton(rand(num_tokens, num_heads, head_dim), cache, cache, tables,
-                                     starts, lens, 0.125)
-    K.top_k_top_p_mask_triton(torch.randn(4, 50000), torch.full((4,), 50, dtype=torch.int32),
-                              torch.full((4,), 0.9))
+    K.paged_attention_prefill_triton(rand(num_tokens, num_heads, head_dim), cache, cache, tables, starts, lens, 0.125)
+    K.top_k_top_p_mask_triton(torch.randn(4, 50000), torch.full((4,), 50, dtype=torch.int32), torch.full((4,), 0.9))
 
 
 def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
@@ -133,9 +151,7 @@ def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def collect_launches(
-    dtypes: list[str], head_dims: list[int]
-) -> list[tuple[Any, dict, dict, dict]]:
+def collect_launches(dtypes: list[str], head_dims: list[int]) -> list[tuple[Any, dict, dict, dict]]:
     """Distinct ``(kernel, signature, constants, options)`` the public ops launch."""
     distinct: dict[str, tuple] = {}
     with _recording() as launches:
@@ -167,8 +183,7 @@ def check(
             label = f"sm_{arch} {kernel.__name__} {_describe(sig, consts)}"
             start = time.perf_counter()
             try:
-                compiled = triton.compile(ASTSource(kernel, sig, consts), target=target,
-                                          options=opts)
+                compiled = triton.compile(ASTSource(kernel, sig, consts), target=target, options=opts)
             except Exception as exc:  # noqa: BLE001 - report every kernel, then fail
                 failures.append(f"{label}: {type(exc).__name__}: {exc}".splitlines()[0])
                 log(f"FAIL {failures[-1]}")
@@ -178,8 +193,10 @@ def check(
             status = "ok" if shared <= limit else "FAIL"
             if shared > limit:
                 failures.append(f"{label}: {shared} B shared memory > {limit} B")
-            log(f"{status:4} {label}: {shared} B shared, {compiled.metadata.num_warps} warps, "
-                f"{time.perf_counter() - start:.1f} s")
+            log(
+                f"{status:4} {label}: {shared} B shared, {compiled.metadata.num_warps} warps, "
+                f"{time.perf_counter() - start:.1f} s"
+            )
     return failures
 
 
@@ -190,21 +207,23 @@ def _describe(sig: dict, consts: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pkgd_kernels.compile_check",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arch", type=int, action="append",
-                        help="CUDA compute capability x10 to compile for (repeatable; "
-                             "default 90 and 80)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), action="append",
-                        help="model dtype (repeatable; default all three)")
-    parser.add_argument("--head-dim", type=int, action="append",
-                        help="attention head size (repeatable; default 64 and 128)")
+    parser = argparse.ArgumentParser(prog="python -m pkgd_kernels.compile_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--arch",
+        type=int,
+        action="append",
+        help="CUDA compute capability x10 to compile for (repeatable; default 90 and 80)",
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), action="append", help="model dtype (repeatable; default all three)"
+    )
+    parser.add_argument(
+        "--head-dim", type=int, action="append", help="attention head size (repeatable; default 64 and 128)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
-    failures = check(
-        args.arch or [90, 80], args.dtype or sorted(DTYPES), args.head_dim or [64, 128]
-    )
+    failures = check(args.arch or [90, 80], args.dtype or sorted(DTYPES), args.head_dim or [64, 128])
     print(f"{len(failures)} failure(s)")
     for failure in failures:
         print(f"  {failure}")

@@ -106,7 +106,12 @@ def _launch(
     if rows.shape[0] > 0:
         with on_device(x):
             triton_module("norm_triton").launch_rms_norm(
-                rows, res_rows, unit_stride(weight), out, new_res, eps,
+                rows,
+                res_rows,
+                unit_stride(weight),
+                out,
+                new_res,
+                eps,
                 block=min(next_power_of_2(hidden), _MAX_BLOCK),
             )
     shape = x.shape

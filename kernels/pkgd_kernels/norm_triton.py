@@ -9,10 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    stride_x, stride_res, stride_out,
-    hidden, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
 ):
     # One program per row. Rows no wider than BLOCK stay in registers (one read, one write);
     # wider rows take a second pass that re-reads the summed row this program just wrote.
@@ -78,9 +87,18 @@ def launch_rms_norm(
         residual, new_residual = x, out
     assert residual is not None
     _rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, out, new_residual,
-        x.stride(0), residual.stride(0), out.stride(0),
-        x.shape[1], eps,
-        BLOCK=block, HAS_RESIDUAL=has_residual, SINGLE_PASS=x.shape[1] <= block,
+        x,
+        residual,
+        weight,
+        out,
+        new_residual,
+        x.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        x.shape[1],
+        eps,
+        BLOCK=block,
+        HAS_RESIDUAL=has_residual,
+        SINGLE_PASS=x.shape[1] <= block,
         num_warps=min(max(block // 256, 1), 16),
     )

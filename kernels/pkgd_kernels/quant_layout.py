@@ -101,7 +101,10 @@ def pack_gguf_rows(parts: Sequence[tuple[int, torch.Tensor]], k: int) -> QuantWe
         if not supports(qtype, k):
             raise ValueError(f"GGML type {qtype} with {k} inputs per row is not one the quantized kernels read")
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != k // BLOCK[qtype] * GGUF_BLOCK_BYTES[qtype]:
-            raise ValueError(f"part {i}: expected uint8 [rows, {k // BLOCK[qtype] * GGUF_BLOCK_BYTES[qtype]}], got {raw.dtype} {tuple(raw.shape)}")
+            raise ValueError(
+                f"part {i}: expected uint8 [rows, {k // BLOCK[qtype] * GGUF_BLOCK_BYTES[qtype]}], got "
+                f"{raw.dtype} {tuple(raw.shape)}"
+            )
         if i < len(parts) - 1 and raw.shape[0] % GROUP_ROWS:
             raise ValueError(f"part {i}: {raw.shape[0]} rows is not a multiple of {GROUP_ROWS}")
         if merged and merged[-1][0] == qtype:
@@ -252,14 +255,18 @@ def _pack_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     qs = blocks[..., 16:144].reshape(n, nb, 4, 1, 32)
     q = torch.cat((qs & 15, qs >> 4), dim=3).reshape(n, nb * 8, 32)  # sub-block 2c: low nibbles, 2c+1: high
     lines = _q4_lines(q).reshape(n // GROUP_ROWS, nb, 2048)
-    return torch.cat((_h16_bytes(blocks[..., 0:2]), _h16_bytes(blocks[..., 2:4]), _u8_rows(sc), _u8_rows(mn), lines), dim=-1)
+    return torch.cat(
+        (_h16_bytes(blocks[..., 0:2]), _h16_bytes(blocks[..., 2:4]), _u8_rows(sc), _u8_rows(mn), lines), dim=-1
+    )
 
 
 def _unpack_q4_k(data: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     g, nb = rows // GROUP_ROWS, k // 256
     v = data.view(g, nb, 2368)
     d, dmin = (_f16(v[..., o : o + 32].reshape(g, nb, 16, 2)).permute(0, 2, 1).reshape(rows, nb, 1, 1) for o in (0, 32))
-    sc, mn = (v[..., o : o + 128].reshape(g, nb, 8, 16).permute(0, 3, 1, 2).reshape(rows, nb, 8, 1).float() for o in (64, 192))
+    sc, mn = (
+        v[..., o : o + 128].reshape(g, nb, 8, 16).permute(0, 3, 1, 2).reshape(rows, nb, 8, 1).float() for o in (64, 192)
+    )
     q = _q4_unlines(v[..., 320:].reshape(g, nb * 8, 256)).reshape(rows, nb, 8, 32).float()
     return ((d * sc) * q - dmin * mn).reshape(rows, k)
 
@@ -272,7 +279,9 @@ def _pack_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     high = torch.cat([(qh >> (2 * s)) & 3 for s in range(4)], dim=3).reshape(n, nb, 256)  # h*128 + s*32 + i
     q = (low | (high << 4)).reshape(n, nb * 8, 32)
     chunks = torch.cat((_q4_lines(q & 15), _q6_hi_lines(q >> 4)), dim=-1).reshape(n // GROUP_ROWS, nb, 3072)
-    head = torch.cat((_h16_bytes(blocks[..., 208:210]), torch.zeros(n // GROUP_ROWS, nb, 32, dtype=torch.uint8)), dim=-1)
+    head = torch.cat(
+        (_h16_bytes(blocks[..., 208:210]), torch.zeros(n // GROUP_ROWS, nb, 32, dtype=torch.uint8)), dim=-1
+    )
     return torch.cat((head, _u8_rows(blocks[..., 192:208]), chunks), dim=-1)
 
 
@@ -280,7 +289,15 @@ def _unpack_q6_k(data: torch.Tensor, rows: int, k: int) -> torch.Tensor:
     g, nb = rows // GROUP_ROWS, k // 256
     v = data.view(g, nb, 3392)
     d = _f16(v[..., 0:32].reshape(g, nb, 16, 2)).permute(0, 2, 1).reshape(rows, nb, 1, 1)
-    sc = v[..., 64:320].contiguous().view(torch.int8).reshape(g, nb, 16, 16).permute(0, 3, 1, 2).reshape(rows, nb, 16, 1).float()
+    sc = (
+        v[..., 64:320]
+        .contiguous()
+        .view(torch.int8)
+        .reshape(g, nb, 16, 16)
+        .permute(0, 3, 1, 2)
+        .reshape(rows, nb, 16, 1)
+        .float()
+    )
     ch = v[..., 320:].reshape(g, nb * 8, 384)
     q = _q4_unlines(ch[..., :256]) | (_q6_hi_unlines(ch[..., 256:]) << 4)
     q = q.reshape(rows, nb, 16, 16).to(torch.int8).float() - 32.0

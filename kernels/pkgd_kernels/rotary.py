@@ -51,9 +51,7 @@ def _check(
     for name, t in (("query", query), ("key", key)):
         check_shape(_OP, name, t, [num_tokens, None])
         if t.shape[1] % head_size != 0:
-            raise ValueError(
-                f"{_OP}: {name} must have shape [T, heads * {head_size}], got {list(t.shape)}"
-            )
+            raise ValueError(f"{_OP}: {name} must have shape [T, heads * {head_size}], got {list(t.shape)}")
     check_dtype(_OP, "query", query, FLOAT_DTYPES)
     check_shape(_OP, "cos_sin_cache", cos_sin_cache, [None, None])
     check_dtype(_OP, "cos_sin_cache", cos_sin_cache, FLOAT_DTYPES + (torch.float64,))
@@ -64,14 +62,11 @@ def _check(
             f"0 < rot_dim <= head_size={head_size}, got {list(cos_sin_cache.shape)}"
         )
     check_same(_OP, {"query": query, "key": key})
-    check_same(_OP, {"query": query, "positions": positions, "cos_sin_cache": cos_sin_cache},
-               dtype=False)
+    check_same(_OP, {"query": query, "positions": positions, "cos_sin_cache": cos_sin_cache}, dtype=False)
     return rot_dim
 
 
-def _rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, is_neox: bool
-) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, is_neox: bool) -> torch.Tensor:
     """Rotate ``x`` ``[T, H*D]`` with ``cos``/``sin`` ``[T, rot_dim/2]`` float32; new tensor."""
     heads = x.view(x.shape[0], x.shape[1] // head_size, head_size)
     rot_dim = 2 * cos.shape[-1]
@@ -118,9 +113,7 @@ def rotary_embedding_ref(
     max_position = cos_sin_cache.shape[0]
     bad = (positions < 0) | (positions >= max_position)
     if bool(bad.any()):
-        raise ValueError(
-            f"{_OP}: positions must lie in [0, {max_position}), got {positions[bad][0].item()}"
-        )
+        raise ValueError(f"{_OP}: positions must lie in [0, {max_position}), got {positions[bad][0].item()}")
     cos_sin = cos_sin_cache.index_select(0, positions).float()
     cos, sin = cos_sin[:, : rot_dim // 2], cos_sin[:, rot_dim // 2 :]
     return _rotate(query, cos, sin, head_size, is_neox), _rotate(key, cos, sin, head_size, is_neox)
@@ -154,8 +147,14 @@ def rotary_embedding_triton(
         if out.numel() > 0:
             with on_device(x):
                 kernels.launch_rotary_embedding(
-                    positions, x, out, head_size, cos_sin_cache, is_neox,
-                    block_h=block_h, block_d=block_d,
+                    positions,
+                    x,
+                    out,
+                    head_size,
+                    cos_sin_cache,
+                    is_neox,
+                    block_h=block_h,
+                    block_d=block_d,
                 )
         outputs.append(out)
     return outputs[0], outputs[1]

@@ -9,10 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, x_ptr, out_ptr, cos_sin_ptr,
-    stride_x, stride_out, stride_cs,
-    num_heads, head_size, rot_dim,
-    IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    positions_ptr,
+    x_ptr,
+    out_ptr,
+    cos_sin_ptr,
+    stride_x,
+    stride_out,
+    stride_cs,
+    num_heads,
+    head_size,
+    rot_dim,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # Program (t, j) writes heads [j*BLOCK_H, (j+1)*BLOCK_H) of token t. Channel d < rot_dim
     # reads its pair partner p(d) and table column c(d):
@@ -61,8 +70,17 @@ def launch_rotary_embedding(
     num_heads = x.shape[1] // head_size
     grid = (x.shape[0], triton.cdiv(num_heads, block_h))
     _rotary_kernel[grid](
-        positions, x, out, cos_sin_cache,
-        x.stride(0), out.stride(0), cos_sin_cache.stride(0),
-        num_heads, head_size, cos_sin_cache.shape[1],
-        IS_NEOX=is_neox, BLOCK_H=block_h, BLOCK_D=block_d,
+        positions,
+        x,
+        out,
+        cos_sin_cache,
+        x.stride(0),
+        out.stride(0),
+        cos_sin_cache.stride(0),
+        num_heads,
+        head_size,
+        cos_sin_cache.shape[1],
+        IS_NEOX=is_neox,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )

@@ -39,9 +39,7 @@ def _check(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> No
     check_same(_OP, {"logits": logits, "top_k": top_k, "top_p": top_p}, dtype=False)
 
 
-def top_k_top_p_mask_ref(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def top_k_top_p_mask_ref(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p sets to -inf (PyTorch reference).
 
     Thresholds are read off each row's largest values in sorted order: the first
@@ -75,9 +73,7 @@ def top_k_top_p_mask_ref(
         ordered = x[redo].sort(dim=-1, descending=True).values
         threshold[redo] = _thresholds(x[redo], ordered, k[redo], p[redo])[0]
     if not every_row:
-        threshold = torch.full((num_rows, 1), float("-inf"), device=logits.device).index_copy_(
-            0, rows, threshold
-        )
+        threshold = torch.full((num_rows, 1), float("-inf"), device=logits.device).index_copy_(0, rows, threshold)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -116,9 +112,7 @@ def _thresholds(
     return torch.maximum(k_threshold, p_threshold), resolved.flatten()
 
 
-def top_k_top_p_mask_triton(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def top_k_top_p_mask_triton(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Triton version of :func:`top_k_top_p_mask_ref` (same arguments, result and errors),
     without a sort: one program per row bisects over the logits' values for the largest
     threshold that keeps at least ``k`` tokens, then for the largest that keeps mass
@@ -139,9 +133,7 @@ def top_k_top_p_mask_triton(
     return out
 
 
-def top_k_top_p_mask_cpu(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def top_k_top_p_mask_cpu(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """CPU form of :func:`top_k_top_p_mask_ref` (same arguments and result; unchecked). With
     top-p off in every row, the k-th largest value of each row is the threshold, read from one
     ``topk`` of the largest k (4x faster than the reference's 256-value head for k = 50 over a
@@ -153,14 +145,14 @@ def top_k_top_p_mask_cpu(
     on = (k > 0) & (k < vocab)
     if not bool(on.any()):
         return logits.clone()
-    kth = logits.topk(int(k[on].max()), dim=-1).values.gather(1, (k.clamp(1, vocab) - 1).clamp(max=int(k[on].max()) - 1)[:, None])
+    kth = logits.topk(int(k[on].max()), dim=-1).values.gather(
+        1, (k.clamp(1, vocab) - 1).clamp(max=int(k[on].max()) - 1)[:, None]
+    )
     kth = torch.where(on[:, None], kth, torch.full_like(kth, float("-inf")))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_k_top_p_mask(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-k / top-p masking: :func:`top_k_top_p_mask_triton` on CUDA tensors,
     :func:`top_k_top_p_mask_cpu` otherwise (see :func:`top_k_top_p_mask_ref` for shapes and
     errors)."""

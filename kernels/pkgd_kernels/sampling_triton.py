@@ -50,7 +50,13 @@ def _mass_at_least(row_ptr, vocab, t, x_max, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _top_k_top_p_kernel(
-    logits_ptr, top_k_ptr, top_p_ptr, out_ptr, stride_l, stride_o, vocab,
+    logits_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    out_ptr,
+    stride_l,
+    stride_o,
+    vocab,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -105,6 +111,13 @@ def launch_top_k_top_p_mask(
     """Launch on checked inputs (``logits`` with unit column stride) into ``out``;
     ``block_v`` a power of 2."""
     _top_k_top_p_kernel[(logits.shape[0],)](
-        logits, top_k, top_p, out, logits.stride(0), out.stride(0), logits.shape[1],
-        BLOCK_V=block_v, num_warps=min(max(block_v // 256, 1), 8),
+        logits,
+        top_k,
+        top_p,
+        out,
+        logits.stride(0),
+        out.stride(0),
+        logits.shape[1],
+        BLOCK_V=block_v,
+        num_warps=min(max(block_v // 256, 1), 8),
     )

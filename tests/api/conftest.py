@@ -42,8 +42,9 @@ def answer_script(tokenizer, text: str = ANSWER) -> Callable:
 
 
 @contextlib.asynccontextmanager
-async def served(tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None,
-                 runner: str = "generate") -> AsyncIterator:
+async def served(
+    tokenizer, *, config: VllmConfig | None = None, script: Callable | None = None, runner: str = "generate"
+) -> AsyncIterator:
     """(httpx client on the app, ServerState, FakeEngineClient)."""
     from pkgd.api.app import build_app
     from pkgd.api.state import ServerState
@@ -61,7 +62,9 @@ async def served(tokenizer, *, config: VllmConfig | None = None, script: Callabl
     await llm.start(handshake_timeout=1)
     state = ServerState(config, llm, Metrics("SmolLM2-135M-Instruct", max_model_len=2048))
     llm.metrics = state.metrics
-    state.engine_collector = EngineStatsCollector("SmolLM2-135M-Instruct", llm.client.engine_info, cache_config_labels(config))
+    state.engine_collector = EngineStatsCollector(
+        "SmolLM2-135M-Instruct", llm.client.engine_info, cache_config_labels(config)
+    )
     transport = httpx.ASGITransport(app=build_app(state))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         yield http, state, fakes[0]

@@ -51,9 +51,18 @@ class FakeEngineClient:
         self.script = script
         self.available = True
         self.handshake = Handshake(
-            version=1, engine_index=0, pid=0, model_name="SmolLM2-135M-Instruct", max_model_len=MAX_MODEL_LEN,
-            vocab_size=VOCAB, eos_token_id=EOS, num_kv_blocks=128, block_size=16,
-            runner=runner, hidden_size=HIDDEN, matryoshka=True,
+            version=1,
+            engine_index=0,
+            pid=0,
+            model_name="SmolLM2-135M-Instruct",
+            max_model_len=MAX_MODEL_LEN,
+            vocab_size=VOCAB,
+            eos_token_id=EOS,
+            num_kv_blocks=128,
+            block_size=16,
+            runner=runner,
+            hidden_size=HIDDEN,
+            matryoshka=True,
         )
         self.utility_calls: list[tuple[str, dict]] = []
         self.utility_answers: dict[str, UtilityResult] = {}  # method -> answer (default: result None)
@@ -98,16 +107,22 @@ class FakeEngineClient:
                 self.aborted.append(rid)
                 task.cancel()
 
-    async def call_utility(self, method: str, args: dict | None = None, *, timeout: float = 600.0) -> list[UtilityResult]:
+    async def call_utility(
+        self, method: str, args: dict | None = None, *, timeout: float = 600.0
+    ) -> list[UtilityResult]:
         self.utility_calls.append((method, dict(args or {})))
         return [self.utility_answers.get(method, UtilityResult(call_id=0, engine_index=0))]
 
     async def _run(self, req: EngineCoreRequest) -> None:
         if req.pooling_params is not None:
             await asyncio.sleep(self.delay)
-            vec = struct.pack(f"<{HIDDEN}f", *fake_vector(req.prompt_token_ids))[: 4 * (req.pooling_params.dimensions or HIDDEN)]
+            vec = struct.pack(f"<{HIDDEN}f", *fake_vector(req.prompt_token_ids))[
+                : 4 * (req.pooling_params.dimensions or HIDDEN)
+            ]
             self._tasks.pop(req.request_id, None)
-            out = EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.STOP, pooling_output=vec)
+            out = EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason=FinishReason.STOP, pooling_output=vec
+            )
             self.sink.on_outputs(EngineOutputs(engine_index=0, outputs=[out], scheduler_stats=None))
             return
         sp = req.sampling_params
@@ -127,12 +142,16 @@ class FakeEngineClient:
                 finish = FinishReason.LENGTH
             now = time.time()
             out = EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[tok], finish_reason=finish,
-                queued_ts=now - 0.002 if i == 0 else 0.0, scheduled_ts=now - 0.001 if i == 0 else 0.0,
+                request_id=req.request_id,
+                new_token_ids=[tok],
+                finish_reason=finish,
+                queued_ts=now - 0.002 if i == 0 else 0.0,
+                scheduled_ts=now - 0.001 if i == 0 else 0.0,
                 new_logprobs=[_entry(tok, sp.logprobs)] if sp.logprobs is not None else None,
                 new_prompt_logprobs=(
                     [None] + [_entry(t, sp.prompt_logprobs) for t in req.prompt_token_ids[1:]]
-                    if i == 0 and sp.prompt_logprobs is not None else None
+                    if i == 0 and sp.prompt_logprobs is not None
+                    else None
                 ),
             )
             if finish is not None:

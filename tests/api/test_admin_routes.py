@@ -21,8 +21,12 @@ async def test_models_lists_the_served_names(tokenizer):
     async with served(tokenizer, config=cfg) as (http, _s, _f):
         data = (await http.get("/v1/models")).json()
         assert [m["id"] for m in data["data"]] == ["smol", "default"] and data["object"] == "list"
-        assert (await http.post("/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": 1})).status_code == 200
-        assert (await http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "x"})).status_code == 404
+        assert (
+            await http.post("/v1/completions", json={"model": "default", "prompt": "x", "max_tokens": 1})
+        ).status_code == 200
+        assert (
+            await http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "x"})
+        ).status_code == 404
 
 
 async def test_tokenize_and_detokenize_round_trip(tokenizer):
@@ -63,13 +67,23 @@ async def test_metrics_use_vllm_names_and_count_requests(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
         await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4})
         text = (await http.get("/metrics")).text
-        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
-                     "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_bucket",
-                     "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
-                     "vllm:request_success_total"):
+        for name in (
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:time_to_first_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_bucket",
+            "vllm:e2e_request_latency_seconds_count",
+            "vllm:request_success_total",
+        ):
             assert name in text, name
         assert 'vllm:generation_tokens_total{engine="0",model_name="SmolLM2-135M-Instruct"} 4.0' in text
-        assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="SmolLM2-135M-Instruct"} 1.0' in text
+        assert (
+            'vllm:request_success_total{engine="0",finished_reason="length",model_name="SmolLM2-135M-Instruct"} 1.0'
+            in text
+        )
         assert 'vllm:kv_cache_usage_perc{engine="0",model_name="SmolLM2-135M-Instruct"} 0.25' in text
 
 
@@ -80,7 +94,9 @@ async def test_api_keys_are_required_and_reload_live(tokenizer):
         assert (await http.post("/v1/completions", json=body)).status_code == 401
         r = await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert (await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})).status_code == 200
+        assert (
+            await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer k2"})
+        ).status_code == 200
         assert (await http.get("/v1/models", headers={"Authorization": "Basic k1"})).status_code == 401
         assert (await http.get("/health")).status_code == 200  # admin routes stay open
         assert (await http.get("/metrics")).status_code == 200
@@ -104,10 +120,15 @@ async def test_cors_follows_the_config(tokenizer):
 def test_api_modules_never_import_torch():
     import importlib.util
 
-    frontend = "import pkgd.frontend.async_llm as a; a._import_frontend();" if importlib.util.find_spec("pkgd.frontend.input_processor") else ""
+    frontend = (
+        "import pkgd.frontend.async_llm as a; a._import_frontend();"
+        if importlib.util.find_spec("pkgd.frontend.input_processor")
+        else ""
+    )
     code = (
         "import sys; import pkgd.api.server, pkgd.api.app, pkgd.frontend.async_llm, pkgd.ipc.client;"
-        "import pkgd.parsers.hermes, pkgd.parsers.reasoning;" + frontend +
-        "bad = [m for m in ('torch', 'hydra') if m in sys.modules]; assert not bad, bad"
+        "import pkgd.parsers.hermes, pkgd.parsers.reasoning;"
+        + frontend
+        + "bad = [m for m in ('torch', 'hydra') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

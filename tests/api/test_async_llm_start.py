@@ -35,18 +35,24 @@ class LoadingClient(FakeEngineClient):
 async def test_a_loading_engine_is_waited_for_without_a_warning(tokenizer, monkeypatch):
     monkeypatch.setattr(async_llm, "WAIT_NOTICE_S", 0.05)
     monkeypatch.setattr(async_llm, "ALL_CORES_WAIT_S", 0.1)
-    llm = AsyncLLM(VllmConfig(), ["ipc:///loading"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 0.4))
+    llm = AsyncLLM(
+        VllmConfig(), ["ipc:///loading"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 0.4)
+    )
     with structlog.testing.capture_logs() as logs:
         await llm.start(handshake_timeout=5)
     assert llm.is_ready()
     waiting = [e for e in logs if e["event"] == "waiting_for_engine"]
     assert len(waiting) == 1 and waiting[0]["log_level"] == "info"
-    assert waiting[0]["loading"] == ["ipc:///loading"] and waiting[0]["timeout_key"] == "supervisor.engine_ready_timeout"
+    assert (
+        waiting[0]["loading"] == ["ipc:///loading"] and waiting[0]["timeout_key"] == "supervisor.engine_ready_timeout"
+    )
     assert [e for e in logs if e["log_level"] != "info"] == []
 
 
 async def test_a_quick_engine_is_not_announced(tokenizer):
-    llm = AsyncLLM(VllmConfig(), ["ipc:///x"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 0.0))
+    llm = AsyncLLM(
+        VllmConfig(), ["ipc:///x"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 0.0)
+    )
     with structlog.testing.capture_logs() as logs:
         await llm.start(handshake_timeout=5)
     assert llm.is_ready() and not [e for e in logs if e["event"] == "waiting_for_engine"]

@@ -32,27 +32,76 @@ CASES = [
     ("/v1/completions", {}, 400, ["prompt"]),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, ["stop"]),
     ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, 400, ["tool_choice", "needs tools"]),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}],
-                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, ["tool_choice", "'g'"]),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        ["tool_choice", "'g'"],
+    ),
     ("/v1/chat/completions", {"messages": MESSAGES, "frobnicate": 1}, 400, ["frobnicate", "unrecognized"]),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, ["stream_options", "stream: true"]),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        ["stream_options", "stream: true"],
+    ),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, ["use_beam_search"]),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, ["max_tokens", "echo"]),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "n", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, 400, ["response_format", "minimum"]),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "n", "schema": {"type": "strnig"}}}}, 400, ["response_format", "strnig"]),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+            },
+        },
+        400,
+        ["response_format", "minimum"],
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "strnig"}}},
+        },
+        400,
+        ["response_format", "strnig"],
+    ),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, ["response_format"]),
-    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}, 400, ["structured_outputs", "regex", "Unclosed"]),
+    (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"regex": "[a-"}},
+        400,
+        ["structured_outputs", "regex", "Unclosed"],
+    ),
     ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= nowhere"}, 400, ["guided_grammar", "nowhere"]),
-    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
-     400, ["guided_json", "never be satisfied"]),
+    (
+        "/v1/completions",
+        {"prompt": "x", "guided_json": {"type": "object", "required": ["a"], "additionalProperties": False}},
+        400,
+        ["guided_json", "never be satisfied"],
+    ),
     ("/v1/completions", {"prompt": "x", "guided_json": {"not": {"type": "string"}}}, 400, ["guided_json", "'not'"]),
-    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, ["guided_regex", "guided_choice"]),
+    (
+        "/v1/completions",
+        {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]},
+        400,
+        ["guided_regex", "guided_choice"],
+    ),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "backend": "outlines"}}, 400, ["backend"]),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {}}, 400, ["structured_outputs", "exactly one"]),
     ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, ["guided_choice"]),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, 400, ["enable_auto_tool_choice"]),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+        400,
+        ["enable_auto_tool_choice"],
+    ),
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, ["exactly one"]),
     ("/detokenize", {"tokens": [10**9]}, 400, ["out of range"]),
 ]
@@ -83,7 +132,9 @@ async def test_prompt_plus_max_tokens_beyond_max_model_len_names_both_numbers(to
 
 async def test_malformed_json_is_400(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
-        r = await http.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+        r = await http.post(
+            "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+        )
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
         assert (await http.get("/health")).status_code == 200
 
@@ -140,9 +191,12 @@ async def test_engine_rejection_is_400(tokenizer):
     from pkgd.ipc.client import EngineRequestError
 
     async with served(tokenizer) as (http, _s, fake):
+
         def reject(reqs):
             for r in reqs:
-                fake.sink.on_request_error([r.request_id], EngineRequestError("prompt token id 5 is banned", rejected=True))
+                fake.sink.on_request_error(
+                    [r.request_id], EngineRequestError("prompt token id 5 is banned", rejected=True)
+                )
             return 0
 
         fake.add_requests = reject

@@ -50,6 +50,7 @@ class App:
             await self.release.wait()
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if scope["path"] == "/big":  # like Starlette's StreamingResponse: stop on disconnect
+
             async def watch():
                 while (await receive())["type"] != "http.disconnect":
                     pass
@@ -90,7 +91,9 @@ async def running(app, sock, fe, **kw):
         await asyncio.wait_for(task, 15)
 
 
-async def request(port: int, raw: bytes, *, read: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+async def request(
+    port: int, raw: bytes, *, read: bool = True
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(raw)
     await writer.drain()
@@ -155,10 +158,13 @@ async def test_connections_beyond_the_cap_wait_in_the_backlog():
         conns[2][1].close()
 
 
-@pytest.mark.parametrize(("parts", "status"), [
-    ([b"NOT HTTP AT ALL\r\n\r\n"], 400),
-    ([b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000, b"\r\n\r\n"], 431),  # a head over 16 KiB
-])
+@pytest.mark.parametrize(
+    ("parts", "status"),
+    [
+        ([b"NOT HTTP AT ALL\r\n\r\n"], 400),
+        ([b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20000, b"\r\n\r\n"], 431),  # a head over 16 KiB
+    ],
+)
 async def test_protocol_errors_answer_an_openai_shaped_body(parts, status):
     sock = listener()
     port = sock.getsockname()[1]

@@ -17,10 +17,23 @@ pytestmark = pytest.mark.anyio
 MESSAGES = [{"role": "user", "content": "hi"}]
 HUGE = 2**70
 
-SMALL = VllmConfig.model_validate({"frontend": {"limits": {
-    "max_messages": 4, "max_prompts": 2, "max_input_chars": 100, "max_n": 3, "max_logprobs": 2,
-    "max_stop_strings": 2, "max_stop_string_chars": 5, "max_stop_token_ids": 2, "max_logit_bias": 2,
-}}})
+SMALL = VllmConfig.model_validate(
+    {
+        "frontend": {
+            "limits": {
+                "max_messages": 4,
+                "max_prompts": 2,
+                "max_input_chars": 100,
+                "max_n": 3,
+                "max_logprobs": 2,
+                "max_stop_strings": 2,
+                "max_stop_string_chars": 5,
+                "max_stop_token_ids": 2,
+                "max_logit_bias": 2,
+            }
+        }
+    }
+)
 
 LIMIT_CASES = [
     # (path, body, status, limit named)
@@ -28,8 +41,18 @@ LIMIT_CASES = [
     ("/tokenize", {"messages": MESSAGES * 5}, 400, "max_messages"),
     ("/v1/completions", {"prompt": ["a", "b", "c"]}, 400, "max_prompts"),
     ("/v1/completions", {"prompt": "x" * 101}, 413, "max_input_chars"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 101}]}]}, 413, "max_input_chars"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f" * 101}}]}, 413, "max_input_chars"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 101}]}]},
+        413,
+        "max_input_chars",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f" * 101}}]},
+        413,
+        "max_input_chars",
+    ),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 4}, 400, "max_n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "max_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 3}, 400, "max_logprobs"),
@@ -58,12 +81,18 @@ async def test_limits_are_checked_before_validation(tokenizer, monkeypatch):
 
     validated = []
     original = ChatCompletionRequest.model_validate.__func__
-    monkeypatch.setattr(ChatCompletionRequest, "model_validate", classmethod(lambda cls, d, **kw: validated.append(1) or original(cls, d, **kw)))
+    monkeypatch.setattr(
+        ChatCompletionRequest,
+        "model_validate",
+        classmethod(lambda cls, d, **kw: validated.append(1) or original(cls, d, **kw)),
+    )
     async with served(tokenizer) as (http, _state, _fake):
         r = await http.post("/v1/chat/completions", json={"messages": MESSAGES * 100_000})
         assert r.status_code == 400 and "max_messages" in r.json()["error"]["message"]
         assert validated == []
-        assert (await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})).status_code == 200
+        assert (
+            await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
+        ).status_code == 200
         assert validated == [1]
 
 
@@ -109,7 +138,7 @@ async def test_a_top_k_above_the_vocabulary_means_off(tokenizer):
 
 
 def _events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
 async def test_an_exception_inside_a_stream_ends_it_with_an_error_event_and_done(tokenizer, monkeypatch):
@@ -172,8 +201,11 @@ async def test_parsing_templating_and_tokenizing_run_off_the_event_loop(tokenize
     from pkgd.frontend.input_processor import InputProcessor
 
     seen: dict[str, set[str]] = {"parse": set(), "template": set(), "tokenize": set()}
-    for name, owner, attr in (("parse", preprocess, "parse_body"), ("template", InputProcessor, "render_chat"),
-                              ("tokenize", InputProcessor, "tokenize")):
+    for name, owner, attr in (
+        ("parse", preprocess, "parse_body"),
+        ("template", InputProcessor, "render_chat"),
+        ("tokenize", InputProcessor, "tokenize"),
+    ):
         original = getattr(owner, attr)
 
         def record(*a, _name=name, _original=original, **kw):
@@ -187,10 +219,15 @@ async def test_parsing_templating_and_tokenizing_run_off_the_event_loop(tokenize
     monkeypatch.setattr(routes, "parse_body", preprocess.parse_body)
     async with served(tokenizer) as (http, _state, _fake):
         loop_thread = threading.current_thread().name
-        assert (await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})).status_code == 200
+        assert (
+            await http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        ).status_code == 200
         assert (await http.post("/tokenize", json={"messages": MESSAGES})).status_code == 200
     for name, threads in seen.items():
-        assert threads and loop_thread not in threads and all(t.startswith("pkgd-preprocess") for t in threads), (name, threads)
+        assert threads and loop_thread not in threads and all(t.startswith("pkgd-preprocess") for t in threads), (
+            name,
+            threads,
+        )
 
 
 async def test_a_body_that_does_not_arrive_in_time_is_408_and_closes(tokenizer):
@@ -212,10 +249,18 @@ async def test_a_body_that_does_not_arrive_in_time_is_408_and_closes(tokenizer):
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-type", b"application/json")],
-                 "query_string": b"", "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1)}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/completions",
+            "headers": [(b"content-type", b"application/json")],
+            "query_string": b"",
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("t", 80),
+            "client": ("c", 1),
+        }
         await asyncio.wait_for(app(scope, trickle, send), 5)
         assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
         assert "frontend.body_timeout" in json.loads(sent[1]["body"])["error"]["message"]
         assert fake.added == []
-

@@ -75,13 +75,19 @@ async def test_every_vllm_family_with_its_type_labels_and_buckets(tokenizer):
     assert _buckets(fams["vllm:time_to_first_token_seconds"]) == list(TTFT_BUCKETS)
     assert _buckets(fams["vllm:e2e_request_latency_seconds"]) == list(E2E_BUCKETS)
     assert _buckets(fams["vllm:request_queue_time_seconds"]) == list(REQUEST_LATENCY_BUCKETS)
-    assert _buckets(fams["vllm:request_prompt_tokens"]) == request_tokens_buckets(2048) == [
-        1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    assert (
+        _buckets(fams["vllm:request_prompt_tokens"])
+        == request_tokens_buckets(2048)
+        == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    )
     assert _buckets(fams["vllm:iteration_tokens_total"]) == list(ITERATION_TOKENS_BUCKETS)
 
     def value(name: str, suffix: str, **labels: str) -> float:
-        return sum(s.value for s in fams[name].samples if s.name == name + suffix
-                   and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for s in fams[name].samples
+            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     # n=2: two engine requests finished, one parent observed for n and the max generation
     assert value("vllm:request_success", "_total", finished_reason="length") == 2
@@ -94,16 +100,26 @@ async def test_every_vllm_family_with_its_type_labels_and_buckets(tokenizer):
     prompt = value("vllm:request_prompt_tokens", "_sum") / 2
     assert value("vllm:prompt_tokens", "_total") == 2 * prompt
     info = [s for s in fams["vllm:cache_config_info"].samples]
-    assert info and info[0].value == 1 and info[0].labels["block_size"] == "16" and info[0].labels["num_gpu_blocks"] == "128"
+    assert (
+        info
+        and info[0].value == 1
+        and info[0].labels["block_size"] == "16"
+        and info[0].labels["num_gpu_blocks"] == "128"
+    )
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 def test_unfinished_engine_requests_end_as_abort_and_stop_strings_as_stop(anyio_backend):
     m = Metrics("m", max_model_len=64)
     m.track("r", ["0_r", "1_r"], 0, prompt_len=3, max_tokens=8)
-    m.on_outputs([EngineCoreOutput(request_id="0_r", new_token_ids=[5], queued_ts=1.0, scheduled_ts=1.5),
-                  EngineCoreOutput(request_id="1_r", new_token_ids=[6], queued_ts=1.0, scheduled_ts=1.5)],
-                 step_ts=2.0, stopped=["1_r"])  # 1_r hit a stop string in the frontend
+    m.on_outputs(
+        [
+            EngineCoreOutput(request_id="0_r", new_token_ids=[5], queued_ts=1.0, scheduled_ts=1.5),
+            EngineCoreOutput(request_id="1_r", new_token_ids=[6], queued_ts=1.0, scheduled_ts=1.5),
+        ],
+        step_ts=2.0,
+        stopped=["1_r"],
+    )  # 1_r hit a stop string in the frontend
     m.end("r")  # the client went away: 0_r was aborted
     fams = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
     success = {s.labels["finished_reason"]: s.value for s in fams["vllm:request_success"].samples}
@@ -118,13 +134,27 @@ def test_engine_counters_are_the_cores_cumulative_numbers(anyio_backend):
     them); the step histogram's buckets accumulate the per-bucket counts."""
     counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
     counts[0], counts[3], counts[-1] = 5, 2, 1  # 5 steps of 1 token, 2 of 17..32, 1 above 16384
-    stats = {1: (None, SchedulerStats(prefix_cache_queries=300, prefix_cache_hits=64, num_preemptions=3,
-                                      iteration_tokens_counts=counts, iteration_tokens_sum=5 + 50 + 20000))}
+    stats = {
+        1: (
+            None,
+            SchedulerStats(
+                prefix_cache_queries=300,
+                prefix_cache_hits=64,
+                num_preemptions=3,
+                iteration_tokens_counts=counts,
+                iteration_tokens_sum=5 + 50 + 20000,
+            ),
+        )
+    }
     fams = {f.name: f for f in EngineStatsCollector("m", lambda: stats, {}).collect()}
     by_name = {s.name: s for f in fams.values() for s in f.samples if not s.name.endswith("_bucket")}
-    assert by_name["vllm:prefix_cache_queries_total"].value == 300 and fams["vllm:prefix_cache_queries"].type == "counter"
+    assert (
+        by_name["vllm:prefix_cache_queries_total"].value == 300 and fams["vllm:prefix_cache_queries"].type == "counter"
+    )
     assert by_name["vllm:num_preemptions_total"].value == 3
-    buckets = {s.labels["le"]: s.value for s in fams["vllm:iteration_tokens_total"].samples if s.name.endswith("_bucket")}
+    buckets = {
+        s.labels["le"]: s.value for s in fams["vllm:iteration_tokens_total"].samples if s.name.endswith("_bucket")
+    }
     assert buckets["1.0"] == 5 and buckets["16.0"] == 5 and buckets["32.0"] == 7 and buckets["+Inf"] == 8
     assert by_name["vllm:iteration_tokens_total_count"].value == 8
     assert not fams["vllm:cache_config_info"].samples  # no handshake: the core is down

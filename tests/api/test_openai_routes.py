@@ -35,8 +35,9 @@ async def test_streaming_chat_equals_non_streaming_and_reports_usage(tokenizer):
     async with served(tokenizer) as (http, _state, _fake):
         c = client(http)
         full = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0)
-        stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True})
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=MESSAGES, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
         text, usage, roles, finish = "", None, [], None
         async for chunk in stream:
             if not chunk.choices:
@@ -59,7 +60,8 @@ async def test_sse_framing_ends_with_done(tokenizer):
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(
-            tokenizer.encode(ANSWER, add_special_tokens=False)[:3])
+            tokenizer.encode(ANSWER, add_special_tokens=False)[:3]
+        )
 
 
 async def test_completion_stream_equals_non_stream_with_max_tokens(tokenizer):
@@ -102,7 +104,9 @@ async def test_token_id_prompts_and_echo(tokenizer):
 
 async def test_completion_logprobs_with_echo_cover_prompt_and_output(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
-        r = await client(http).completions.create(model=MODEL, prompt="The capital of", max_tokens=3, logprobs=2, echo=True)
+        r = await client(http).completions.create(
+            model=MODEL, prompt="The capital of", max_tokens=3, logprobs=2, echo=True
+        )
         lp = r.choices[0].logprobs
         n_prompt = r.usage.prompt_tokens
         assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -114,7 +118,9 @@ async def test_completion_logprobs_with_echo_cover_prompt_and_output(tokenizer):
 
 async def test_chat_logprobs_and_top_logprobs(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
-        r = await client(http).chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3, max_tokens=4)
+        r = await client(http).chat.completions.create(
+            model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=3, max_tokens=4
+        )
         content = r.choices[0].logprobs.content
         assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
         assert "".join(c.token for c in content) == r.choices[0].message.content
@@ -132,7 +138,9 @@ async def test_stop_string_cuts_the_text_and_aborts_the_engine_request(tokenizer
 
 async def test_max_completion_tokens_wins_over_max_tokens(tokenizer):
     async with served(tokenizer) as (http, _s, fake):
-        r = await client(http).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=9, max_completion_tokens=2)
+        r = await client(http).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=9, max_completion_tokens=2
+        )
         assert r.usage.completion_tokens == 2 and fake.added[0].sampling_params.max_tokens == 2
 
 
@@ -154,7 +162,9 @@ async def test_engine_failure_mid_stream_ends_with_an_error_event(tokenizer):
 
         def failing(reqs):
             for r in reqs:
-                fake.fail[r.request_id] = EngineRequestError("engine core at ipc://x disconnected (crashed or restarting)")
+                fake.fail[r.request_id] = EngineRequestError(
+                    "engine core at ipc://x disconnected (crashed or restarting)"
+                )
             return original(reqs)
 
         fake.add_requests = failing
@@ -190,18 +200,29 @@ async def test_log_requests_logs_one_line_per_request(tokenizer):
     log.configure(cfg.logging, role="api-server", stream=buf)
     try:
         async with served(tokenizer, config=cfg) as (http, _s, _f):
-            r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, headers={"x-request-id": "abc"})
+            r = await http.post(
+                "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, headers={"x-request-id": "abc"}
+            )
     finally:
         log.configure(role="test")
     lines = [json.loads(line) for line in buf.getvalue().splitlines() if "request_finished" in line]
     assert len(lines) == 1 and lines[0]["request_id"] == r.json()["id"] and r.json()["id"].startswith("cmpl-abc-")
-    assert lines[0]["completion_tokens"] == 3 and lines[0]["finish_reason"] == "length" and lines[0]["role"] == "api-server"
+    assert (
+        lines[0]["completion_tokens"] == 3
+        and lines[0]["finish_reason"] == "length"
+        and lines[0]["role"] == "api-server"
+    )
 
 
 async def test_chat_echo_continues_the_final_assistant_message(tokenizer):
     async with served(tokenizer) as (http, _s, _f):
-        body = {"messages": [*MESSAGES, {"role": "assistant", "content": "Well,"}], "echo": True,
-                "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3}
+        body = {
+            "messages": [*MESSAGES, {"role": "assistant", "content": "Well,"}],
+            "echo": True,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 3,
+        }
         r = (await http.post("/v1/chat/completions", json=body)).json()
         assert r["choices"][0]["message"]["content"].startswith("Well,The")
 
@@ -211,5 +232,7 @@ async def test_stop_may_be_a_single_string_and_stop_token_ids_end_a_request(toke
     async with served(tokenizer) as (http, _s, fake):
         r = (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop": " France"})).json()
         assert r["choices"][0]["text"] == "The capital of" and r["choices"][0]["finish_reason"] == "stop"
-        r = (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop_token_ids": [ids[2]]})).json()
+        r = (
+            await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 20, "stop_token_ids": [ids[2]]})
+        ).json()
         assert r["choices"][0]["finish_reason"] == "stop" and fake.added[-1].sampling_params.stop_token_ids == [ids[2]]

@@ -85,8 +85,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 async def test_chat_route_returns_tool_calls_and_reasoning_when_configured(tokenizer, anyio_backend):
     import openai
 
-    cfg = VllmConfig.model_validate({"frontend": {
-        "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "reasoning_parser": "qwen3"}})
+    cfg = VllmConfig.model_validate(
+        {"frontend": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True, "reasoning_parser": "qwen3"}}
+    )
     script = answer_script(tokenizer, "<think>User wants weather.</think>\n\n" + CALL)
     async with served(tokenizer, config=cfg, script=script) as (http, state, _fake):
         seen_tools = []
@@ -106,14 +107,20 @@ async def test_chat_route_returns_tool_calls_and_reasoning_when_configured(token
         assert choice.message.model_extra["reasoning_content"] == "User wants weather."
         assert seen_tools[0][0]["function"]["name"] == "get_weather"  # the tools reach the chat template
         calls, reasoning, finish = [], "", None
-        async for chunk in await c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=TOOLS, stream=True):
+        async for chunk in await c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, tools=TOOLS, stream=True
+        ):
             d = chunk.choices[0].delta
             calls += d.tool_calls or []
             reasoning += (d.model_extra or {}).get("reasoning_content") or ""
             finish = chunk.choices[0].finish_reason or finish
-        assert [tc.function.name for tc in calls if tc.function.name] == ["get_weather"] and reasoning == "User wants weather."
+        assert [tc.function.name for tc in calls if tc.function.name] == [
+            "get_weather"
+        ] and reasoning == "User wants weather."
         assert calls[0].id and all(tc.index == 0 for tc in calls) and len(calls) > 2  # arguments in pieces
         assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Paris"}
         assert finish == "tool_calls"
-        r = await c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=TOOLS, tool_choice="none")
+        r = await c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, tools=TOOLS, tool_choice="none"
+        )
         assert CALL.split("\n")[1] in r.choices[0].message.content and not r.choices[0].message.tool_calls

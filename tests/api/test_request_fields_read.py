@@ -21,8 +21,14 @@ from pkgd.api import protocol, protocol_embeddings, protocol_responses
 
 ROOT = Path(pkgd.__file__).parent
 SERVING = [ROOT / "api", ROOT / "frontend", ROOT / "parsers"]
-REQUESTS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest, protocol.DetokenizeRequest,
-            protocol_embeddings.EmbeddingRequest, protocol_responses.ResponsesRequest]
+REQUESTS = [
+    protocol.CompletionRequest,
+    protocol.ChatCompletionRequest,
+    protocol.TokenizeRequest,
+    protocol.DetokenizeRequest,
+    protocol_embeddings.EmbeddingRequest,
+    protocol_responses.ResponsesRequest,
+]
 # Read whole: tools go to the chat template as dicts (``model_dump``), so every field reaches it.
 READ_WHOLE = {protocol.ChatTool, protocol.FunctionDefinition}
 
@@ -70,12 +76,7 @@ def test_every_parsed_request_field_is_read():
     for m in REQUESTS:
         _models(m, models)
     reads = _reads() | _getattr_tables()
-    unread = sorted(
-        f"{m.__name__}.{name}"
-        for m in models - READ_WHOLE
-        for name in m.model_fields
-        if name not in reads
-    )
+    unread = sorted(f"{m.__name__}.{name}" for m in models - READ_WHOLE for name in m.model_fields if name not in reads)
     assert not unread, f"parsed and never read (implement them or refuse them with a 400): {unread}"
 
 

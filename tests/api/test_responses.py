@@ -17,11 +17,23 @@ from .fakes import EOS
 
 pytestmark = pytest.mark.anyio
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-TEXT_ORDER = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-              "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-              "response.output_item.done", "response.completed"]
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+TEXT_ORDER = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
 
 
 def _prompt(state, messages) -> list[int]:
@@ -45,11 +57,23 @@ def _collapse(types: list[str]) -> list[str]:
 
 async def test_string_input_with_instructions(tokenizer):
     async with served(tokenizer) as (http, state, fake):
-        r = (await http.post("/v1/responses", json={"input": "What is the capital of France?", "instructions": "Be brief."})).json()
+        r = (
+            await http.post(
+                "/v1/responses", json={"input": "What is the capital of France?", "instructions": "Be brief."}
+            )
+        ).json()
         assert r["object"] == "response" and r["id"].startswith("resp_") and r["status"] == "completed"
         [item] = r["output"]
-        assert item["type"] == "message" and item["content"][0] == {"type": "output_text", "text": ANSWER, "annotations": [], "logprobs": []}
-        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+        assert item["type"] == "message" and item["content"][0] == {
+            "type": "output_text",
+            "text": ANSWER,
+            "annotations": [],
+            "logprobs": [],
+        }
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
         assert fake.added[0].prompt_token_ids == _prompt(state, messages)
         n = len(fake.added[0].prompt_token_ids)
         assert r["usage"]["input_tokens"] == n and r["usage"]["output_tokens"] == len(tokenizer.encode(ANSWER)) + 1
@@ -60,19 +84,35 @@ async def test_string_input_with_instructions(tokenizer):
 async def test_items_render_as_the_equivalent_chat(tokenizer):
     items = [
         {"role": "developer", "content": "Use tools."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}],
+        },
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
         {"type": "reasoning", "id": "rs_1", "summary": []},
     ]
     chat = [
-        {"role": "developer", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-                                                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     async with served(tokenizer) as (http, state, fake):
-        r = await http.post("/v1/responses", json={"input": items, "max_output_tokens": 3, "temperature": 0.5, "top_p": 0.9})
+        r = await http.post(
+            "/v1/responses", json={"input": items, "max_output_tokens": 3, "temperature": 0.5, "top_p": 0.9}
+        )
         body = r.json()
         assert fake.added[0].prompt_token_ids == _prompt(state, chat)
         sp = fake.added[0].sampling_params
@@ -103,13 +143,27 @@ async def test_function_calls_become_items_streamed_or_not(tokenizer):
         body = {"input": "Weather in Paris?", "tools": [WEATHER], "tool_choice": "auto"}
         r = (await http.post("/v1/responses", json=body)).json()
         [call] = r["output"]
-        assert call["type"] == "function_call" and call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
-        assert call["call_id"].startswith("call_") and call["status"] == "completed" and r["tools"][0]["name"] == "get_weather"
+        assert (
+            call["type"] == "function_call"
+            and call["name"] == "get_weather"
+            and json.loads(call["arguments"]) == {"city": "Paris"}
+        )
+        assert (
+            call["call_id"].startswith("call_")
+            and call["status"] == "completed"
+            and r["tools"][0]["name"] == "get_weather"
+        )
         events = _events((await http.post("/v1/responses", json={**body, "stream": True})).text)
         types = _collapse([e["type"] for e in events])
-        assert types == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.function_call_arguments.delta", "response.function_call_arguments.done",
-                         "response.output_item.done", "response.completed"]
+        assert types == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
         final = events[-1]["response"]["output"][0]
         assert json.loads(final["arguments"]) == {"city": "Paris"} and final["call_id"] == events[2]["item"]["call_id"]
 
@@ -117,8 +171,12 @@ async def test_function_calls_become_items_streamed_or_not(tokenizer):
 async def test_the_official_client_streams_through_the_app(tokenizer):
     """``client.responses.stream``'s accumulator accepts every event (ids, indexes, parts)."""
     async with served(tokenizer) as (http, _s, _f):
-        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0,
-                                    http_client=httpx.AsyncClient(transport=http._transport, base_url="http://test"))
+        client = openai.AsyncOpenAI(
+            base_url="http://test/v1",
+            api_key="x",
+            max_retries=0,
+            http_client=httpx.AsyncClient(transport=http._transport, base_url="http://test"),
+        )
         async with client.responses.stream(model="SmolLM2-135M-Instruct", input="Hi") as stream:
             deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
             final = await stream.get_final_response()
@@ -127,16 +185,23 @@ async def test_the_official_client_streams_through_the_app(tokenizer):
         assert plain.output_text == ANSWER and plain.usage.total_tokens > 0
 
 
-@pytest.mark.parametrize("body, param, fragment", [
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "objekt"}}}}, "text.format", "text.format"),
-    ({"input": "x", "reasoning": {"effort": "low"}}, None, "reasoning: unrecognized request argument"),
-    ({"input": "x", "background": True}, None, "background"),
-    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "input_image"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "text only"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, None, "function tools"),
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "responses_store_size"),
-    ({"input": "x", "max_output_tokens": 5000}, None, "max_model_len"),
-])
+@pytest.mark.parametrize(
+    "body, param, fragment",
+    [
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "objekt"}}}},
+            "text.format",
+            "text.format",
+        ),
+        ({"input": "x", "reasoning": {"effort": "low"}}, None, "reasoning: unrecognized request argument"),
+        ({"input": "x", "background": True}, None, "background"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input", "input_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "text only"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, None, "function tools"),
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "responses_store_size"),
+        ({"input": "x", "max_output_tokens": 5000}, None, "max_model_len"),
+    ],
+)
 async def test_refusals_are_openai_shaped_400s(tokenizer, body, param, fragment):
     async with served(tokenizer) as (http, _s, fake):
         r = await http.post("/v1/responses", json=body)
@@ -151,7 +216,10 @@ async def test_refusals_are_openai_shaped_400s(tokenizer, body, param, fragment)
 async def test_text_format_becomes_the_chat_constraint(tokenizer):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     async with served(tokenizer) as (http, _s, fake):
-        body = {"input": "x", "text": {"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}}}
+        body = {
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
+        }
         r = await http.post("/v1/responses", json=body)
         assert r.status_code == 200 and r.json()["text"]["format"]["name"] == "place"
         so = fake.added[-1].sampling_params.structured_outputs
@@ -163,11 +231,19 @@ async def test_text_format_becomes_the_chat_constraint(tokenizer):
 async def test_stored_responses_continue_and_are_bounded(tokenizer):
     cfg = VllmConfig.model_validate({"frontend": {"responses_store_size": 2}})
     async with served(tokenizer, config=cfg) as (http, state, fake):
-        first = (await http.post("/v1/responses", json={"input": "Hi", "instructions": "Be brief.", "store": True})).json()
+        first = (
+            await http.post("/v1/responses", json={"input": "Hi", "instructions": "Be brief.", "store": True})
+        ).json()
         assert first["store"] is True
         assert (await http.get(f"/v1/responses/{first['id']}")).json() == first
-        second = (await http.post("/v1/responses", json={"input": "And?", "previous_response_id": first["id"], "store": True})).json()
-        history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "And?"}]
+        second = (
+            await http.post("/v1/responses", json={"input": "And?", "previous_response_id": first["id"], "store": True})
+        ).json()
+        history = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": ANSWER},
+            {"role": "user", "content": "And?"},
+        ]
         assert fake.added[-1].prompt_token_ids == _prompt(state, history)  # instructions are not carried over
         assert second["previous_response_id"] == first["id"]
         streamed = _events((await http.post("/v1/responses", json={"input": "3", "store": True, "stream": True})).text)

@@ -18,11 +18,23 @@ SETTINGS = {
     "model": {"max_model_len": 2048},
     "frontend": {"tool_call_parser": "hermes", "enable_auto_tool_choice": True, "responses_store_size": 4},
 }
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-TEXT_ORDER = ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-              "response.output_text.delta", "response.output_text.done", "response.content_part.done",
-              "response.output_item.done", "response.completed"]
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+TEXT_ORDER = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
 GREEDY = {"temperature": 0, "max_output_tokens": 32}
 
 
@@ -34,7 +46,11 @@ def daemon(tmp_path_factory):
 
 
 def _chat(c: openai.OpenAI, messages: list[dict]) -> str:
-    return c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32).choices[0].message.content
+    return (
+        c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=32)
+        .choices[0]
+        .message.content
+    )
 
 
 def test_create_plain_and_with_instructions_equal_the_chat_answer(daemon):
@@ -57,7 +73,11 @@ def test_stream_events_in_order_and_deltas_join_to_the_final_text(daemon):
     assert [t for i, t in enumerate(types) if i == 0 or t != types[i - 1]] == TEXT_ORDER
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert deltas == final.output_text == c.responses.create(model=MODEL, input=QUESTION[0]["content"], **GREEDY).output_text
+    assert (
+        deltas
+        == final.output_text
+        == c.responses.create(model=MODEL, input=QUESTION[0]["content"], **GREEDY).output_text
+    )
 
 
 def test_a_function_tool_and_its_output_round_trip(daemon):
@@ -69,11 +89,16 @@ def test_a_function_tool_and_its_output_round_trip(daemon):
     for item in r.output:
         if item.type == "function_call":
             assert item.name == "get_weather" and isinstance(json.loads(item.arguments), dict)
-    follow = c.responses.create(model=MODEL, tools=[WEATHER], **GREEDY, input=[
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
-    ])
+    follow = c.responses.create(
+        model=MODEL,
+        tools=[WEATHER],
+        **GREEDY,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        ],
+    )
     assert follow.status in ("completed", "incomplete") and follow.output
 
 
@@ -85,11 +110,18 @@ def test_text_format_and_a_required_tool_constrain_the_output(daemon):
         city: str
 
     c = daemon.client()
-    parsed = c.responses.parse(model=MODEL, input="France's capital, as JSON.", text_format=Capital,
-                               temperature=0, max_output_tokens=64)
+    parsed = c.responses.parse(
+        model=MODEL, input="France's capital, as JSON.", text_format=Capital, temperature=0, max_output_tokens=64
+    )
     assert isinstance(parsed.output_parsed, Capital) and parsed.output_parsed.city
-    call = c.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
-                              temperature=0, max_output_tokens=128)
+    call = c.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=128,
+    )
     [item] = [i for i in call.output if i.type == "function_call"]  # a valid call, by construction
     assert item.name == "get_weather" and isinstance(json.loads(item.arguments)["city"], str)
 

@@ -124,17 +124,55 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
     cfg, address = start_fake_engine(tmp_path, procs)
     _, _, url = start_api_on_tcp(cfg, address, procs)
     out = tmp_path / "fig.json"
-    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", url,
-                        "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "8", "--output-len", "5",
-                        "--output-json", str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pkgd.cli.bench_serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "12",
+            "--max-concurrency",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "5",
+            "--output-json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
     fig = json.loads(out.read_text())
     assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0
     png = tmp_path / "serve.png"
-    r = subprocess.run([sys.executable, "-m", "pkgd.cli.bench_serve", "--base-url", url, "--num-prompts", "4",
-                        "--input-len", "8", "--output-len", "5", "--compare", str(out), "--plot", str(png)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pkgd.cli.bench_serve",
+            "--base-url",
+            url,
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "5",
+            "--compare",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"{url} / fig: requests/s " in r.stdout and f"plot: {png}" in r.stdout  # this run against the first
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -178,8 +216,10 @@ def test_one_api_server_balances_requests_over_two_engine_cores(tmp_path, procs,
         return out
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": [7], "max_tokens": 100}, timeout=60)
-                   for _ in range(8)]
+        futures = [
+            pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": [7], "max_tokens": 100}, timeout=60)
+            for _ in range(8)
+        ]
         seen: dict[str, float] = {}
         while not all(f.done() for f in futures):
             for k, v in running().items():
@@ -238,7 +278,9 @@ def test_connections_made_after_sigterm_are_answered_or_refused_never_reset(tmp_
                     if not chunk:
                         break
                     data += chunk
-                outcomes.append(data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ") else f"no answer {data!r}")
+                outcomes.append(
+                    data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/1.1 ") else f"no answer {data!r}"
+                )
         except ConnectionRefusedError:
             outcomes.append("refused")
         except OSError as exc:

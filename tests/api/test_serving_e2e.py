@@ -72,8 +72,14 @@ def test_streaming_equals_non_streaming_under_greedy(daemon):
     c = daemon.client()
     for kind in ("chat", "completion"):
         if kind == "chat":
-            full = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24).choices[0].message.content
-            chunks = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, stream=True)
+            full = (
+                c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=24)
+                .choices[0]
+                .message.content
+            )
+            chunks = c.chat.completions.create(
+                model=MODEL, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+            )
             text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         else:
             args = dict(model=MODEL, prompt="The three primary colors are", temperature=0, max_tokens=24)
@@ -88,8 +94,14 @@ def test_usage_counts_match_the_tokens(daemon):
     prompt_ids = httpx.post(f"{daemon.url}/tokenize", json={"messages": QUESTION}).json()["tokens"]
     assert r.usage.prompt_tokens == len(prompt_ids)
     assert r.usage.completion_tokens == len(r.choices[0].logprobs.content)  # one entry per generated token
-    stream = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     usage = [ch.usage for ch in stream if ch.usage is not None]
     assert usage[-1].model_dump() == r.usage.model_dump()
 
@@ -104,7 +116,9 @@ def test_seed_makes_sampling_reproducible(daemon):
 
 def test_32_concurrent_streams_complete(daemon):
     async def one(c: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
-        stream = await c.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=16, temperature=0, stream=True)
+        stream = await c.completions.create(
+            model=MODEL, prompt=f"Count to {i}:", max_tokens=16, temperature=0, stream=True
+        )
         text, finish = "", None
         async for ch in stream:
             text += ch.choices[0].text
@@ -138,10 +152,15 @@ def test_client_disconnect_mid_stream_leaves_no_running_request(daemon):
 def test_client_disconnect_during_a_non_streaming_request_aborts_it(daemon):
     import socket
 
-    body = json.dumps({"model": MODEL, "prompt": "Write a long story.", "max_tokens": 1500, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 1500, "ignore_eos": True}
+    ).encode()
     with socket.create_connection(("127.0.0.1", daemon.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         deadline = time.monotonic() + 10
         while daemon.metric("vllm:num_requests_running") != 1:
             assert time.monotonic() < deadline
@@ -175,11 +194,17 @@ def test_the_api_server_process_never_loads_torch(daemon):
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
-    d = Daemon(tmp_path, config=VllmConfig.model_validate({"model": {"max_model_len": 2048}, "supervisor": {"drain_timeout": 30}}))
+    d = Daemon(
+        tmp_path,
+        config=VllmConfig.model_validate({"model": {"max_model_len": 2048}, "supervisor": {"drain_timeout": 30}}),
+    )
     try:
+
         async def main():
             async with openai.AsyncOpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
-                task = asyncio.ensure_future(c.completions.create(model=MODEL, prompt="Tell me", max_tokens=40, extra_body={"ignore_eos": True}))
+                task = asyncio.ensure_future(
+                    c.completions.create(model=MODEL, prompt="Tell me", max_tokens=40, extra_body={"ignore_eos": True})
+                )
                 await asyncio.sleep(1.0)
                 d.api.proc.send_signal(signal.SIGTERM)
                 return await task
@@ -192,7 +217,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
 
 
 def test_drain_timeout_fails_the_rest_with_an_error(tmp_path):
-    d = Daemon(tmp_path, config=VllmConfig.model_validate({"model": {"max_model_len": 2048}, "supervisor": {"drain_timeout": 1}}))
+    d = Daemon(
+        tmp_path,
+        config=VllmConfig.model_validate({"model": {"max_model_len": 2048}, "supervisor": {"drain_timeout": 1}}),
+    )
     try:
         body = {"model": MODEL, "prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=d.url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
@@ -202,7 +230,7 @@ def test_drain_timeout_fails_the_rest_with_an_error(tmp_path):
             d.api.proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
-        err = json.loads(rest[-2][len("data: "):])
+        err = json.loads(rest[-2][len("data: ") :])
         assert "shutting down" in err["error"]["message"]
         assert time.monotonic() - t0 < 10
         assert d.api.proc.wait(10) == 0
@@ -215,7 +243,9 @@ def test_metrics_total_the_daemon_across_api_servers(tmp_path):
     mp_dir = tmp_path / "metrics-1"
     mp_dir.mkdir()
     d = Daemon(tmp_path, api_env={"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)})
-    second = spawn_api_server(d.config_file, d.sock, [d.address], index=1, env={"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)})
+    second = spawn_api_server(
+        d.config_file, d.sock, [d.address], index=1, env={"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
+    )
     try:
         second.wait_ready(120)
         import concurrent.futures
@@ -224,8 +254,17 @@ def test_metrics_total_the_daemon_across_api_servers(tmp_path):
         n = 0
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             while n < 200:  # new connections, 4 at a time: the kernel spreads them over both servers
-                list(pool.map(lambda _: httpx.post(f"{d.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
-                                                   headers={"connection": "close"}, timeout=60), range(8)))
+                list(
+                    pool.map(
+                        lambda _: httpx.post(
+                            f"{d.url}/v1/completions",
+                            json={"prompt": "Hi", "max_tokens": 1},
+                            headers={"connection": "close"},
+                            timeout=60,
+                        ),
+                        range(8),
+                    )
+                )
                 n += 8
                 pids = {p.name.split("_")[-1].split(".")[0] for p in mp_dir.glob("counter_*.db")}
                 if want <= pids:

@@ -45,14 +45,17 @@ async def test_embeddings_of_strings_and_token_ids_in_input_order(tokenizer):
         assert one["data"][0]["embedding"] == fake_vector([0] * 3, 3) and fake.added[-1].pooling_params.dimensions == 3
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"input": []}, "must not be empty"),
-    ({"input": ["a", ""]}, "empty string"),
-    ({"input": [[1, 2], [49152]]}, "out of range"),
-    ({"input": "x", "dimensions": HIDDEN + 1}, "at most the model's hidden size"),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": [1] * 2049}, "more than max_model_len 2048"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"input": []}, "must not be empty"),
+        ({"input": ["a", ""]}, "empty string"),
+        ({"input": [[1, 2], [49152]]}, "out of range"),
+        ({"input": "x", "dimensions": HIDDEN + 1}, "at most the model's hidden size"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": [1] * 2049}, "more than max_model_len 2048"),
+    ],
+)
 async def test_bad_embedding_requests_are_400s(tokenizer, body, fragment):
     async with served(tokenizer, runner="pooling") as (http, _s, fake):
         r = await http.post("/v1/embeddings", json=body)
@@ -114,22 +117,35 @@ async def test_tokenizer_info_is_gated_and_carries_what_lm_eval_reads(tokenizer)
 
 async def test_dev_routes_need_dev_mode_and_call_every_engine(tokenizer):
     async with served(tokenizer) as (http, state, fake):
-        for method, path in (("GET", "/server_info"), ("POST", "/reset_prefix_cache"), ("POST", "/sleep"),
-                             ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+        for method, path in (
+            ("GET", "/server_info"),
+            ("POST", "/reset_prefix_cache"),
+            ("POST", "/sleep"),
+            ("POST", "/wake_up"),
+            ("GET", "/is_sleeping"),
+        ):
             assert (await http.request(method, path)).status_code == 404, path
         state.config = _cfg(server_dev_mode=True, api_keys=["sk-1"])
         assert (await http.get("/server_info")).status_code == 401
         auth = {"Authorization": "Bearer sk-1"}
         info = (await http.get("/server_info", headers=auth)).json()
-        assert info["vllm_config"]["frontend"]["api_keys"] == ["**********"] and info["engines"][0]["max_model_len"] == 2048
+        assert (
+            info["vllm_config"]["frontend"]["api_keys"] == ["**********"]
+            and info["engines"][0]["max_model_len"] == 2048
+        )
         fake.utility_answers["reset_prefix_cache"] = UtilityResult(call_id=0, engine_index=0, result=True)
         assert (await http.post("/reset_prefix_cache", headers=auth)).json() == {"reset": True}
         fake.utility_answers["reset_prefix_cache"] = UtilityResult(call_id=0, engine_index=0, result=False)
         assert (await http.post("/reset_prefix_cache", headers=auth)).status_code == 409
-        fake.utility_answers["sleep"] = UtilityResult(call_id=0, engine_index=0, error="sleep mode is off", error_status=400)
+        fake.utility_answers["sleep"] = UtilityResult(
+            call_id=0, engine_index=0, error="sleep mode is off", error_status=400
+        )
         r = await http.post("/sleep?level=2", headers=auth)
         assert r.status_code == 400 and r.json()["error"]["message"] == "sleep mode is off"
         await http.post("/wake_up?tags=weights", headers=auth)
-        assert ("sleep", {"level": 2}) in fake.utility_calls and ("wake_up", {"tags": ["weights"]}) in fake.utility_calls
+        assert ("sleep", {"level": 2}) in fake.utility_calls and (
+            "wake_up",
+            {"tags": ["weights"]},
+        ) in fake.utility_calls
         fake.utility_answers["is_sleeping"] = UtilityResult(call_id=0, engine_index=0, result=True)
         assert (await http.get("/is_sleeping", headers=auth)).json() == {"is_sleeping": True}

@@ -8,16 +8,25 @@ import pytest
 from pkgd.benchmarks import plot
 from pkgd.cli.main import main
 
-SERVE = {"requests_per_s": 4.0, "output_tokens_per_s": 512.0, "total_tokens_per_s": 1024.0,
-         "ttft_s": {"median": 0.05, "mean": 0.06, "p99": 0.2}, "tpot_s": {"median": 0.01, "mean": 0.01, "p99": 0.03},
-         "itl_s": {"median": float("nan"), "mean": float("nan"), "p99": float("nan")}, "model": "m"}
+SERVE = {
+    "requests_per_s": 4.0,
+    "output_tokens_per_s": 512.0,
+    "total_tokens_per_s": 1024.0,
+    "ttft_s": {"median": 0.05, "mean": 0.06, "p99": 0.2},
+    "tpot_s": {"median": 0.01, "mean": 0.01, "p99": 0.03},
+    "itl_s": {"median": float("nan"), "mean": float("nan"), "p99": float("nan")},
+    "model": "m",
+}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_series_from_figures_keeps_known_finite_figures():
     s = plot.series_from_figures(SERVE, "now")
     assert s.throughput == {"requests/s": 4.0, "output tokens/s": 512.0, "total tokens/s": 1024.0}
-    assert s.latency == {"TTFT": {"median": 0.05, "mean": 0.06, "p99": 0.2}, "TPOT": {"median": 0.01, "mean": 0.01, "p99": 0.03}}
+    assert s.latency == {
+        "TTFT": {"median": 0.05, "mean": 0.06, "p99": 0.2},
+        "TPOT": {"median": 0.01, "mean": 0.01, "p99": 0.03},
+    }
     hf = plot.series_from_figures({"hf_output_tokens_per_s": 100.0, "output_tokens_per_s": 7.0}, "HF", prefix="hf_")
     assert hf.throughput == {"output tokens/s": 100.0} and hf.latency == {}
 
@@ -25,13 +34,18 @@ def test_series_from_figures_keeps_known_finite_figures():
 def test_plot_runs_writes_a_png_with_a_baseline_and_an_earlier_run(tmp_path):
     earlier = tmp_path / "yesterday.json"
     earlier.write_text(json.dumps({**SERVE, "output_tokens_per_s": 256.0}))
-    runs = [plot.series_from_figures(SERVE, "pkgd"), plot.Series("baseline", {"output tokens/s": 128.0}),
-            plot.load_previous(earlier)]
+    runs = [
+        plot.series_from_figures(SERVE, "pkgd"),
+        plot.Series("baseline", {"output tokens/s": 128.0}),
+        plot.load_previous(earlier),
+    ]
     out = plot.plot_runs(runs, tmp_path / "run.png", title="test")
     data = out.read_bytes()
     assert data[:8] == PNG and len(data) > 10_000
-    assert plot.compare_lines(runs) == ["pkgd / baseline: output tokens/s 4.00x",
-                                        "pkgd / yesterday: requests/s 1.00x, output tokens/s 2.00x, total tokens/s 1.00x"]
+    assert plot.compare_lines(runs) == [
+        "pkgd / baseline: output tokens/s 4.00x",
+        "pkgd / yesterday: requests/s 1.00x, output tokens/s 2.00x, total tokens/s 1.00x",
+    ]
 
 
 def test_an_earlier_run_must_hold_figures(tmp_path):

@@ -38,8 +38,14 @@ def pkgd(tmp_path):
         out = tmp_path / "modules.json"
         child_env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PKGD_")}
         child_env.update(env or {}, MODULES_OUT=str(out))
-        proc = subprocess.run([sys.executable, "-c", DRIVER, *args], env=child_env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER, *args],
+            env=child_env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         heavy = json.loads(out.read_text()) if out.exists() else ["<driver failed>"]
         return Result(proc, heavy)
 

@@ -8,8 +8,22 @@ from pkgd.config.errors import ConfigError
 
 
 def test_overrides_and_flags_anywhere():
-    s = split_argv(["+model=qwen", "parallel.tp=2", "config", "show", "--sources", "-tp", "2",
-                    "~frontend.cors", "--port=9000", "--headless", "--format", "json"])
+    s = split_argv(
+        [
+            "+model=qwen",
+            "parallel.tp=2",
+            "config",
+            "show",
+            "--sources",
+            "-tp",
+            "2",
+            "~frontend.cors",
+            "--port=9000",
+            "--headless",
+            "--format",
+            "json",
+        ]
+    )
     assert s.rest == ["config", "show", "--sources", "--format", "json"]
     assert s.overrides == ["+model=qwen", "parallel.tp=2", "~frontend.cors"]
     assert s.flags == ["-tp", "2", "--port=9000", "--headless"]
@@ -39,8 +53,17 @@ def test_missing_value_is_an_error(argv):
 
 @pytest.mark.parametrize(
     ("token", "expected"),
-    [("a=1", True), ("parallel.tp=2", True), ("+model=qwen", True), ("~frontend.cors", True),
-     ("model/x=1", True), ("/models/x", False), ("Qwen/Qwen3-0.6B", False), ("./a=b", False), ("show", False)],
+    [
+        ("a=1", True),
+        ("parallel.tp=2", True),
+        ("+model=qwen", True),
+        ("~frontend.cors", True),
+        ("model/x=1", True),
+        ("/models/x", False),
+        ("Qwen/Qwen3-0.6B", False),
+        ("./a=b", False),
+        ("show", False),
+    ],
 )
 def test_is_override(token, expected):
     assert is_override(token) is expected

@@ -37,11 +37,17 @@ def test_help_shows_defaults_without_markup(parser):
     text = parser.format_help()
     assert "``" not in text and "the seeds'" not in text and "DESIGN.md" not in text
     for action in parser._actions:
-        if isinstance(action, (*SWITCHES, argparse._SubParsersAction)) or action.default in (None, [], argparse.SUPPRESS):
+        if isinstance(action, (*SWITCHES, argparse._SubParsersAction)) or action.default in (
+            None,
+            [],
+            argparse.SUPPRESS,
+        ):
             continue
         shown = parser._get_formatter()._get_help_string(action) if action.help else ""
         assert "default" in shown.lower(), (
-            f"{parser.prog} {action.option_strings or action.dest}: its help does not show its default {action.default!r}")
+            f"{parser.prog} {action.option_strings or action.dest}: its help does not show its default "
+            f"{action.default!r}"
+        )
 
 
 def test_every_parser_refuses_abbreviations():
@@ -49,14 +55,29 @@ def test_every_parser_refuses_abbreviations():
         assert parser.allow_abbrev is False, parser.prog
 
 
-@pytest.mark.parametrize(("argv", "usage", "hint"), [
-    (["serve", "--max-modle-len", "8192"], "usage: pkgd serve", "unknown option --max-modle-len; did you mean --max-model-len?"),
-    (["--max-modle-len=8192"], "usage: pkgd serve", "did you mean --max-model-len?"),
-    (["bench", "throughput", "--input", "5"], "usage: pkgd bench throughput", "unknown option --input; did you mean --input-len?"),
-    (["config", "show", "--sourcs"], "usage: pkgd config show", "unknown option --sourcs; did you mean --sources?"),
-    (["config", "show", "--tensor-paralel-size", "2"], "usage: pkgd config show", "did you mean --tensor-parallel-size?"),
-    (["run-batch", "-i", "a", "-o", "b", "--no-progres"], "usage: pkgd run-batch", "did you mean --no-progress?"),
-])
+@pytest.mark.parametrize(
+    ("argv", "usage", "hint"),
+    [
+        (
+            ["serve", "--max-modle-len", "8192"],
+            "usage: pkgd serve",
+            "unknown option --max-modle-len; did you mean --max-model-len?",
+        ),
+        (["--max-modle-len=8192"], "usage: pkgd serve", "did you mean --max-model-len?"),
+        (
+            ["bench", "throughput", "--input", "5"],
+            "usage: pkgd bench throughput",
+            "unknown option --input; did you mean --input-len?",
+        ),
+        (["config", "show", "--sourcs"], "usage: pkgd config show", "unknown option --sourcs; did you mean --sources?"),
+        (
+            ["config", "show", "--tensor-paralel-size", "2"],
+            "usage: pkgd config show",
+            "did you mean --tensor-parallel-size?",
+        ),
+        (["run-batch", "-i", "a", "-o", "b", "--no-progres"], "usage: pkgd run-batch", "did you mean --no-progress?"),
+    ],
+)
 def test_mistyped_flags_get_a_hint_and_the_commands_usage(capsys, argv, usage, hint):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -71,7 +92,8 @@ def test_unknown_arguments_message_skips_an_unknown_options_value():
     assert unknown_arguments_message(["--sourcs", "--max-modle-len", "8", "extra"], parser) == (
         "unknown option --sourcs; did you mean --sources?\n"
         "  unknown option --max-modle-len; did you mean --max-model-len?\n"
-        "  unexpected argument: extra")
+        "  unexpected argument: extra"
+    )
     assert unknown_arguments_message(["--zzzzzz"], parser) == "unknown option --zzzzzz"
 
 

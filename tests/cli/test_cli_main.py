@@ -75,8 +75,13 @@ def test_schema_command_matches_checked_in_file(pkgd):
 
 
 def test_validate_for_gitops(pkgd, config_tree):
-    good = config_tree("good", {"pkgd.yaml": "defaults:\n  - model: qwen\nfrontend: {port: 9000}\n",
-                                "conf.d/10-tp.yaml": "parallel: {tp: 2}\n"})
+    good = config_tree(
+        "good",
+        {
+            "pkgd.yaml": "defaults:\n  - model: qwen\nfrontend: {port: 9000}\n",
+            "conf.d/10-tp.yaml": "parallel: {tp: 2}\n",
+        },
+    )
     bad = config_tree("bad", {"pkgd.yaml": "frontend:\n  port: 1\n   x: 2\n"})
     typo = config_tree("typo", {"prod.yaml": "parallel: {tpp: 2}\n"})
     r = pkgd("config", "validate", str(good))
@@ -85,7 +90,9 @@ def test_validate_for_gitops(pkgd, config_tree):
     r = pkgd("config", "validate", str(good), str(bad), str(typo / "prod.yaml"))
     assert r.rc == 2
     assert f"{bad}: {bad}/pkgd.yaml:3:" in r.err and "YAML syntax error" in r.err
-    assert f"{typo / 'prod.yaml'}: parallel.tpp: unknown key (set by system:prod.yaml); did you mean parallel.tp?" in r.err
+    assert (
+        f"{typo / 'prod.yaml'}: parallel.tpp: unknown key (set by system:prod.yaml); did you mean parallel.tp?" in r.err
+    )
     assert "Traceback" not in r.err
     assert pkgd("config", "validate", str(typo / "missing.yaml")).rc == 2
 
@@ -106,8 +113,10 @@ def test_diff_says_what_a_reload_restarts(pkgd, config_tree):
 def test_bad_config_exits_2_before_anything_heavy(pkgd):
     r = pkgd("parallel.tpp=2", "--tensor-parallel-size", "2")
     assert r.rc == 2
-    assert r.err == ("pkgd: invalid configuration (1 problem):\n"
-                     "  parallel.tpp: unknown key (set by cli parallel.tpp=…); did you mean parallel.tp?\n")
+    assert r.err == (
+        "pkgd: invalid configuration (1 problem):\n"
+        "  parallel.tpp: unknown key (set by cli parallel.tpp=…); did you mean parallel.tp?\n"
+    )
     assert "torch" not in r.heavy
 
 

@@ -12,12 +12,14 @@ from pkgd.cli import serve
 @pytest.fixture
 def fake_daemon(tmp_path, monkeypatch):
     """A stand-in for pkgd.supervisor.daemon recording what `run` received."""
-    (tmp_path / "fake_pkgd_daemon.py").write_text(textwrap.dedent("""
+    (tmp_path / "fake_pkgd_daemon.py").write_text(
+        textwrap.dedent("""
         calls = []
         def run(composed, request):
             calls.append((composed, request))
             return 7
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(serve, "SUPERVISOR_MODULE", "fake_pkgd_daemon")
     # The presets' and these tests' model paths do not exist here; that check has its own test.
@@ -29,7 +31,7 @@ def fake_daemon(tmp_path, monkeypatch):
 def test_serve_is_the_default_and_runs_the_daemon(fake_daemon, tmp_path):
     rc = cli_main.main(["+model=qwen", "--config-dir", str(tmp_path), "--port", "9001"])
     assert rc == 7
-    (composed, request), = fake_daemon.calls
+    ((composed, request),) = fake_daemon.calls
     assert composed.config.model.source.endswith("Qwen3-0.6B") and composed.config.frontend.port == 9001
     assert request.overrides == ("+model=qwen",) and request.config_dir == str(tmp_path)
     assert request.flags == ("--port", "9001") and request.env is None
@@ -37,7 +39,7 @@ def test_serve_is_the_default_and_runs_the_daemon(fake_daemon, tmp_path):
 
 def test_positional_model_goes_into_the_request(fake_daemon):
     assert cli_main.main(["serve", "/models/x", "parallel.tp=2"]) == 7
-    (composed, request), = fake_daemon.calls
+    ((composed, request),) = fake_daemon.calls
     assert composed.config.model.source == "/models/x"
     assert request.flags[-2:] == ("--model", "/models/x")  # so a SIGHUP re-compose keeps it
 

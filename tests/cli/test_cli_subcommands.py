@@ -74,5 +74,7 @@ def test_validate_catches_a_misspelt_env_variable(capsys, tmp_path, monkeypatch)
     monkeypatch.setenv("PKGD_FRONTED__API_KEYS", "sk-1")
     assert main(["config", "validate", "--config-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in err
+    assert (
+        "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in err
+    )
     assert "sk-1" not in err

@@ -61,4 +61,8 @@ def test_new_commands_are_in_help(capsys):
 def test_latency_summary_matches_numpy_percentiles():
     res = summarize([4.0, 1.0, 3.0, 2.0])
     assert res.avg_latency == 2.5
-    assert res.percentiles["50"] == 2.5 and res.percentiles["10"] == pytest.approx(1.3) and res.percentiles["99"] == pytest.approx(3.97)
+    assert (
+        res.percentiles["50"] == 2.5
+        and res.percentiles["10"] == pytest.approx(1.3)
+        and res.percentiles["99"] == pytest.approx(3.97)
+    )

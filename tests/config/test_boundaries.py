@@ -52,12 +52,16 @@ def test_api_server_count_derivation(sections, mode, count):
 def test_elastic_ep_caps_api_servers_with_a_warning():
     plan = cfg(parallel={"dp": 4, "enable_elastic_ep": True}).serve_plan()
     assert plan.api_server_count == 1
-    assert plan.warnings == ("frontend.api_server_count: 4 capped to 1 because parallel.enable_elastic_ep supports a single API server",)
+    assert plan.warnings == (
+        "frontend.api_server_count: 4 capped to 1 because parallel.enable_elastic_ep supports a single API server",
+    )
     assert cfg(parallel={"enable_elastic_ep": True}).serve_plan().warnings == ()
 
 
 def test_runtime_lora_needs_one_api_server():
-    assert "refused with 3 API servers" in refused(frontend={"allow_runtime_lora_updating": True, "api_server_count": 3})
+    assert "refused with 3 API servers" in refused(
+        frontend={"allow_runtime_lora_updating": True, "api_server_count": 3}
+    )
     assert "refused with 2 API servers" in refused(frontend={"allow_runtime_lora_updating": True}, parallel={"dp": 2})
     assert cfg(frontend={"allow_runtime_lora_updating": True}, parallel={"dp": 2}, lb={"mode": "external"})
 

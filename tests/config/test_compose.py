@@ -13,8 +13,15 @@ from pkgd.config.sections import DEFAULT_MODEL_SOURCE
 
 
 def run(*overrides, flags=(), env=None, config_dir=None, config_name=None):
-    return compose(ComposeRequest(config_dir=config_dir, config_name=config_name,
-                                  overrides=tuple(overrides), flags=tuple(flags), env=env or {}))
+    return compose(
+        ComposeRequest(
+            config_dir=config_dir,
+            config_name=config_name,
+            overrides=tuple(overrides),
+            flags=tuple(flags),
+            env=env or {},
+        )
+    )
 
 
 def test_defaults_serve_the_packaged_smollm2():
@@ -56,17 +63,27 @@ def test_every_packaged_option_composes_and_sets_its_section(group, option):
 
 def test_packaged_group_options_are_listed():
     options = {(g, o) for g, o in _packaged_options()}
-    assert {("model", "smollm2"), ("model", "qwen"), ("model", "llama"), ("parallel", "tp2"),
-            ("parallel", "dp2"), ("lb", "internal"), ("lb", "external"), ("lb", "hybrid")} <= options
+    assert {
+        ("model", "smollm2"),
+        ("model", "qwen"),
+        ("model", "llama"),
+        ("parallel", "tp2"),
+        ("parallel", "dp2"),
+        ("lb", "internal"),
+        ("lb", "external"),
+        ("lb", "hybrid"),
+    } <= options
     assert {g for g, _ in options} >= {"model", "parallel", "frontend", "lb"}
 
 
 def test_layer_precedence_lowest_first(tree):
-    root = tree({
-        "pkgd.yaml": "frontend: {port: 1001, host: 0.0.0.0}\nscheduler: {max_num_seqs: 8}\n",
-        "conf.d/10-port.yaml": "frontend: {port: 1002}\n",
-        "conf.d/20-port.yaml": "frontend: {port: 1003}\ncache: {block_size: 32}\n",
-    })
+    root = tree(
+        {
+            "pkgd.yaml": "frontend: {port: 1001, host: 0.0.0.0}\nscheduler: {max_num_seqs: 8}\n",
+            "conf.d/10-port.yaml": "frontend: {port: 1002}\n",
+            "conf.d/20-port.yaml": "frontend: {port: 1003}\ncache: {block_size: 32}\n",
+        }
+    )
     c = run(config_dir=str(root))
     assert c.config.frontend.port == 1003
     assert c.sources["frontend.port"] == "system:conf.d/20-port.yaml"
@@ -89,8 +106,12 @@ def test_cli_override_and_flag_beat_env():
 
 
 def test_system_defaults_list_chooses_options_and_cli_rechooses(tree):
-    root = tree({"pkgd.yaml": "defaults:\n  - _self_\n  - model: qwen\n  - override lb: external\n"
-                              "model: {max_model_len: 4096}\n"})
+    root = tree(
+        {
+            "pkgd.yaml": "defaults:\n  - _self_\n  - model: qwen\n  - override lb: external\n"
+            "model: {max_model_len: 4096}\n"
+        }
+    )
     c = run(config_dir=str(root))
     assert c.choices == {"model": "qwen", "lb": "external"}
     assert c.config.model.source.endswith("Qwen3-0.6B") and c.config.model.max_model_len == 4096
@@ -102,8 +123,9 @@ def test_system_defaults_list_chooses_options_and_cli_rechooses(tree):
 
 
 def test_system_tree_adds_group_options(tree):
-    root = tree({"model/mine.yaml": "source: /srv/models/mine\ndtype: float32\n",
-                 "model/qwen.yaml": "source: /shadowed\n"})
+    root = tree(
+        {"model/mine.yaml": "source: /srv/models/mine\ndtype: float32\n", "model/qwen.yaml": "source: /shadowed\n"}
+    )
     c = run("model=mine", config_dir=str(root))
     assert c.config.model.source == "/srv/models/mine"
     assert c.sources["model.dtype"] == "system:model/mine.yaml"
@@ -119,9 +141,15 @@ def test_config_dir_with_odd_characters(tmp_path):
 
 
 def test_config_name_and_conf_d_rules(tree):
-    root = tree({"pkgd.yaml": "frontend: {port: 1}\n", "prod.yaml": "frontend: {port: 2}\n",
-                 "conf.d/.hidden.yaml": "frontend: {port: 3}\n", "conf.d/notes.txt": "x",
-                 "conf.d/05-a.yaml": "logging: {level: debug}\n"})
+    root = tree(
+        {
+            "pkgd.yaml": "frontend: {port: 1}\n",
+            "prod.yaml": "frontend: {port: 2}\n",
+            "conf.d/.hidden.yaml": "frontend: {port: 3}\n",
+            "conf.d/notes.txt": "x",
+            "conf.d/05-a.yaml": "logging: {level: debug}\n",
+        }
+    )
     c = run(config_dir=str(root), config_name="prod")
     assert c.config.frontend.port == 2 and c.config.logging.level == "debug"
     assert run(config_dir=str(root)).config.frontend.port == 1
@@ -141,9 +169,24 @@ def test_interpolation_between_keys():
 
 
 def test_vllm_flags_translate_to_keys():
-    c = run(flags=["--tensor-parallel-size", "2", "--no-enable-prefix-caching", "--api-key", "a",
-                   "--api-key=b", "-dp", "2", "--served-model-name", "smol", "--headless",
-                   "--data-parallel-external-lb", "--allowed-origins", '["http://x", "http://y"]'])
+    c = run(
+        flags=[
+            "--tensor-parallel-size",
+            "2",
+            "--no-enable-prefix-caching",
+            "--api-key",
+            "a",
+            "--api-key=b",
+            "-dp",
+            "2",
+            "--served-model-name",
+            "smol",
+            "--headless",
+            "--data-parallel-external-lb",
+            "--allowed-origins",
+            '["http://x", "http://y"]',
+        ]
+    )
     cfg = c.config
     assert (cfg.parallel.tp, cfg.parallel.dp, cfg.cache.enable_prefix_caching) == (2, 2, False)
     assert [k.get_secret_value() for k in cfg.frontend.api_keys] == ["a", "b"]
@@ -158,9 +201,13 @@ def test_positional_model_flag_comes_last():
 
 
 def test_env_values_lists_and_null():
-    env = {"PKGD_FRONTEND__API_KEYS": "sk-1", "PKGD_FRONTEND__SERVED_MODEL_NAMES": '["a", "b"]',
-           "PKGD_MODEL__MAX_MODEL_LEN": "null", "pkgd_logging__level": "debug",
-           "PKGD_MODEL__GENERATION__TEMPERATURE": "0.5"}
+    env = {
+        "PKGD_FRONTEND__API_KEYS": "sk-1",
+        "PKGD_FRONTEND__SERVED_MODEL_NAMES": '["a", "b"]',
+        "PKGD_MODEL__MAX_MODEL_LEN": "null",
+        "pkgd_logging__level": "debug",
+        "PKGD_MODEL__GENERATION__TEMPERATURE": "0.5",
+    }
     c = run("model.max_model_len=64", env=env)
     cfg = c.config
     assert [k.get_secret_value() for k in cfg.frontend.api_keys] == ["sk-1"]
@@ -181,9 +228,15 @@ def test_misspelt_env_variable_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         run(env={"PKGD_FRONTED__API_KEYS": "sk-1", "PKGD_FRONTEND_API_KEYS": "sk-2", "PKGD_FRONTEND__API_KEY": "sk-3"})
     lines = err.value.problems
-    assert "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in lines
-    assert any(line.startswith("PKGD_FRONTEND_API_KEYS: not a config variable") and line.endswith("did you mean PKGD_FRONTEND__API_KEYS?")
-               for line in lines)
+    assert (
+        "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?"
+        in lines
+    )
+    assert any(
+        line.startswith("PKGD_FRONTEND_API_KEYS: not a config variable")
+        and line.endswith("did you mean PKGD_FRONTEND__API_KEYS?")
+        for line in lines
+    )
     assert not any("sk-" in line for line in lines)
 
 
@@ -219,7 +272,9 @@ def test_non_config_env_list_matches_the_sources():
 def test_cli_typo_does_not_echo_the_value():
     with pytest.raises(ConfigError) as err:
         run("frontend.api_key=sk-secret")
-    assert err.value.problems == ["frontend.api_key: unknown key (set by cli frontend.api_key=…); did you mean frontend.api_keys?"]
+    assert err.value.problems == [
+        "frontend.api_key: unknown key (set by cli frontend.api_key=…); did you mean frontend.api_keys?"
+    ]
     with pytest.raises(ConfigError) as err:
         run("frontend.api_keys=[' ']")
     assert not any("' '" in line for line in err.value.problems)
@@ -260,7 +315,6 @@ def test_compose_leaves_no_state_behind(tmp_path, monkeypatch, tree):
     assert (first.config.frontend.port, second.config.frontend.port) == (1, 2)
 
 
-
 def test_profiles_overlay_any_section_and_stay_below_the_system_tree(tree):
     dev = run("profile=dev")
     assert (dev.config.logging.format, dev.config.logging.log_requests) == ("console", True)
@@ -273,8 +327,13 @@ def test_profiles_overlay_any_section_and_stay_below_the_system_tree(tree):
 
 
 def test_cpu_knobs_are_config_keys_with_an_environment_form():
-    c = run(env={"PKGD_PARALLEL__CPU_KERNELS": "false", "PKGD_PARALLEL__CPU_HUGE_PAGES": "0",
-                 "PKGD_PARALLEL__CPU_KERNEL_CACHE": "/srv/kernels"})
+    c = run(
+        env={
+            "PKGD_PARALLEL__CPU_KERNELS": "false",
+            "PKGD_PARALLEL__CPU_HUGE_PAGES": "0",
+            "PKGD_PARALLEL__CPU_KERNEL_CACHE": "/srv/kernels",
+        }
+    )
     p = c.config.parallel
     assert (p.cpu_kernels, p.cpu_huge_pages, p.cpu_kernel_cache) == (False, False, "/srv/kernels")
     assert c.sources["parallel.cpu_kernels"] == "env"

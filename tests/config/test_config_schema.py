@@ -12,11 +12,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The vLLM flags the issue names; each must be an alias of some leaf.
 VLLM_FLAGS = [
-    "--tensor-parallel-size", "--data-parallel-size", "--max-model-len", "--port", "--host",
-    "--api-server-count", "--headless", "--dtype", "--max-num-seqs", "--block-size",
-    "--served-model-name", "--api-key", "--enable-prefix-caching", "--data-parallel-external-lb",
-    "--data-parallel-hybrid-lb", "--model", "--trust-remote-code", "--tool-call-parser",
-    "--reasoning-parser", "--enable-elastic-ep", "--allow-runtime-lora-updating",
+    "--tensor-parallel-size",
+    "--data-parallel-size",
+    "--max-model-len",
+    "--port",
+    "--host",
+    "--api-server-count",
+    "--headless",
+    "--dtype",
+    "--max-num-seqs",
+    "--block-size",
+    "--served-model-name",
+    "--api-key",
+    "--enable-prefix-caching",
+    "--data-parallel-external-lb",
+    "--data-parallel-hybrid-lb",
+    "--model",
+    "--trust-remote-code",
+    "--tool-call-parser",
+    "--reasoning-parser",
+    "--enable-elastic-ep",
+    "--allow-runtime-lora-updating",
 ]
 
 
@@ -41,9 +57,18 @@ def test_leaf_keys_from_the_models_match_the_schema():
 
 def test_leaves_cover_the_design_sections():
     keys = set(schema.leaves())
-    assert {"model.source", "parallel.tp", "lb.mode", "frontend.port", "scheduler.max_num_seqs",
-            "cache.block_size", "supervisor.drain_timeout", "logging.level",
-            "model.generation.temperature", "frontend.cors.allowed_origins"} <= keys
+    assert {
+        "model.source",
+        "parallel.tp",
+        "lb.mode",
+        "frontend.port",
+        "scheduler.max_num_seqs",
+        "cache.block_size",
+        "supervisor.drain_timeout",
+        "logging.level",
+        "model.generation.temperature",
+        "frontend.cors.allowed_origins",
+    } <= keys
     assert schema.children("") == ("model", "parallel", "lb", "frontend", "scheduler", "cache", "supervisor", "logging")
 
 
@@ -58,7 +83,9 @@ def test_alias_kinds():
     assert (tp.key, const) == ("parallel.tp", None)
     assert index["-tp"][0] is tp
     assert [(index[f][0].key, index[f][1]) for f in ("--headless", "--no-headless")] == [
-        ("frontend.headless", "true"), ("frontend.headless", "false")]
+        ("frontend.headless", "true"),
+        ("frontend.headless", "false"),
+    ]
     assert index["--data-parallel-hybrid-lb"][0].key == "lb.mode"
     assert index["--data-parallel-hybrid-lb"][1] == "hybrid"
 

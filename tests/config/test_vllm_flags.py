@@ -53,22 +53,29 @@ def _problems(*tokens: str) -> list[str]:
 def test_refused_flag_is_one_line_naming_it_and_why(capsys):
     assert main(["config", "show", "--enable-lora", "--max-loras", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[1:] == ["  --enable-lora: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters",
-                       "  --max-loras: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"]
+    assert err[1:] == [
+        "  --enable-lora: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters",
+        "  --max-loras: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters",
+    ]
     # values of a refused flag never reach argparse as stray words, even nargs="+" ones
     assert _problems("--lora-modules", "a=/x", "b=/y") == [
-        "--lora-modules: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"]
+        "--lora-modules: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"
+    ]
     assert _problems("--compilation-config.level", "3")[0].startswith("--compilation-config: a vLLM flag")
 
 
 def test_satisfied_flags_change_nothing_and_restricted_values_are_refused():
     plain = compose(ComposeRequest(env={})).config
-    same = compose(ComposeRequest(env={}, flags=("--enforce-eager", "--disable-lora", "--tokenizer-mode", "hf",
-                                                 "-O0", "--max-log-len", "100"))).config
+    same = compose(
+        ComposeRequest(
+            env={}, flags=("--enforce-eager", "--disable-lora", "--tokenizer-mode", "hf", "-O0", "--max-log-len", "100")
+        )
+    ).config
     assert same == plain
     assert _problems("--tokenizer-mode", "mistral") == [
         "--tokenizer-mode mistral: a value of this vLLM flag pkgd does not support (accepted: auto, hf); "
-        "pkgd tokenizes with the model's Hugging Face fast tokenizer"]
+        "pkgd tokenizes with the model's Hugging Face fast tokenizer"
+    ]
     assert "(accepted: 0)" in _problems("-O3")[0]
 
 
@@ -77,8 +84,21 @@ def _config(*flags: str, **request):
 
 
 def test_vllm_spellings_of_values_and_flags():
-    cfg = _config("--served-model-name", "smol", "gpt-4o", "--api-key", "k1", "k2", "--max_model_len=2K",
-                  "--dtype", "half", "--kv-cache-memory-bytes", "1G", "--disable-prefix-caching", "-dpe")
+    cfg = _config(
+        "--served-model-name",
+        "smol",
+        "gpt-4o",
+        "--api-key",
+        "k1",
+        "k2",
+        "--max_model_len=2K",
+        "--dtype",
+        "half",
+        "--kv-cache-memory-bytes",
+        "1G",
+        "--disable-prefix-caching",
+        "-dpe",
+    )
     assert cfg.frontend.served_model_names == ["smol", "gpt-4o"]
     assert [k.get_secret_value() for k in cfg.frontend.api_keys] == ["k1", "k2"]
     assert cfg.model.max_model_len == 2048 and cfg.model.dtype == "float16"
@@ -86,14 +106,18 @@ def test_vllm_spellings_of_values_and_flags():
     assert cfg.lb.mode == "external"
     assert _config("--max-model-len", "-1").model.max_model_len is None
     assert _config("--max-model-len", "25.6k").model.max_model_len == 25600
-    cfg = _config("--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "debug", "--shutdown-timeout", "0")
+    cfg = _config(
+        "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "debug", "--shutdown-timeout", "0"
+    )
     assert (cfg.logging.log_requests, cfg.logging.log_stats, cfg.logging.http_server_level) == (False, False, "debug")
     assert cfg.supervisor.drain_timeout == 0
 
 
 def test_a_list_flag_stops_at_the_next_option_override_or_command():
     s = split_argv(["--served-model-name", "a", "b", "parallel.tp=2", "serve", "m"], commands=["serve"])
-    assert s.flags == ["--served-model-name", "a", "b"] and s.overrides == ["parallel.tp=2"] and s.rest == ["serve", "m"]
+    assert (
+        s.flags == ["--served-model-name", "a", "b"] and s.overrides == ["parallel.tp=2"] and s.rest == ["serve", "m"]
+    )
     s = split_argv(["--api-key", "k", "config", "show"], commands=["config"])
     assert s.flags == ["--api-key", "k"] and s.rest == ["config", "show"]
     with pytest.raises(ConfigError, match="--served-model-name: expects a value"):
@@ -109,8 +133,10 @@ def test_override_generation_config_sets_the_generation_section():
 
 def test_vllm_config_yaml_is_a_layer_below_the_other_arguments(tmp_path):
     path = tmp_path / "vllm.yaml"
-    path.write_text("port: 9123\nmax_num_seqs: 7\nserved-model-name: [a, b]\nenable-prefix-caching: false\n"
-                    "enforce-eager: true\nuvicorn-log-level: error\n")
+    path.write_text(
+        "port: 9123\nmax_num_seqs: 7\nserved-model-name: [a, b]\nenable-prefix-caching: false\n"
+        "enforce-eager: true\nuvicorn-log-level: error\n"
+    )
     cfg = _config("--port", "9200", vllm_config=str(path))
     assert cfg.frontend.port == 9200  # the explicit flag beats the file
     assert cfg.scheduler.max_num_seqs == 7 and cfg.frontend.served_model_names == ["a", "b"]
@@ -118,9 +144,13 @@ def test_vllm_config_yaml_is_a_layer_below_the_other_arguments(tmp_path):
     path.write_text("enable-lora: true\n")
     with pytest.raises(ConfigError) as err:
         _config(vllm_config=str(path))
-    assert err.value.problems == [f"--config {path}: --enable-lora: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"]
+    assert err.value.problems == [
+        f"--config {path}: --enable-lora: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"
+    ]
     path.write_text("max_num_seqs: many\n")
-    with pytest.raises(ConfigError, match=r"scheduler.max_num_seqs: bad value 'many' \(set by --config .*max-num-seqs\)"):
+    with pytest.raises(
+        ConfigError, match=r"scheduler.max_num_seqs: bad value 'many' \(set by --config .*max-num-seqs\)"
+    ):
         _config(vllm_config=str(path))
 
 

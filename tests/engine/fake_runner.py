@@ -126,8 +126,11 @@ class FakeModelRunner:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.reqs, f"{new.req_id} sent as new while held"
             self.reqs[new.req_id] = _State(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids), new.num_computed_tokens,
-                new.sampling_params, len(new.prompt_token_ids),
+                new.prompt_token_ids + new.output_token_ids,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                len(new.prompt_token_ids),
             )
         c = so.scheduled_cached_reqs
         for rid, blocks, num_computed in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=True):

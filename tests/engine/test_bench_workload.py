@@ -11,7 +11,9 @@ def test_random_workload_has_the_asked_lengths_and_no_special_tokens(smollm2_tok
     special = set(smollm2_tokenizer.all_special_ids)
     assert not any(t in special for p in w.prompts for t in p)
     assert len({tuple(p[:4]) for p in w.prompts}) == 20  # no shared prefixes
-    assert w == make_workload(num_prompts=20, input_len=32, output_len=8, vocab_size=49152, tokenizer=smollm2_tokenizer, seed=3)
+    assert w == make_workload(
+        num_prompts=20, input_len=32, output_len=8, vocab_size=49152, tokenizer=smollm2_tokenizer, seed=3
+    )
 
 
 def test_mixed_output_lengths_and_range_ratio():
@@ -23,7 +25,9 @@ def test_mixed_output_lengths_and_range_ratio():
 
 
 def test_fixed_prompts_are_text_with_distinct_heads(smollm2_tokenizer):
-    w = make_workload(num_prompts=3, input_len=64, output_len=4, vocab_size=49152, prompt_kind="fixed", tokenizer=smollm2_tokenizer)
+    w = make_workload(
+        num_prompts=3, input_len=64, output_len=4, vocab_size=49152, prompt_kind="fixed", tokenizer=smollm2_tokenizer
+    )
     texts = [smollm2_tokenizer.decode(p) for p in w.prompts]
     assert all(len(p) == 64 for p in w.prompts)
     assert texts[0].startswith("Document 0.") and texts[2].startswith("Document 2.") and "abstraction" in texts[1]

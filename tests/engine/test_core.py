@@ -37,14 +37,22 @@ def test_cpu_default_budget_is_4gib_or_half_the_available_memory_per_worker():
     two_by_two = VllmConfig.model_validate({"parallel": {"dp": 2, "tp": 2}})
     assert default_cpu_kv_cache_bytes(two_by_two, 8 << 30) == 1 << 30  # shared by 4 workers
     per_block = 720 << 10  # SmolLM2 in float32: 30 layers x K/V x 16 tokens x 3 heads x 64 x 4 bytes
-    assert determine_num_kv_blocks(cfg, per_block, host_available_bytes=16 << 30, max_model_len=8192) == (4 << 30) // per_block
+    assert (
+        determine_num_kv_blocks(cfg, per_block, host_available_bytes=16 << 30, max_model_len=8192)
+        == (4 << 30) // per_block
+    )
     assert (4 << 30) // per_block >= 64 * 256 // 16  # 64 streams of 256 tokens fit: no preemption
     # capped at what the scheduler can hold at once: max_num_seqs x max_model_len tokens
     small = VllmConfig.model_validate({"scheduler": {"max_num_seqs": 4}})
     assert determine_num_kv_blocks(small, per_block, host_available_bytes=16 << 30, max_model_len=100) == 4 * 7
     # an explicit budget or block count is taken as given
-    explicit = VllmConfig.model_validate({"scheduler": {"max_num_seqs": 4}, "cache": {"kv_cache_memory_bytes": 64 << 20}})
-    assert determine_num_kv_blocks(explicit, per_block, host_available_bytes=16 << 30, max_model_len=100) == (64 << 20) // per_block
+    explicit = VllmConfig.model_validate(
+        {"scheduler": {"max_num_seqs": 4}, "cache": {"kv_cache_memory_bytes": 64 << 20}}
+    )
+    assert (
+        determine_num_kv_blocks(explicit, per_block, host_available_bytes=16 << 30, max_model_len=100)
+        == (64 << 20) // per_block
+    )
 
 
 def test_engine_threads_default_to_every_core_shared_by_the_node_workers(monkeypatch):
@@ -83,8 +91,13 @@ def test_max_model_len_above_the_models_limit_is_refused():
 
     with pytest.raises(ValueError, match="model.max_model_len 1024 is greater than the model's limit of 256 tokens"):
         EngineCore(cfg, runner_factory=clamping)
-    assert EngineCore(VllmConfig.model_validate({"model": {"max_model_len": 128}, "cache": {"num_blocks": 64}}),
-                      runner_factory=fake_factory()).max_model_len == 128
+    assert (
+        EngineCore(
+            VllmConfig.model_validate({"model": {"max_model_len": 128}, "cache": {"num_blocks": 64}}),
+            runner_factory=fake_factory(),
+        ).max_model_len
+        == 128
+    )
 
 
 def test_kv_cache_larger_than_available_memory_is_refused_before_allocating(monkeypatch):
@@ -206,6 +219,8 @@ def test_pooling_requests_are_refused_by_a_generating_engine_and_vice_versa():
     pooled = EngineCoreRequest(request_id="p", prompt_token_ids=[1, 2], pooling_params=PoolingParams())
     with pytest.raises(ValueError, match="embeddings need model.runner: pooling"):
         engine().add_request(pooled)
-    both = EngineCoreRequest(request_id="x", prompt_token_ids=[1], sampling_params=SamplingParams(), pooling_params=PoolingParams())
+    both = EngineCoreRequest(
+        request_id="x", prompt_token_ids=[1], sampling_params=SamplingParams(), pooling_params=PoolingParams()
+    )
     with pytest.raises(ValueError, match="exactly one"):
         engine().add_request(both)

@@ -15,20 +15,57 @@ SMALL = ["cache.num_blocks=64", "--max-model-len", "512"]
 
 def pkgd(*args, timeout=600):
     """``pkgd ARGS`` in a child process (config overrides go through the real composition)."""
-    return subprocess.run([sys.executable, "-m", "pkgd.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "pkgd.cli.main", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def test_bench_throughput_prints_every_figure(tmp_path):
     out_json, png, earlier = tmp_path / "fig.json", tmp_path / "fig.png", tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"output_tokens_per_s": 1.0, "requests_per_s": 0.5, "ttft_s": {"median": 0.1}}))
-    p = pkgd("bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
-            "--ignore-eos", "--single-stream-len", "16", "--baseline", "hf", "--hf-batch-size", "2", "--output-json", str(out_json),
-            "--plot", str(png), "--compare", str(earlier), *SMALL)
+    p = pkgd(
+        "bench",
+        "throughput",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--ignore-eos",
+        "--single-stream-len",
+        "16",
+        "--baseline",
+        "hf",
+        "--hf-batch-size",
+        "2",
+        "--output-json",
+        str(out_json),
+        "--plot",
+        str(png),
+        "--compare",
+        str(earlier),
+        *SMALL,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    for words in ("Throughput:", "requests/s", "output tokens/s", "Peak RSS", "GEMM", "Roofline:",
-                  "Single stream", "bandwidth bound", "read between its steps", "best read just before/after",
-                  "HF generate()", "pkgd / HF output tokens/s", "TTFT", "Latency", "pkgd / earlier: ", f"plot: {png}"):
+    for words in (
+        "Throughput:",
+        "requests/s",
+        "output tokens/s",
+        "Peak RSS",
+        "GEMM",
+        "Roofline:",
+        "Single stream",
+        "bandwidth bound",
+        "read between its steps",
+        "best read just before/after",
+        "HF generate()",
+        "pkgd / HF output tokens/s",
+        "TTFT",
+        "Latency",
+        "pkgd / earlier: ",
+        f"plot: {png}",
+    ):
         assert words in p.stdout, p.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     fig = json.loads(out_json.read_text())
@@ -42,8 +79,16 @@ def test_bench_throughput_prints_every_figure(tmp_path):
 def test_run_batch_writes_one_result_per_line(tmp_path):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = [
-        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16, "temperature": 0}},
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+        },
         {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "1, 2, 3,", "max_tokens": 4}},
         {"custom_id": "c", "method": "POST", "url": "/v1/nope", "body": {}},
     ]
@@ -59,8 +104,25 @@ def test_run_batch_writes_one_result_per_line(tmp_path):
 
 def test_bench_latency_percentiles_over_iterations(tmp_path):
     out_json = tmp_path / "lat.json"
-    p = pkgd("bench", "latency", "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--n", "2",
-             "--num-iters", "3", "--num-iters-warmup", "1", "--output-json", str(out_json), *SMALL)
+    p = pkgd(
+        "bench",
+        "latency",
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--n",
+        "2",
+        "--num-iters",
+        "3",
+        "--num-iters-warmup",
+        "1",
+        "--output-json",
+        str(out_json),
+        *SMALL,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Avg latency:" in p.stdout and "99% percentile latency:" in p.stdout
     fig = json.loads(out_json.read_text())

@@ -13,8 +13,13 @@ from .fake_runner import fake_factory
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(runner_factory=fake_factory(vocab_size=49152), tokenizer=str(smollm2_gguf()), name="m",
-               num_blocks=64, max_model_len=256)
+    return LLM(
+        runner_factory=fake_factory(vocab_size=49152),
+        tokenizer=str(smollm2_gguf()),
+        name="m",
+        num_blocks=64,
+        max_model_len=256,
+    )
 
 
 def line(cid, url, body):
@@ -23,12 +28,26 @@ def line(cid, url, body):
 
 def test_completions_and_chat_lines_with_errors_in_between(llm):
     lines = [
-        line("c1", "/v1/completions", {"model": "m", "prompt": ["Hello", "Bye"], "max_tokens": 3, "temperature": 0, "logprobs": 1}),
+        line(
+            "c1",
+            "/v1/completions",
+            {"model": "m", "prompt": ["Hello", "Bye"], "max_tokens": 3, "temperature": 0, "logprobs": 1},
+        ),
         "{not json",
         line("bad-url", "/v1/embeddings", {"input": "x"}),
         line("too-long", "/v1/completions", {"prompt": [1] * 250, "max_tokens": 10}),
-        line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
-                                               "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}),
+        line(
+            "chat",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 4,
+                "n": 2,
+                "seed": 3,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        ),
         "",
         line("wrong-model", "/v1/completions", {"model": "other", "prompt": "x"}),
     ]
@@ -40,8 +59,12 @@ def test_completions_and_chat_lines_with_errors_in_between(llm):
     assert body["object"] == "text_completion" and len(body["choices"]) == 2
     assert body["usage"]["completion_tokens"] == 6
     assert len(body["choices"][0]["logprobs"]["tokens"]) == 3
-    for r, words in ((res[1], "malformed JSON"), (res[2], "unsupported url"), (res[3], "exceeds max_model_len"),
-                     (res[5], "does not exist")):
+    for r, words in (
+        (res[1], "malformed JSON"),
+        (res[2], "unsupported url"),
+        (res[3], "exceeds max_model_len"),
+        (res[5], "does not exist"),
+    ):
         assert r["response"]["status_code"] == 400 and words in r["error"]["message"]
     chat = res[4]["response"]["body"]
     assert chat["object"] == "chat.completion" and [c["index"] for c in chat["choices"]] == [0, 1]
@@ -51,10 +74,13 @@ def test_completions_and_chat_lines_with_errors_in_between(llm):
 
 
 def test_a_streaming_line_is_a_per_line_error(llm):
-    res = process_batch(llm, [
-        line("s", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
-        line("ok", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
-    ])
+    res = process_batch(
+        llm,
+        [
+            line("s", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+            line("ok", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+        ],
+    )
     assert res[0]["response"]["status_code"] == 400 and "stream: true is not supported" in res[0]["error"]["message"]
     assert res[1]["response"]["status_code"] == 200
 
@@ -62,14 +88,28 @@ def test_a_streaming_line_is_a_per_line_error(llm):
 def test_structured_outputs_and_bad_constraints_in_a_batch(llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     lines = [
-        line("json", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
-                                              "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        line(
+            "json",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 12,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            },
+        ),
         line("choice", "/v1/completions", {"prompt": "x", "max_tokens": 4, "guided_choice": ["yes", "no"]}),
         line("bad-regex", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[a-"}}),
         line("unknown", "/v1/completions", {"prompt": "x", "frobnicate": True}),
-        line("tool", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
-                                              "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
-                                              "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        line(
+            "tool",
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 16,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+        ),
     ]
     res = {r["custom_id"]: r for r in process_batch(llm, lines)}
     assert res["bad-regex"]["response"]["status_code"] == 400 and "Unclosed" in res["bad-regex"]["error"]["message"]

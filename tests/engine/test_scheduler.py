@@ -14,14 +14,31 @@ from pkgd.sampling_params import SamplingParams
 from .fake_runner import fake_factory
 
 
-def make_engine(*, num_blocks=64, block_size=4, max_model_len=128, batched=64, seqs=16, chunked=True,
-                policy="fcfs", caching=True, lookahead=None, **runner_kw):
-    cfg = VllmConfig.model_validate({
-        "model": {"max_model_len": max_model_len},
-        "cache": {"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": caching},
-        "scheduler": {"max_num_batched_tokens": batched, "max_num_seqs": seqs,
-                      "enable_chunked_prefill": chunked, "policy": policy},
-    })
+def make_engine(
+    *,
+    num_blocks=64,
+    block_size=4,
+    max_model_len=128,
+    batched=64,
+    seqs=16,
+    chunked=True,
+    policy="fcfs",
+    caching=True,
+    lookahead=None,
+    **runner_kw,
+):
+    cfg = VllmConfig.model_validate(
+        {
+            "model": {"max_model_len": max_model_len},
+            "cache": {"num_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": caching},
+            "scheduler": {
+                "max_num_batched_tokens": batched,
+                "max_num_seqs": seqs,
+                "enable_chunked_prefill": chunked,
+                "policy": policy,
+            },
+        }
+    )
     engine = EngineCore(cfg, runner_factory=fake_factory(**runner_kw))
     if lookahead is not None:
         engine.scheduler.admission_lookahead = lookahead
@@ -30,9 +47,16 @@ def make_engine(*, num_blocks=64, block_size=4, max_model_len=128, batched=64, s
 
 def add(engine, rid, prompt, priority=0, arrival=0.0, eos=None, **sp):
     sp.setdefault("temperature", 0.0)
-    engine.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt),
-                                         sampling_params=SamplingParams(**sp), priority=priority,
-                                         arrival_time=arrival, eos_token_id=eos))
+    engine.add_request(
+        EngineCoreRequest(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(**sp),
+            priority=priority,
+            arrival_time=arrival,
+            eos_token_id=eos,
+        )
+    )
 
 
 def run(engine, max_steps=10_000):
@@ -244,7 +268,6 @@ def test_identical_prompts_in_one_step_share_their_blocks():
     assert new == {"a": 0, "b": 12} and first[0].num_scheduled_tokens == {"a": 13, "b": 1}
     assert res["a"][0] == res["b"][0]
     assert e.kv_cache_manager.get_num_free_blocks() == 64
-
 
 
 def _stress(seed, **kw):

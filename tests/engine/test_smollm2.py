@@ -54,8 +54,14 @@ def test_greedy_matches_transformers_token_for_token(llm):
         for out in outs:
             ids = torch.tensor([out.prompt_token_ids])
             with torch.inference_mode():
-                gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                  eos_token_id=llm.engine.eos_token_id, pad_token_id=llm.engine.eos_token_id)
+                gen = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    eos_token_id=llm.engine.eos_token_id,
+                    pad_token_id=llm.engine.eos_token_id,
+                )
             assert out.outputs[0].token_ids == gen[0, ids.shape[1] :].tolist(), out.prompt
     finally:
         del hf
@@ -65,7 +71,10 @@ def test_greedy_matches_transformers_token_for_token(llm):
 def test_shared_64_token_prefix_is_a_prefix_cache_hit(llm):
     tok = llm.get_tokenizer()
     prefix = tok.encode(" ".join(f"item{i}" for i in range(200)), add_special_tokens=False)[:64]
-    a, b = prefix + tok.encode(" Next:", add_special_tokens=False), prefix + tok.encode(" Then:", add_special_tokens=False)
+    a, b = (
+        prefix + tok.encode(" Next:", add_special_tokens=False),
+        prefix + tok.encode(" Then:", add_special_tokens=False),
+    )
     short = SamplingParams(temperature=0.0, max_tokens=8)
     before = llm.engine.stats()
     (out_a,) = llm.generate([a], short, use_tqdm=False)
@@ -83,10 +92,16 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batches(llm):
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     (alone,) = llm.generate([PROMPTS[4]], sp, use_tqdm=False)
     others = [SamplingParams(temperature=1.0, max_tokens=n) for n in (5, 20, 12)]
-    mixed = llm.generate([PROMPTS[0], PROMPTS[4], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]], use_tqdm=False)
+    mixed = llm.generate(
+        [PROMPTS[0], PROMPTS[4], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]], use_tqdm=False
+    )
     (again,) = llm.generate([PROMPTS[4]], sp, use_tqdm=False)
     assert alone.outputs[0].token_ids == mixed[1].outputs[0].token_ids == again.outputs[0].token_ids
-    (other_seed,) = llm.generate([PROMPTS[4]], SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    (other_seed,) = llm.generate(
+        [PROMPTS[4]],
+        SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
@@ -121,7 +136,9 @@ def test_16_requests_on_a_few_blocks_match_a_large_cache(llm):
     prompts = [f"{p} (variant {i})" for i, p in enumerate(PROMPTS * 2)]
     sp = SamplingParams(temperature=0.0, max_tokens=20)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    tiny = LLM(num_blocks=8, block_size=16, max_model_len=128, dtype="float32", quantization="none")  # 128 slots, 16 requests
+    tiny = LLM(
+        num_blocks=8, block_size=16, max_model_len=128, dtype="float32", quantization="none"
+    )  # 128 slots, 16 requests
     tiny.engine.scheduler.admission_lookahead = 0  # vLLM's admission: the blocks run out mid-way
     try:
         got = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]

@@ -31,15 +31,23 @@ def tokenizer():
 
 
 def engine(num_blocks=64):
-    cfg = VllmConfig.model_validate({"model": {"tokenizer": str(smollm2_gguf()), "max_model_len": 256},
-                                     "cache": {"num_blocks": num_blocks, "block_size": 16}})
+    cfg = VllmConfig.model_validate(
+        {
+            "model": {"tokenizer": str(smollm2_gguf()), "max_model_len": 256},
+            "cache": {"num_blocks": num_blocks, "block_size": 16},
+        }
+    )
     return EngineCore(cfg, runner_factory=fake_factory(vocab_size=VOCAB, eos_token_id=EOS))
 
 
 def request(rid, so=None, prompt=(5, 6, 7), **sp):
     sp.setdefault("max_tokens", 40)
-    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), eos_token_id=EOS,
-                             sampling_params=SamplingParams(temperature=0, structured_outputs=so, **sp))
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        eos_token_id=EOS,
+        sampling_params=SamplingParams(temperature=0, structured_outputs=so, **sp),
+    )
 
 
 def run(core, max_steps=500):
@@ -78,7 +86,11 @@ def test_a_compiling_grammar_never_holds_back_unconstrained_requests(tokenizer):
 def test_constraints_hold_through_batching_siblings_and_preemption(tokenizer):
     core = engine(num_blocks=18)  # 8 prompts of 2 full blocks, 2 blocks left to grow into: preemption
     core.scheduler.admission_lookahead = 0  # admit all at once (vLLM's rule), so they preempt
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9999}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 9999}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+    }
     cases = {
         **{f"json{i}": StructuredOutputsParams(json=schema, disable_any_whitespace=True) for i in range(3)},
         **{f"re{i}": StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{2}") for i in range(3)},
@@ -89,7 +101,9 @@ def test_constraints_hold_through_batching_siblings_and_preemption(tokenizer):
         core.add_request(request(rid, so, prompt=list(range(10 + i, 42 + i))))
     tokens, finish = run(core)
     assert core.scheduler.num_preemptions > 0
-    assert core.structured_output.num_hits == 4 and core.structured_output.num_queries == 7  # one compile per constraint
+    assert (
+        core.structured_output.num_hits == 4 and core.structured_output.num_queries == 7
+    )  # one compile per constraint
     for i in range(3):
         assert finish[f"json{i}"] == FinishReason.STOP
         assert set(json.loads(text(tokenizer, tokens[f"json{i}"]))) == {"n", "ok"}

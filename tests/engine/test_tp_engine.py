@@ -18,9 +18,16 @@ def tiny_llama(tmp_path_factory):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True)
+    cfg = tf.LlamaConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():

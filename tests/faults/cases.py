@@ -48,7 +48,12 @@ def fault_config(model: Path) -> dict:
         "frontend": {"api_server_count": 2},
         "parallel": {"cpu_threads": 1},
         # Generous deadlines: on a loaded 2-core host a start of the engine core took 30 s.
-        "supervisor": {"drain_timeout": 60, "restart_backoff": 0.2, "engine_swap": "overlap", "engine_ready_timeout": 600},
+        "supervisor": {
+            "drain_timeout": 60,
+            "restart_backoff": 0.2,
+            "engine_swap": "overlap",
+            "engine_ready_timeout": 600,
+        },
     }
 
 
@@ -98,8 +103,12 @@ def kill_api_server(d: Daemon) -> Case:
     os.kill(victim, signal.SIGKILL)
     restarted = d.wait_event("child_restarted", timeout=600, after=mark, child="api-server-1")
     outcomes = _finish(load)
-    return Case("kill -9 API server", outcomes, _since(killed_at, restarted),
-                {"on_victim": on_victim, "on_survivor": on_survivor, "killed_at": killed_at})
+    return Case(
+        "kill -9 API server",
+        outcomes,
+        _since(killed_at, restarted),
+        {"on_victim": on_victim, "on_survivor": on_survivor, "killed_at": killed_at},
+    )
 
 
 def kill_engine_core(d: Daemon) -> Case:
@@ -114,8 +123,12 @@ def kill_engine_core(d: Daemon) -> Case:
     restarted = d.wait_event("child_restarted", timeout=600, after=mark, child="engine-core-0")
     recovered_mono = time.monotonic()
     outcomes = _finish(load)
-    return Case("kill -9 engine core", outcomes, _since(killed_at, restarted),
-                {"inflight": inflight, "killed_mono": killed_mono, "recovered_mono": recovered_mono})
+    return Case(
+        "kill -9 engine core",
+        outcomes,
+        _since(killed_at, restarted),
+        {"inflight": inflight, "killed_mono": killed_mono, "recovered_mono": recovered_mono},
+    )
 
 
 def sigterm(d: Daemon) -> Case:
@@ -160,7 +173,7 @@ def client_ports(pid: int, server_port: int) -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:

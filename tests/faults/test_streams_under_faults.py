@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 def _show(case) -> str:
     ports = {k: sorted(v) for k, v in case.info.items() if k.startswith("on_")}
-    return (f"{case.name}: {case.summary}; {ports}; first failures: "
-            f"{[(o.kind, o.port, o.detail[:120]) for o in case.failures()[:5]]}")
+    return (
+        f"{case.name}: {case.summary}; {ports}; first failures: "
+        f"{[(o.kind, o.port, o.detail[:120]) for o in case.failures()[:5]]}"
+    )
 
 
 def test_a_frontend_reload_fails_no_stream(daemon):

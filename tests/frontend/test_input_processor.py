@@ -31,7 +31,9 @@ def test_chat_messages_use_the_chat_template(proc):
 
 def test_chat_template_override(smollm2_tokenizer):
     proc = InputProcessor(smollm2_tokenizer, max_model_len=64)
-    text = proc.render_chat([{"role": "user", "content": "hi"}], chat_template="{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    text = proc.render_chat(
+        [{"role": "user", "content": "hi"}], chat_template="{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    )
     assert text == "[hi]"
 
 

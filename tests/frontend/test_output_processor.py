@@ -26,7 +26,9 @@ def feed(proc, rid, ids, final=None, **kw):
     """One engine output per token; the last carries ``final``."""
     results = []
     for i, t in enumerate(ids):
-        out = EngineCoreOutput(request_id=rid, new_token_ids=[t], finish_reason=final if i == len(ids) - 1 else None, **kw)
+        out = EngineCoreOutput(
+            request_id=rid, new_token_ids=[t], finish_reason=final if i == len(ids) - 1 else None, **kw
+        )
         results.append(proc.process_outputs([out]))
     return results
 
@@ -77,11 +79,20 @@ def test_eos_and_stop_token_reasons(tok):
 
 def test_logprobs_carry_decoded_tokens_and_cumulative_sum(tok):
     proc, _ = setup(tok, logprobs=1, max_tokens=2)
-    paris, london = tok.encode(" Paris", add_special_tokens=False)[0], tok.encode(" London", add_special_tokens=False)[0]
+    paris, london = (
+        tok.encode(" Paris", add_special_tokens=False)[0],
+        tok.encode(" London", add_special_tokens=False)[0],
+    )
     outs = [
-        EngineCoreOutput(request_id="req", new_token_ids=[paris], new_logprobs=[TokenLogprobs([paris, paris], [-0.1, -0.1], 1)]),
-        EngineCoreOutput(request_id="req", new_token_ids=[london], new_logprobs=[TokenLogprobs([london, paris], [-2.0, -0.5], 2)],
-                         finish_reason=FinishReason.LENGTH),
+        EngineCoreOutput(
+            request_id="req", new_token_ids=[paris], new_logprobs=[TokenLogprobs([paris, paris], [-0.1, -0.1], 1)]
+        ),
+        EngineCoreOutput(
+            request_id="req",
+            new_token_ids=[london],
+            new_logprobs=[TokenLogprobs([london, paris], [-2.0, -0.5], 2)],
+            finish_reason=FinishReason.LENGTH,
+        ),
     ]
     proc.process_outputs(outs[:1])
     ro = proc.process_outputs(outs[1:]).request_outputs[0]
@@ -103,7 +114,12 @@ def test_n_completions_are_aggregated_under_the_client_id(tok):
         if kind != RequestOutputKind.DELTA:
             assert [c.token_ids for c in outs[-1].outputs] == [[100, 101], [200, 201]]
         else:
-            assert [(o.outputs[0].index, o.outputs[0].token_ids) for o in outs] == [(0, [100]), (0, [101]), (1, [200]), (1, [201])]
+            assert [(o.outputs[0].index, o.outputs[0].token_ids) for o in outs] == [
+                (0, [100]),
+                (0, [101]),
+                (1, [200]),
+                (1, [201]),
+            ]
         assert not proc.has_unfinished_requests()
 
 
@@ -115,10 +131,19 @@ def test_abort_by_client_id_returns_the_engine_ids(tok):
 
 def test_num_cached_tokens_and_prompt_logprobs_arrive_with_the_first_output(tok):
     proc, p = setup(tok, [10, 11, 12], prompt_logprobs=0, max_tokens=1)
-    out = EngineCoreOutput(request_id="req", new_token_ids=[13], num_cached_tokens=0, finish_reason=FinishReason.LENGTH,
-                           new_prompt_logprobs=[None, TokenLogprobs([11], [-1.0], 3), TokenLogprobs([12], [-2.0], 1)])
+    out = EngineCoreOutput(
+        request_id="req",
+        new_token_ids=[13],
+        num_cached_tokens=0,
+        finish_reason=FinishReason.LENGTH,
+        new_prompt_logprobs=[None, TokenLogprobs([11], [-1.0], 3), TokenLogprobs([12], [-2.0], 1)],
+    )
     ro = proc.process_outputs([out]).request_outputs[0]
-    assert ro.prompt_logprobs[0] is None and ro.prompt_logprobs[1][11].logprob == -1.0 and ro.prompt_logprobs[2][12].rank == 1
+    assert (
+        ro.prompt_logprobs[0] is None
+        and ro.prompt_logprobs[1][11].logprob == -1.0
+        and ro.prompt_logprobs[2][12].rank == 1
+    )
 
 
 @pytest.mark.parametrize("text", ["日本語のテキスト", " café 😀 naïve", "Ωμέγα — ✓"])
@@ -129,8 +154,12 @@ def test_logprob_tokens_of_multibyte_characters_join_into_the_text(tok, text):
     assert any(tok.decode([t]).endswith("\ufffd") for t in ids)  # the case under test occurs
     proc, _ = setup(tok, output_kind=RequestOutputKind.FINAL_ONLY, max_tokens=len(ids), logprobs=1, ignore_eos=True)
     for i, t in enumerate(ids):
-        out = EngineCoreOutput(request_id="req", new_token_ids=[t], new_logprobs=[TokenLogprobs([t, 0], [-0.1, -2.0], 1)],
-                               finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None)
+        out = EngineCoreOutput(
+            request_id="req",
+            new_token_ids=[t],
+            new_logprobs=[TokenLogprobs([t, 0], [-0.1, -2.0], 1)],
+            finish_reason=FinishReason.LENGTH if i == len(ids) - 1 else None,
+        )
         res = proc.process_outputs([out])
     (ro,) = res.request_outputs
     lps = ro.outputs[0].logprobs

@@ -13,30 +13,49 @@ from pkgd.sampling_params import StructuredOutputsParams as S
 
 
 def test_the_check_loads_no_torch():
-    code = ("import sys; from pkgd.frontend.structured_outputs import check; from pkgd.sampling_params import StructuredOutputsParams as S;"
-            "check(S(json={'type': 'object'})); check(S(regex='[0-9]+')); check(S(grammar='root ::= \"a\"'));"
-            "assert 'torch' not in sys.modules, 'torch loaded'; print('ok')")
+    code = (
+        "import sys; from pkgd.frontend.structured_outputs import check; from pkgd.sampling_params import "
+        "StructuredOutputsParams as S;"
+        "check(S(json={'type': 'object'})); check(S(regex='[0-9]+')); check(S(grammar='root ::= \"a\"'));"
+        "assert 'torch' not in sys.modules, 'torch loaded'; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-@pytest.mark.parametrize(("so", "words"), [
-    (S(json={"type": "integer", "minimum": 3, "maximum": 1}), ["invalid JSON schema", "minimum"]),
-    (S(json={"type": "array", "minItems": 3, "maxItems": 1}), ["minItems"]),
-    (S(json={"type": "string", "minLength": -1}), ["minLength"]),
-    (S(json={"enum": []}), ["enum"]),
-    (S(json=False), ["schema"]),
-    (S(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"], "additionalProperties": False}), ["never be satisfied", "'b'"]),
-    (S(json={"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)a"}}}), ["pattern", "Lookahead"]),
-    (S(json={"if": {"type": "string"}, "then": {"minLength": 1}}), ["'if'"]),
-    (S(json={"type": "number", "multipleOf": 0.5}), ["multipleOf"]),
-    (S(json={"allOf": [{"type": "string"}, {"type": "integer"}]}), ["allOf"]),
-    (S(regex="(a"), ["invalid regex", "parenthesis"]),
-    (S(regex="(?<=a)b"), ["Lookbehind"]),
-    (S(grammar='root ::= "a" | undefined_rule'), ["invalid grammar", "undefined_rule"]),
-    (S(choice=[]), ["choice"]),
-    (S(), ["exactly one"]),
-])
+@pytest.mark.parametrize(
+    ("so", "words"),
+    [
+        (S(json={"type": "integer", "minimum": 3, "maximum": 1}), ["invalid JSON schema", "minimum"]),
+        (S(json={"type": "array", "minItems": 3, "maxItems": 1}), ["minItems"]),
+        (S(json={"type": "string", "minLength": -1}), ["minLength"]),
+        (S(json={"enum": []}), ["enum"]),
+        (S(json=False), ["schema"]),
+        (
+            S(
+                json={
+                    "type": "object",
+                    "properties": {"a": {"type": "string"}},
+                    "required": ["b"],
+                    "additionalProperties": False,
+                }
+            ),
+            ["never be satisfied", "'b'"],
+        ),
+        (
+            S(json={"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=x)a"}}}),
+            ["pattern", "Lookahead"],
+        ),
+        (S(json={"if": {"type": "string"}, "then": {"minLength": 1}}), ["'if'"]),
+        (S(json={"type": "number", "multipleOf": 0.5}), ["multipleOf"]),
+        (S(json={"allOf": [{"type": "string"}, {"type": "integer"}]}), ["allOf"]),
+        (S(regex="(a"), ["invalid regex", "parenthesis"]),
+        (S(regex="(?<=a)b"), ["Lookbehind"]),
+        (S(grammar='root ::= "a" | undefined_rule'), ["invalid grammar", "undefined_rule"]),
+        (S(choice=[]), ["choice"]),
+        (S(), ["exactly one"]),
+    ],
+)
 def test_bad_constraints_name_the_field_and_the_reason(so, words):
     with pytest.raises(ValueError) as e:
         check(so, "response_format")
@@ -44,8 +63,13 @@ def test_bad_constraints_name_the_field_and_the_reason(so, words):
 
 
 def test_good_constraints_pass():
-    for so in (S(json={"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}), S(json_object=True),
-               S(regex=r"\d{3}-\d{4}"), S(choice=['say "hi"', "line\nbreak"]), S(grammar='root ::= [a-z]+ "!"')):
+    for so in (
+        S(json={"type": "object", "properties": {"d": {"type": "string", "format": "date"}}}),
+        S(json_object=True),
+        S(regex=r"\d{3}-\d{4}"),
+        S(choice=['say "hi"', "line\nbreak"]),
+        S(grammar='root ::= [a-z]+ "!"'),
+    ):
         check(so)
 
 
@@ -57,7 +81,9 @@ def test_validator_caches_verdicts_and_bounds_pending_checks():
             await v.check(S(regex="[a-"), "guided_regex")
         with pytest.raises(ValueError, match="Unclosed"):
             await v.check(S(regex="[a-"), "guided_regex")  # from the cache
-        results = await asyncio.gather(*(v.check(S(regex=f"x{i}"), "guided_regex") for i in range(3)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(v.check(S(regex=f"x{i}"), "guided_regex") for i in range(3)), return_exceptions=True
+        )
         return results
 
     results = asyncio.run(go())

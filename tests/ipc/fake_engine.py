@@ -49,7 +49,8 @@ class FakeEngineCore:
         max_tokens = req.sampling_params.max_tokens or 1
         if len(req.prompt_token_ids) + max_tokens > MAX_MODEL_LEN:
             raise ValueError(
-                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({MAX_MODEL_LEN})"
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({MAX_MODEL_LEN})"
             )
         self.requests[req.request_id] = (req, [])
 
@@ -84,7 +85,9 @@ class FakeEngineCore:
             if sp.logprobs is not None:
                 top = [tok] + [(tok + j) % VOCAB for j in range(1, sp.logprobs + 1)]
                 logprobs = [TokenLogprobs(top, [-0.5 * j for j in range(len(top))], 1)]
-            outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[tok], new_logprobs=logprobs, finish_reason=finish))
+            outputs.append(
+                EngineCoreOutput(request_id=rid, new_token_ids=[tok], new_logprobs=logprobs, finish_reason=finish)
+            )
             if finish is not None:
                 del self.requests[rid]
         return outputs

@@ -81,7 +81,9 @@ def spawn(argv: list[str], extra_args: list[str], *, pass_fds: tuple[int, ...] =
     return Child(proc, r)
 
 
-def spawn_engine(config_file: Path, address: str, index: int = 0, *, fake: bool = True, env: dict | None = None) -> Child:
+def spawn_engine(
+    config_file: Path, address: str, index: int = 0, *, fake: bool = True, env: dict | None = None
+) -> Child:
     argv = [FAKE_ENGINE] if fake else ["-m", "pkgd.engine.core_proc"]
     args = ["--config-file", str(config_file), "--engine-index", str(index), "--address", address]
     return spawn(argv, args, env=env)
@@ -97,7 +99,9 @@ def listen_socket(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
-def spawn_api_server(config_file: Path, listen: socket.socket, addresses: list[str], index: int = 0, *, env: dict | None = None) -> Child:
+def spawn_api_server(
+    config_file: Path, listen: socket.socket, addresses: list[str], index: int = 0, *, env: dict | None = None
+) -> Child:
     args = ["--config-file", str(config_file), "--listen-fd", str(listen.fileno()), "--server-index", str(index)]
     for address in addresses:
         args += ["--engine-address", address]

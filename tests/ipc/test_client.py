@@ -51,7 +51,9 @@ class Sink:
 
 
 def request(rid: str, prompt=(10,), max_tokens: int = 4) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(max_tokens=max_tokens))
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(max_tokens=max_tokens)
+    )
 
 
 @pytest.fixture

@@ -32,7 +32,9 @@ from .fake_engine import CRASH_TOKEN, MAX_MODEL_LEN, FakeEngineCore
 
 def req(rid: str, prompt=(5, 6, 7), max_tokens: int = 3, **kw) -> AddRequest:
     sp = SamplingParams(max_tokens=max_tokens, **kw)
-    return AddRequest(request=EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, eos_token_id=0))
+    return AddRequest(
+        request=EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp, eos_token_id=0)
+    )
 
 
 class Served:
@@ -64,6 +66,7 @@ class Served:
         if self.thread.is_alive():
             import sys
             import traceback
+
             traceback.print_stack(sys._current_frames()[self.thread.ident])
         assert not self.thread.is_alive()
 
@@ -121,7 +124,12 @@ def test_every_frame_round_trips_through_msgpack():
 def test_hello_gets_handshake_then_outputs_follow_the_token_rule(served):
     c = served.client("a")
     hs = hello(c)
-    assert (hs.version, hs.engine_index, hs.max_model_len, hs.model_name) == (PROTOCOL_VERSION, 0, MAX_MODEL_LEN, "fake-model")
+    assert (hs.version, hs.engine_index, hs.max_model_len, hs.model_name) == (
+        PROTOCOL_VERSION,
+        0,
+        MAX_MODEL_LEN,
+        "fake-model",
+    )
     c.send(encode(req("r1", prompt=(5, 6, 7), max_tokens=3)))
     got = recv_outputs(c, {"r1"})
     assert got["r1"] == ([8, 9, 10], FinishReason.LENGTH)

@@ -83,12 +83,18 @@ def triton_interpreter(_interpreted_kernels, monkeypatch, request) -> None:
 def _run_triton_on(device: str, monkeypatch, test_module) -> None:
     """Wrap every ``*_triton`` function of ``test_module`` and every public function of the
     ``pkgd_kernels.*_triton`` modules with `_on_device` for this test."""
-    targets = [(test_module, name) for name, obj in vars(test_module).items()
-               if name.endswith("_triton") and inspect.isfunction(obj)]
+    targets = [
+        (test_module, name)
+        for name, obj in vars(test_module).items()
+        if name.endswith("_triton") and inspect.isfunction(obj)
+    ]
     for mod_name in TRITON_MODULES:
         mod = sys.modules[f"pkgd_kernels.{mod_name}"]
-        targets += [(mod, name) for name, obj in vars(mod).items()
-                    if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == mod.__name__]
+        targets += [
+            (mod, name)
+            for name, obj in vars(mod).items()
+            if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == mod.__name__
+        ]
     for owner, name in targets:
         monkeypatch.setattr(owner, name, _on_device(getattr(owner, name), device))
 

@@ -29,8 +29,7 @@ class PagedBatch:
 
     @property
     def prefill_args(self) -> tuple:
-        return (self.query, self.key_cache, self.value_cache, self.block_tables,
-                self.query_start_loc, self.seq_lens)
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.query_start_loc, self.seq_lens)
 
 
 def make_batch(
@@ -75,9 +74,15 @@ def make_batch(
         starts.append(starts[-1] + q)
     query = torch.randn(starts[-1], num_heads, head_dim, generator=generator).to(dtype)
     return PagedBatch(
-        query, key_cache, value_cache, block_tables,
-        torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
-        keys, values, list(q_lens),
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
+        keys,
+        values,
+        list(q_lens),
     )
 
 

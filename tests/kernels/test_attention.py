@@ -40,11 +40,16 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
-def test_decode_reference_matches_dense_attention(
-    generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size
-):
-    batch = make_batch(generator, seq_lens, [1] * len(seq_lens), num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+def test_decode_reference_matches_dense_attention(generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size):
+    batch = make_batch(
+        generator,
+        seq_lens,
+        [1] * len(seq_lens),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
     # The empty slot has no query row in the naive sum; the reference gives zeros there.
     batch.q_lens = [1 if n else 0 for n in seq_lens]
     scale = head_dim**-0.5
@@ -68,25 +73,37 @@ def _drop_empty(batch):
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim,block_size", DECODE_CASES)
 @pytest.mark.parametrize("partition_size", [None, 16])
 def test_decode_triton_matches_reference(
-    triton_interpreter, generator, seq_lens, num_heads, num_kv_heads, head_dim, block_size,
+    triton_interpreter,
+    generator,
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
     partition_size,
 ):
     from pkgd_kernels import attention_decode_triton
 
-    batch = make_batch(generator, seq_lens, [1] * len(seq_lens), num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    batch = make_batch(
+        generator,
+        seq_lens,
+        [1] * len(seq_lens),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
     scale = head_dim**-0.5
     want = paged_attention_decode_ref(*batch.decode_args, scale)
     out = torch.empty_like(batch.query)
-    attention_decode_triton.launch_decode(
-        *batch.decode_args, scale, out, partition_size=partition_size, block_n=16
-    )
+    attention_decode_triton.launch_decode(*batch.decode_args, scale, out, partition_size=partition_size, block_n=16)
     torch.testing.assert_close(out, want, **KERNEL)
 
 
 def test_decode_triton_public_function_fp16(triton_interpreter, generator):
-    batch = make_batch(generator, [20, 3, 11], [1, 1, 1], num_heads=4, num_kv_heads=2,
-                       head_dim=16, block_size=4, dtype=torch.float16)
+    batch = make_batch(
+        generator, [20, 3, 11], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16
+    )
     got = paged_attention_decode_triton(*batch.decode_args, 0.25)
     want = paged_attention_decode_ref(*batch.decode_args, 0.25)
     assert got.dtype == torch.float16
@@ -94,8 +111,7 @@ def test_decode_triton_public_function_fp16(triton_interpreter, generator):
 
 
 def test_decode_dispatcher_on_cpu_runs_the_cpu_form(generator):
-    batch = zero_padding(make_batch(generator, [4, 9], [1, 1], num_heads=2, num_kv_heads=1,
-                                    head_dim=8, block_size=4))
+    batch = zero_padding(make_batch(generator, [4, 9], [1, 1], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4))
     got = paged_attention_decode(*batch.decode_args, 0.5)
     assert torch.equal(got, K.paged_attention_decode_cpu(*batch.decode_args, 0.5))
     torch.testing.assert_close(got, paged_attention_decode_ref(*batch.decode_args, 0.5), **CPU_FORM)
@@ -112,65 +128,83 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size",
-                         PREFILL_CASES)
+@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size", PREFILL_CASES)
 def test_prefill_reference_matches_dense_causal_attention(
     generator, seq_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size
 ):
-    batch = make_batch(generator, seq_lens, q_lens, num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    batch = make_batch(
+        generator,
+        seq_lens,
+        q_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
     scale = head_dim**-0.5
     got = paged_attention_prefill_ref(*batch.prefill_args, scale)
     torch.testing.assert_close(got.double(), dense_causal_attention(batch, scale), **NAIVE)
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size",
-                         PREFILL_CASES)
+@pytest.mark.parametrize("seq_lens,q_lens,num_heads,num_kv_heads,head_dim,block_size", PREFILL_CASES)
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16)])
 def test_prefill_triton_matches_reference(
-    triton_interpreter, generator, seq_lens, q_lens, num_heads, num_kv_heads, head_dim,
-    block_size, block_m, block_n,
+    triton_interpreter,
+    generator,
+    seq_lens,
+    q_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    block_m,
+    block_n,
 ):
     from pkgd_kernels import attention_prefill_triton
 
-    batch = make_batch(generator, seq_lens, q_lens, num_heads=num_heads,
-                       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    batch = make_batch(
+        generator,
+        seq_lens,
+        q_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
     scale = head_dim**-0.5
     want = paged_attention_prefill_ref(*batch.prefill_args, scale)
     out = torch.full_like(batch.query, float("nan"))
-    attention_prefill_triton.launch_prefill(
-        *batch.prefill_args, scale, out, block_m=block_m, block_n=block_n
-    )
+    attention_prefill_triton.launch_prefill(*batch.prefill_args, scale, out, block_m=block_m, block_n=block_n)
     torch.testing.assert_close(out, want, **KERNEL)
 
 
 def test_prefill_triton_public_function_fp16(triton_interpreter, generator):
-    batch = make_batch(generator, [24, 6], [10, 6], num_heads=4, num_kv_heads=2, head_dim=16,
-                       block_size=4, dtype=torch.float16)
+    batch = make_batch(
+        generator, [24, 6], [10, 6], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16
+    )
     got = paged_attention_prefill_triton(*batch.prefill_args, 0.25)
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got, paged_attention_prefill_ref(*batch.prefill_args, 0.25),
-                               atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(got, paged_attention_prefill_ref(*batch.prefill_args, 0.25), atol=2e-3, rtol=1e-2)
 
 
 def test_prefill_with_one_token_each_equals_decode(generator):
-    batch = make_batch(generator, [3, 14, 8], [1, 1, 1], num_heads=4, num_kv_heads=2,
-                       head_dim=8, block_size=4)
-    torch.testing.assert_close(paged_attention_prefill_ref(*batch.prefill_args, 0.3),
-                               paged_attention_decode_ref(*batch.decode_args, 0.3), **KERNEL)
+    batch = make_batch(generator, [3, 14, 8], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
+    torch.testing.assert_close(
+        paged_attention_prefill_ref(*batch.prefill_args, 0.3),
+        paged_attention_decode_ref(*batch.decode_args, 0.3),
+        **KERNEL,
+    )
 
 
 def test_prefill_dispatcher_on_cpu_runs_the_cpu_form(generator):
-    batch = zero_padding(make_batch(generator, [6, 9], [6, 2], num_heads=2, num_kv_heads=1,
-                                    head_dim=8, block_size=4))
+    batch = zero_padding(make_batch(generator, [6, 9], [6, 2], num_heads=2, num_kv_heads=1, head_dim=8, block_size=4))
     got = paged_attention_prefill(*batch.prefill_args, 0.5)
     assert torch.equal(got, K.paged_attention_prefill_cpu(*batch.prefill_args, 0.5))
     torch.testing.assert_close(got, paged_attention_prefill_ref(*batch.prefill_args, 0.5), **CPU_FORM)
 
 
 def _small(generator):
-    return make_batch(generator, [5, 3], [2, 3], num_heads=4, num_kv_heads=2, head_dim=8,
-                      block_size=4)
+    return make_batch(generator, [5, 3], [2, 3], num_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
 
 
 _SHAPE_ERRORS = [
@@ -189,8 +223,14 @@ _SHAPE_ERRORS = [
 @pytest.mark.parametrize("op", [paged_attention_decode_ref, paged_attention_decode_triton])
 def test_decode_bad_shapes_raise(generator, op, mutate, message):
     batch = _small(generator)
-    args = dict(query=batch.query[:2], key_cache=batch.key_cache, value_cache=batch.value_cache,
-                block_tables=batch.block_tables, seq_lens=batch.seq_lens, scale=0.5)
+    args = dict(
+        query=batch.query[:2],
+        key_cache=batch.key_cache,
+        value_cache=batch.value_cache,
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        scale=0.5,
+    )
     mutate(args)
     with pytest.raises(ValueError, match=message):
         op(**args)
@@ -207,8 +247,10 @@ def test_decode_bad_shapes_raise(generator, op, mutate, message):
 @pytest.mark.parametrize("op", [paged_attention_prefill_ref, paged_attention_prefill_triton])
 def test_prefill_bad_shapes_raise(generator, op, mutate, message):
     batch = _small(generator)
-    args = dict(zip(["query", "key_cache", "value_cache", "block_tables", "query_start_loc",
-                     "seq_lens"], batch.prefill_args), scale=0.5)
+    args = dict(
+        zip(["query", "key_cache", "value_cache", "block_tables", "query_start_loc", "seq_lens"], batch.prefill_args),
+        scale=0.5,
+    )
     mutate(args)
     with pytest.raises(ValueError, match=message):
         op(**args)
@@ -243,19 +285,15 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_triton_accepts_strided_metadata(triton_interpreter, generator):
-    batch = make_batch(generator, [9, 20, 4], [3, 1, 4], num_heads=4, num_kv_heads=2,
-                       head_dim=16, block_size=4)
+    batch = make_batch(generator, [9, 20, 4], [3, 1, 4], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     want = paged_attention_prefill_ref(*batch.prefill_args, 0.25)
     q, kc, vc, bt, qsl, lens = batch.prefill_args
-    got = paged_attention_prefill_triton(q, kc, vc, _strided(bt), _strided(qsl), _strided(lens),
-                                         0.25)
+    got = paged_attention_prefill_triton(q, kc, vc, _strided(bt), _strided(qsl), _strided(lens), 0.25)
     torch.testing.assert_close(got, want, **KERNEL)
-    decode = make_batch(generator, [9, 20, 4], [1, 1, 1], num_heads=4, num_kv_heads=2,
-                        head_dim=16, block_size=4)
+    decode = make_batch(generator, [9, 20, 4], [1, 1, 1], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     q, kc, vc, bt, lens = decode.decode_args
     got = paged_attention_decode_triton(q, kc, vc, _strided(bt), _strided(lens), 0.25)
-    torch.testing.assert_close(got, paged_attention_decode_ref(*decode.decode_args, 0.25),
-                               **KERNEL)
+    torch.testing.assert_close(got, paged_attention_decode_ref(*decode.decode_args, 0.25), **KERNEL)
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
@@ -285,9 +323,13 @@ def test_steps_through_the_cache_match_one_dense_pass(request, generator, impl):
         pos = torch.cat([torch.arange(a, b) for a, b in spans])
         seq = torch.cat([torch.full((b - a,), s) for s, (a, b) in enumerate(spans)])
         slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
-        cache_op(torch.cat([k[s][a:b] for s, (a, b) in enumerate(spans)]),
-                 torch.cat([v[s][a:b] for s, (a, b) in enumerate(spans)]),
-                 key_cache, value_cache, slots)
+        cache_op(
+            torch.cat([k[s][a:b] for s, (a, b) in enumerate(spans)]),
+            torch.cat([v[s][a:b] for s, (a, b) in enumerate(spans)]),
+            key_cache,
+            value_cache,
+            slots,
+        )
         query = torch.cat([q[s][a:b] for s, (a, b) in enumerate(spans)])
         seq_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
         if step < 2:
@@ -305,8 +347,7 @@ def test_steps_through_the_cache_match_one_dense_pass(request, generator, impl):
         keys, values = k[s].repeat_interleave(group, 1), v[s].repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[s], keys) * scale
         causal = torch.ones(lengths[s], lengths[s], dtype=torch.bool).tril()
-        want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, -torch.inf).softmax(-1),
-                            values)
+        want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, -torch.inf).softmax(-1), values)
         torch.testing.assert_close(outputs[s], want, **NAIVE)
 
 

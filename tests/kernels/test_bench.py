@@ -7,10 +7,36 @@ import pytest
 
 from pkgd_kernels import bench
 
-TINY = ["--device", "cpu", "--dtype", "float32", "--num-seqs", "2", "--context-len", "40",
-        "--num-prompts", "2", "--prompt-len", "20", "--num-tokens", "8", "--num-heads", "4",
-        "--num-kv-heads", "2", "--head-dim", "16", "--hidden", "64", "--intermediate", "96",
-        "--vocab", "300", "--threads", "1"]
+TINY = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--num-seqs",
+    "2",
+    "--context-len",
+    "40",
+    "--num-prompts",
+    "2",
+    "--prompt-len",
+    "20",
+    "--num-tokens",
+    "8",
+    "--num-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "96",
+    "--vocab",
+    "300",
+    "--threads",
+    "1",
+]
 
 
 def _rows(text: str) -> dict[str, list[str]]:

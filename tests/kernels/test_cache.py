@@ -42,12 +42,8 @@ def test_reference_matches_per_token_loop(generator, block_size):
     "block_size,num_kv_heads,head_dim",
     [(1, 1, 16), (4, 3, 24), (16, 2, 64), (8, 5, 6)],
 )
-def test_triton_matches_reference(
-    triton_interpreter, generator, block_size, num_kv_heads, head_dim
-):
-    key, value, key_cache, value_cache, slots = _inputs(
-        generator, 9, 10, block_size, num_kv_heads, head_dim
-    )
+def test_triton_matches_reference(triton_interpreter, generator, block_size, num_kv_heads, head_dim):
+    key, value, key_cache, value_cache, slots = _inputs(generator, 9, 10, block_size, num_kv_heads, head_dim)
     want_k, want_v = key_cache.clone(), value_cache.clone()
     reshape_and_cache_ref(key, value, want_k, want_v, slots)
     reshape_and_cache_triton(key, value, key_cache, value_cache, slots)
@@ -59,9 +55,7 @@ def test_triton_head_tiles_and_strided_inputs(triton_interpreter, generator, blo
     """Keys/values as views into one fused QKV row (strided), heads split over several tiles."""
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 6, 4, 3, 8, 4
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
-    _, key, value = qkv.split(
-        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
-    )
+    _, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     key = key.view(num_tokens, num_kv_heads, head_dim)
     value = value.view(num_tokens, num_kv_heads, head_dim)
     # A cache that is a non-contiguous slice of a joint [num_blocks, 2, ...] allocation.
@@ -72,9 +66,7 @@ def test_triton_head_tiles_and_strided_inputs(triton_interpreter, generator, blo
     reshape_and_cache_ref(key, value, want[:, 0], want[:, 1], slots)
     from pkgd_kernels import cache_triton
 
-    cache_triton.launch_reshape_and_cache(
-        key, value, key_cache, value_cache, slots, block_h=block_h, block_d=8
-    )
+    cache_triton.launch_reshape_and_cache(key, value, key_cache, value_cache, slots, block_h=block_h, block_d=8)
     assert torch.equal(joint, want)
 
 
@@ -100,9 +92,7 @@ def test_dispatcher_on_cpu_runs_reference(generator):
 @pytest.mark.parametrize("op", [reshape_and_cache_ref, reshape_and_cache_triton])
 def test_bad_shapes_raise_and_write_nothing(generator, op, mutate, message):
     key, value, key_cache, value_cache, slots = _inputs(generator, 4, 2, 4, 2, 4)
-    args = dict(
-        key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots
-    )
+    args = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slots)
     mutate(args)
     with pytest.raises(ValueError, match=message):
         op(**args)

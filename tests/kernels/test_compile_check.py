@@ -18,16 +18,35 @@ def test_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     result = subprocess.run(
-        [sys.executable, "-m", "pkgd_kernels.compile_check", "--arch", "90",
-         "--dtype", "bfloat16", "--dtype", "float32", "--head-dim", "64"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pkgd_kernels.compile_check",
+            "--arch",
+            "90",
+            "--dtype",
+            "bfloat16",
+            "--dtype",
+            "float32",
+            "--head-dim",
+            "64",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     compiled = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
     kernels = {line.split()[2] for line in compiled}
     assert kernels == {
-        "_reshape_and_cache_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel",
-        "_rotary_kernel", "_decode_kernel", "_reduce_kernel", "_prefill_kernel",
+        "_reshape_and_cache_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+        "_rotary_kernel",
+        "_decode_kernel",
+        "_reduce_kernel",
+        "_prefill_kernel",
         "_top_k_top_p_kernel",
     }
     assert "0 failure(s)" in result.stdout

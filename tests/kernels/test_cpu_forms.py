@@ -26,10 +26,14 @@ PREFILL_CASES = [([12, 7, 20], [5, 7, 1], 6, 2, 16, 4), ([7, 20, 5, 16], [7, 5, 
 def test_decode_cpu_matches_the_reference(generator, monkeypatch, seq_lens, hq, hkv, d, bs, chunk_bytes):
     if chunk_bytes:
         monkeypatch.setattr(attention_cpu, "DECODE_CHUNK_BYTES", chunk_bytes)
-    b = zero_padding(make_batch(generator, seq_lens, [1] * len(seq_lens), num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs))
+    b = zero_padding(
+        make_batch(generator, seq_lens, [1] * len(seq_lens), num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs)
+    )
     want = K.paged_attention_decode_ref(*b.decode_args, 0.3)
     torch.testing.assert_close(K.paged_attention_decode_cpu(*b.decode_args, 0.3), want, **CLOSE)
-    plan = attention_cpu.plan_decode(b.block_tables, seq_lens, bs, attention_cpu.kv_bytes_per_token(b.query, b.key_cache))
+    plan = attention_cpu.plan_decode(
+        b.block_tables, seq_lens, bs, attention_cpu.kv_bytes_per_token(b.query, b.key_cache)
+    )
     if chunk_bytes and hkv == 2:
         assert len(plan) > 2 and plan[-1].seq_end == len(seq_lens)
     torch.testing.assert_close(K.paged_attention_decode_cpu(*b.decode_args, 0.3, plan=plan), want, **CLOSE)
@@ -63,7 +67,11 @@ def test_a_16_bit_cache_under_float32_queries(generator, cache_dtype):
 
 def test_reshape_and_cache_cpu_matches_the_reference_and_skips_negative_slots(generator):
     caches = [torch.zeros(4, 4, 2, 16) for _ in range(4)]
-    k, v, slots = torch.randn(3, 2, 16, generator=generator), torch.randn(3, 2, 16, generator=generator), torch.tensor([5, -1, 9])
+    k, v, slots = (
+        torch.randn(3, 2, 16, generator=generator),
+        torch.randn(3, 2, 16, generator=generator),
+        torch.tensor([5, -1, 9]),
+    )
     K.reshape_and_cache_cpu(k, v, caches[0], caches[1], slots)
     K.reshape_and_cache_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

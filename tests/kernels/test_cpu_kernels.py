@@ -19,6 +19,7 @@ from pkgd_kernels.cpu import build
 def _build(cache_dir):
     return build.build(cpu.KERNELS, cache_dir)
 
+
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
@@ -180,7 +181,10 @@ def test_a_cut_short_library_is_rebuilt_not_loaded(tmp_path, damage):
         path.write_bytes(whole[: len(whole) // 3])
     else:
         (tmp_path / (path.name + ".sha256")).unlink()
-    code = "import sys; from pathlib import Path; from pkgd_kernels import cpu; print(cpu.load(Path(sys.argv[1])).num_threads())"
+    code = (
+        "import sys; from pathlib import Path; from pkgd_kernels import cpu; "
+        "print(cpu.load(Path(sys.argv[1])).num_threads())"
+    )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert path.read_bytes() == whole or len(path.read_bytes()) > len(whole) // 2
@@ -196,7 +200,10 @@ def test_the_library_is_built_in_the_callers_directory(tmp_path):
 
 def test_a_failed_build_says_why_and_writes_nothing(tmp_path, monkeypatch):
     script = tmp_path / "cc"
-    script.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fakecc 1.0; exit 0; fi\necho 'kernels.c:1: error: nope' >&2\nexit 1\n")
+    script.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo fakecc 1.0; exit 0; fi\n'
+        "echo 'kernels.c:1: error: nope' >&2\nexit 1\n"
+    )
     script.chmod(0o755)
     monkeypatch.setenv("CC", str(script))
     out = tmp_path / "cache"
@@ -235,7 +242,10 @@ def test_a_library_of_another_abi_is_rebuilt_and_one_that_disagrees_is_refused(t
     except cpu.CpuKernelsUnavailable as e:
         pytest.skip(str(e))
     stale = dataclasses.replace(cpu.KERNELS, abi_version=cpu.KERNELS.abi_version + 1)
-    with pytest.raises(cpu.CpuKernelsUnavailable, match=rf"has ABI {cpu.KERNELS.abi_version}, its bindings expect {cpu.KERNELS.abi_version + 1}"):
+    with pytest.raises(
+        cpu.CpuKernelsUnavailable,
+        match=rf"has ABI {cpu.KERNELS.abi_version}, its bindings expect {cpu.KERNELS.abi_version + 1}",
+    ):
         build.open_library.__wrapped__(stale, tmp_path)
     assert path.exists()  # the wrong one was removed and built again (then still refused)
 
@@ -287,7 +297,9 @@ def test_bf16_gemv_reads_the_onednn_packing_by_each_path(bf16_impl, n, k, m, x_d
         tol = 1e-4 * k**0.5 if x_dtype == torch.float32 else 1e-2
         torch.testing.assert_close(outs[impl].float(), want.float(), atol=tol, rtol=tol)
     ids = torch.randint(0, n, (9,), generator=g)
-    assert torch.equal(kernels.gather_packed(view, ids), w[ids]) and torch.equal(pk.gather_packed_ref(view, ids), w[ids])
+    assert torch.equal(kernels.gather_packed(view, ids), w[ids]) and torch.equal(
+        pk.gather_packed_ref(view, ids), w[ids]
+    )
 
 
 def test_the_bf16_path_is_chosen_by_the_cpu_and_a_missing_one_refused(kernels):

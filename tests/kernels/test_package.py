@@ -19,15 +19,19 @@ def _positional(f) -> list[str]:
 
 
 def test_every_op_has_its_forms_with_one_signature():
-    for op, suffixes in [*((op, ("", "_ref", "_cpu", "_triton")) for op in pkgd_kernels.OPS),
-                         *((op, ("", "_ref")) for op in pkgd_kernels.CPU_OPS)]:
+    for op, suffixes in [
+        *((op, ("", "_ref", "_cpu", "_triton")) for op in pkgd_kernels.OPS),
+        *((op, ("", "_ref")) for op in pkgd_kernels.CPU_OPS),
+    ]:
         forms = [getattr(pkgd_kernels, op + suffix) for suffix in suffixes]
         signatures = {tuple(_positional(f)) for f in forms}
         assert len(signatures) == 1, f"{op}: {signatures}"
         assert all(f.__doc__ for f in forms), op
         # only the dispatcher adds options, all keyword-only with defaults
         for f in forms[1:]:
-            assert not any(p.kind == p.KEYWORD_ONLY for p in inspect.signature(f).parameters.values()) or f.__name__.endswith("_cpu"), f
+            assert not any(
+                p.kind == p.KEYWORD_ONLY for p in inspect.signature(f).parameters.values()
+            ) or f.__name__.endswith("_cpu"), f
 
 
 def test_every_c_form_is_a_method_of_the_kernels_handle_with_the_ops_signature():
@@ -43,8 +47,7 @@ def test_every_c_form_is_a_method_of_the_kernels_handle_with_the_ops_signature()
 
 def test_import_does_not_load_triton():
     code = "import sys, pkgd_kernels; print('triton' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
@@ -58,8 +61,7 @@ K.silu_and_mul(x)
 K.top_k_top_p_mask(x, torch.zeros(3, dtype=torch.int32), torch.ones(3))
 print('triton' in sys.modules)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
 
@@ -70,17 +72,13 @@ def _empty_calls(ops):
     cache = torch.zeros(2, 4, 2, 8)
     no_tokens = torch.zeros(0, dtype=torch.int64)
     return [
-        ops("reshape_and_cache")(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), cache, cache.clone(),
-                                 no_tokens),
-        ops("rotary_embedding")(no_tokens, torch.zeros(0, 16), torch.zeros(0, 8), 8,
-                                torch.zeros(4, 8), True),
+        ops("reshape_and_cache")(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8), cache, cache.clone(), no_tokens),
+        ops("rotary_embedding")(no_tokens, torch.zeros(0, 16), torch.zeros(0, 8), 8, torch.zeros(4, 8), True),
         ops("silu_and_mul")(torch.zeros(0, 8)),
         ops("rms_norm")(torch.zeros(0, 8), torch.ones(8), 1e-6),
         ops("fused_add_rms_norm")(torch.zeros(0, 8), torch.zeros(0, 8), torch.ones(8), 1e-6),
-        ops("top_k_top_p_mask")(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int32),
-                                torch.zeros(0)),
-        ops("top_k_top_p_mask")(torch.zeros(2, 0), torch.ones(2, dtype=torch.int32),
-                                torch.full((2,), 0.5)),
+        ops("top_k_top_p_mask")(torch.zeros(0, 8), torch.zeros(0, dtype=torch.int32), torch.zeros(0)),
+        ops("top_k_top_p_mask")(torch.zeros(2, 0), torch.ones(2, dtype=torch.int32), torch.full((2,), 0.5)),
     ]
 
 

@@ -44,8 +44,10 @@ def _raw(qtype: str, n: int, k: int, seed: int, kind: str = "quantized") -> np.n
     qt = QTYPES[qtype]
     nb = k // BLOCK[qt]
     b = rng.integers(0, 256, (n, nb, GGUF_BLOCK_BYTES[qt]), dtype=np.uint8)
+
     def scale():
         return (rng.standard_normal((n, nb)) * 0.02).astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+
     offsets = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[qtype]
     for o in offsets:
         b[..., o : o + 2] = scale()
@@ -75,8 +77,12 @@ def test_packing_keeps_the_gguf_values_bit_for_bit(qtype, kind):
 
 def test_segments_of_several_types_and_padding_rows():
     k = 256
-    parts = [("Q4_1", _raw("Q4_1", 32, k, 2)), ("Q4_1", _raw("Q4_1", 16, k, 3)), ("Q6_K", _raw("Q6_K", 16, k, 4)),
-             ("Q8_0", _raw("Q8_0", 7, k, 5))]
+    parts = [
+        ("Q4_1", _raw("Q4_1", 32, k, 2)),
+        ("Q4_1", _raw("Q4_1", 16, k, 3)),
+        ("Q6_K", _raw("Q6_K", 16, k, 4)),
+        ("Q8_0", _raw("Q8_0", 7, k, 5)),
+    ]
     w = _weight(parts, k)
     assert [s.qtype for s in w.segments] == [QTYPES[t] for t in ("Q4_1", "Q6_K", "Q8_0")]  # same-type parts merged
     assert (w.n, w.rows) == (71, 80)
@@ -192,7 +198,13 @@ def test_the_best_path_is_chosen_and_unavailable_ones_refused(kernels):
             if line.startswith("flags"):
                 flags = set(line.partition(":")[2].split())
                 break
-    want = "vnni512" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+    want = (
+        "vnni512"
+        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+        else "avx2"
+        if {"avx2", "fma", "f16c"} <= flags
+        else "scalar"
+    )
     if flags:
         assert q.best_impl == want
     assert q.available_impls()[0] == "scalar" and q.available_impls()[-1] == q.best_impl

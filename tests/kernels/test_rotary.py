@@ -116,8 +116,12 @@ def test_dispatcher_on_cpu_runs_the_reference(generator):
 )
 def test_bad_inputs_raise(op, change, message):
     args = dict(
-        positions=torch.zeros(3, dtype=torch.int64), query=torch.zeros(3, 16),
-        key=torch.zeros(3, 8), head_size=8, cos_sin_cache=torch.zeros(32, 8), is_neox=True,
+        positions=torch.zeros(3, dtype=torch.int64),
+        query=torch.zeros(3, 16),
+        key=torch.zeros(3, 8),
+        head_size=8,
+        cos_sin_cache=torch.zeros(32, 8),
+        is_neox=True,
     )
     args.update(change)
     with pytest.raises(ValueError, match=message):
@@ -126,6 +130,4 @@ def test_bad_inputs_raise(op, change, message):
 
 def test_reference_rejects_positions_outside_the_table():
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 32\), got 32"):
-        rotary_embedding_ref(
-            torch.tensor([0, 32]), torch.zeros(2, 8), torch.zeros(2, 8), 8, torch.zeros(32, 8), True
-        )
+        rotary_embedding_ref(torch.tensor([0, 32]), torch.zeros(2, 8), torch.zeros(2, 8), 8, torch.zeros(32, 8), True)

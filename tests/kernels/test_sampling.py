@@ -117,16 +117,19 @@ def test_triton_public_function_on_strided_rows(triton_interpreter, generator):
 
 def test_dispatcher_on_cpu_runs_the_reference(generator):
     logits, top_k, top_p = _batch(_rows(generator))
-    assert torch.equal(top_k_top_p_mask(logits, top_k, top_p),
-                       top_k_top_p_mask_ref(logits, top_k, top_p))
+    assert torch.equal(top_k_top_p_mask(logits, top_k, top_p), top_k_top_p_mask_ref(logits, top_k, top_p))
 
 
 @pytest.mark.parametrize("op", [top_k_top_p_mask_ref, top_k_top_p_mask_triton])
 @pytest.mark.parametrize(
     "logits,top_k,top_p,message",
     [
-        (torch.zeros(2, 5, dtype=torch.float16), torch.zeros(2, dtype=torch.int32),
-         torch.ones(2), "logits must be float32"),
+        (
+            torch.zeros(2, 5, dtype=torch.float16),
+            torch.zeros(2, dtype=torch.int32),
+            torch.ones(2),
+            "logits must be float32",
+        ),
         (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int64), torch.ones(2), "top_k must be int"),
         (torch.zeros(2, 5), torch.zeros(3, dtype=torch.int32), torch.ones(2), "top_k must have"),
         (torch.zeros(2, 5), torch.zeros(2, dtype=torch.int32), torch.ones(2, 1), "top_p must have"),

@@ -16,8 +16,13 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(runner_factory=fake_factory(vocab_size=49152), tokenizer=str(smollm2_gguf()),
-               num_blocks=64, block_size=16, max_model_len=256)
+    return LLM(
+        runner_factory=fake_factory(vocab_size=49152),
+        tokenizer=str(smollm2_gguf()),
+        num_blocks=64,
+        block_size=16,
+        max_model_len=256,
+    )
 
 
 def test_outputs_come_back_in_input_order(llm):
@@ -31,10 +36,15 @@ def test_outputs_come_back_in_input_order(llm):
 
 def test_single_token_id_prompt_and_prompt_dicts(llm):
     (a,) = llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    b, c = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt": "Hello"}],
-                        SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    b, c = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}, {"prompt": "Hello"}],
+        SamplingParams(temperature=0, max_tokens=3),
+        use_tqdm=False,
+    )
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert c.prompt == "Hello" and c.outputs[0].text == llm.tokenizer.decode(c.outputs[0].token_ids, skip_special_tokens=True)
+    assert c.prompt == "Hello" and c.outputs[0].text == llm.tokenizer.decode(
+        c.outputs[0].token_ids, skip_special_tokens=True
+    )
 
 
 def test_bad_prompt_fails_before_anything_is_queued(llm):
@@ -108,10 +118,13 @@ def test_start_up_lines_go_to_stderr_not_stdout():
     import subprocess
     import sys
 
-    code = (f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'engine')!r}); from fake_runner import fake_factory; "
-            f"from pkgd import LLM, phases; LLM(runner_factory=fake_factory(vocab_size=49152), tokenizer={str(smollm2_gguf())!r}, "
-            "num_blocks=8, block_size=16, max_model_len=64)\n"
-            "with phases.phase('load_weights', 'loading'): pass\nprint('result')")
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'tests' / 'engine')!r}); from fake_runner import fake_factory; "
+        "from pkgd import LLM, phases; LLM(runner_factory=fake_factory(vocab_size=49152), "
+        f"tokenizer={str(smollm2_gguf())!r}, "
+        "num_blocks=8, block_size=16, max_model_len=64)\n"
+        "with phases.phase('load_weights', 'loading'): pass\nprint('result')"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "result\n" and '"event": "model_phase"' in r.stderr

@@ -53,7 +53,9 @@ class Driver:
             r.blocks += fresh
             sched[r.req_id] = n
             if not r.sent:
-                new.append(NewRequestData(r.req_id, r.prompt, list(r.outputs), r.params, list(r.blocks), r.num_computed))
+                new.append(
+                    NewRequestData(r.req_id, r.prompt, list(r.outputs), r.params, list(r.blocks), r.num_computed)
+                )
                 r.sent = True
             else:
                 cached.req_ids.append(r.req_id)

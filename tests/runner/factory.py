@@ -17,7 +17,9 @@ def make_runner(model_dir, *, cpu_kernels=None, **model_kw):
     from pkgd.runner.model_runner import ModelRunner
 
     enabled = C_KERNELS["enabled"] if cpu_kernels is None else cpu_kernels
-    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32", **model_kw}, parallel={"cpu_kernels": enabled})
+    cfg = VllmConfig(
+        model={"source": str(model_dir), "dtype": "float32", **model_kw}, parallel={"cpu_kernels": enabled}
+    )
     return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
 
 

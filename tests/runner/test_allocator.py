@@ -30,7 +30,9 @@ print(applied, mmapped)
 def test_threshold_stays_fixed_so_freed_blocks_go_back():
     def probe(mode):
         env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-        return subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, env=env).stdout.split()
+        return subprocess.run(
+            [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True, env=env
+        ).stdout.split()
 
     assert probe("default") == ["None", "False"]  # glibc's dynamic threshold: heap
     assert probe("tune") == ["True", "True"]
@@ -135,13 +137,18 @@ def test_the_runner_leaves_pages_alone_with_cpu_huge_pages_off(tiny_dirs, monkey
     calls, lazy = [], []
     monkeypatch.setattr(model_runner, "collapse_to_huge_pages", lambda spans: calls.append(spans) or 0)
     real_lazy = model_runner.lazy_zeroed_buffers
-    monkeypatch.setattr(model_runner, "lazy_zeroed_buffers",
-                        lambda sizes, **kw: lazy.append(kw.get("huge_pages", True)) or real_lazy(sizes, **kw))
+    monkeypatch.setattr(
+        model_runner,
+        "lazy_zeroed_buffers",
+        lambda sizes, **kw: lazy.append(kw.get("huge_pages", True)) or real_lazy(sizes, **kw),
+    )
     model_dir, _ = tiny_dirs("llama")
     runner = make_runner(model_dir)
     assert calls  # on by default: the weights
     calls.clear()
-    runner.config = runner.config.model_copy(update={"parallel": runner.config.parallel.model_copy(update={"cpu_huge_pages": False})})
+    runner.config = runner.config.model_copy(
+        update={"parallel": runner.config.parallel.model_copy(update={"cpu_huge_pages": False})}
+    )
     runner.initialize_kv_cache(4, 16)
     assert calls == [] and lazy == [False]  # nor is the KV cache's mapping madvised
 

@@ -50,7 +50,15 @@ def test_layer_entry_point_mixed_batch_writes_cache_and_attends(cpu_path):
     for s in range(3):
         for p in range(seq_lens[s] - q_lens[s], seq_lens[s]):
             slots.append(rows[s][p // BS] * BS + p % BS)
-    meta = A.AttentionMetadata.build(query_lens=q_lens, seq_lens=seq_lens, block_table_rows=rows, slot_mapping=torch.tensor(slots), block_size=BS, kv_bytes_per_token=2 * HKV * D * 4, device=torch.device("cpu"))
+    meta = A.AttentionMetadata.build(
+        query_lens=q_lens,
+        seq_lens=seq_lens,
+        block_table_rows=rows,
+        slot_mapping=torch.tensor(slots),
+        block_size=BS,
+        kv_bytes_per_token=2 * HKV * D * 4,
+        device=torch.device("cpu"),
+    )
     assert meta.num_decodes == 1 and [p.mask is None for p in meta.prefill_plan()] == [True, False]
     assert meta.decode_plan() is meta.decode_plan()  # built once a step, shared by every layer
     out = A.paged_attention(q, k, v, (kc, vc), meta, 0.2, cpu_path)
@@ -73,12 +81,21 @@ def test_decode_goes_through_the_c_kernel_when_loaded(cpu_path, monkeypatch):
     kc, vc, table, ks, vs = _setup(lens)
     rows = [[int(b) for b in table[s][: -(-n // BS)]] for s, n in enumerate(lens)]
     slots = torch.tensor([rows[s][(n - 1) // BS] * BS + (n - 1) % BS for s, n in enumerate(lens)])
-    meta = A.AttentionMetadata.build(query_lens=[1, 1], seq_lens=lens, block_table_rows=rows, slot_mapping=slots,
-                                     block_size=BS, kv_bytes_per_token=2 * HKV * D * 4, device=torch.device("cpu"))
+    meta = A.AttentionMetadata.build(
+        query_lens=[1, 1],
+        seq_lens=lens,
+        block_table_rows=rows,
+        slot_mapping=slots,
+        block_size=BS,
+        kv_bytes_per_token=2 * HKV * D * 4,
+        device=torch.device("cpu"),
+    )
     q, k, v = torch.randn(2, HQ, D), torch.randn(2, HKV, D), torch.randn(2, HKV, D)
     out = A.paged_attention(q, k, v, (kc, vc), meta, 0.25, cpu_path)
     assert len(calls) == (1 if cpu_path is not None else 0)
     assert (meta._decode_plan is None) == (cpu_path is not None)  # the PyTorch form's plan: built only for it
     for s, n in enumerate(lens):
         kk, vv = torch.cat([ks[s][: n - 1], k[s : s + 1]]), torch.cat([vs[s][: n - 1], v[s : s + 1]])
-        torch.testing.assert_close(out[s : s + 1], _dense_attention(q[s : s + 1], kk, vv, [n - 1], 0.25), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[s : s + 1], _dense_attention(q[s : s + 1], kk, vv, [n - 1], 0.25), atol=1e-5, rtol=1e-5
+        )

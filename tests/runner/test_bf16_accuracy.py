@@ -52,11 +52,18 @@ def test_bf16_agrees_with_float32_on_the_same_weights():
         tok = llms["float32"].get_tokenizer()
         prompts = [_chat_ids(tok, p) for p in PROMPTS]
         greedy = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-        outs = [o.outputs[0].token_ids for o in llms["float32"].generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+        outs = [
+            o.outputs[0].token_ids
+            for o in llms["float32"].generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        ]
         seqs = [p + list(o) for p, o in zip(prompts, outs)]
         forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-        lps = {d: [o.prompt_logprobs for o in llm.generate([{"prompt_token_ids": s} for s in seqs], forced, use_tqdm=False)]
-               for d, llm in llms.items()}
+        lps = {
+            d: [
+                o.prompt_logprobs for o in llm.generate([{"prompt_token_ids": s} for s in seqs], forced, use_tqdm=False)
+            ]
+            for d, llm in llms.items()
+        }
     finally:
         for llm in llms.values():
             llm.shutdown()

@@ -53,10 +53,12 @@ def _random_step(runner, seq_lens: list[int], seed: int):
 def _forward(model, ids, positions, caches, meta, fused: bool):
     step, calls = model.cpu_decode, []
     if fused:
+
         def counted(*a):
             out = step(*a)
             calls.append(out is not None)
             return out
+
         model.cpu_decode = counted
     else:
         model.cpu_decode = None
@@ -72,7 +74,9 @@ def _forward(model, ids, positions, caches, meta, fused: bool):
 # 1x37 and 61+3: few (sequence, KV head) pairs for the threads, so sequences are cut into
 # spans of blocks whose partial softmaxes are merged (3 tokens: one span left empty)
 @pytest.mark.parametrize(
-    "seq_lens", [[1], [9], [37], [61, 3], [5, 13, 2], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x1", "1x9", "1x37", "61+3", "3", "8"]
+    "seq_lens",
+    [[1], [9], [37], [61, 3], [5, 13, 2], [3, 40, 7, 1, 22, 16, 8, 30]],
+    ids=["1x1", "1x9", "1x37", "61+3", "3", "8"],
 )
 def test_one_call_step_matches_the_per_layer_forward(tiny_dirs, c_kernels, arch, threads, seq_lens):
     model_dir, _ = tiny_dirs(arch)
@@ -187,8 +191,11 @@ def _compare(runner, seq_lens, seed):
     got, calls = _forward(model, ids, positions, runner.kv_caches, meta, fused=True)
     assert calls == [True] and got.dtype == ref.dtype == model.dtype
     hidden = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-    cache = max(((c.float() - rc.float()).abs().max() / rc.float().abs().max()).item()
-                for kv, rkv in zip(runner.kv_caches, base) for c, rc in zip(kv, rkv))
+    cache = max(
+        ((c.float() - rc.float()).abs().max() / rc.float().abs().max()).item()
+        for kv, rkv in zip(runner.kv_caches, base)
+        for c, rc in zip(kv, rkv)
+    )
     return hidden, cache
 
 
@@ -196,7 +203,9 @@ def _compare(runner, seq_lens, seed):
 def test_16_bit_caches_under_a_float32_model(tiny_dirs, c_kernels, cache_dtype):
     model_dir, _ = tiny_dirs("qwen2")
     runner = make_runner(model_dir)
-    runner.config = runner.config.model_copy(update={"cache": runner.config.cache.model_copy(update={"cache_dtype": cache_dtype})})
+    runner.config = runner.config.model_copy(
+        update={"cache": runner.config.cache.model_copy(update={"cache_dtype": cache_dtype})}
+    )
     runner.kv_dtype = getattr(torch, cache_dtype)
     hidden, cache = _compare(runner, [5, 13, 2], seed=11)
     assert hidden <= 1e-5 and cache <= 1e-2  # the new K/V rounded to 16 bits on both paths

@@ -16,8 +16,14 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
 
 def _figures(batched: float, decode: float) -> dict[str, float]:
-    return {"batched_fp32_ms": 10.0, "batched_bf16_ms": 10.0 / batched, "batched_speedup": batched,
-            "decode_fp32_ms": 1.0, "decode_bf16_ms": 1.0 / decode, "decode_speedup": decode}
+    return {
+        "batched_fp32_ms": 10.0,
+        "batched_bf16_ms": 10.0 / batched,
+        "batched_speedup": batched,
+        "decode_fp32_ms": 1.0,
+        "decode_bf16_ms": 1.0 / decode,
+        "decode_speedup": decode,
+    }
 
 
 class Measure:
@@ -73,16 +79,24 @@ def test_explicit_dtypes_and_cuda_need_no_measurement():
 def test_the_choice_is_a_json_report():
     choice = D.choose_dtype("auto", "float32", "cpu", shapes=SHAPES, flags=AMX, measure=Measure(4.0, 1.5))
     report = choice.as_dict()
-    assert report["dtype"] == "bfloat16" and report["requested"] == "auto" and report["features"] == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert (
+        report["dtype"] == "bfloat16"
+        and report["requested"] == "auto"
+        and report["features"] == ["avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    )
     assert report["figures"]["decode_speedup"] == 1.5
 
 
 def test_layer_shapes_per_tensor_parallel_rank():
     from types import SimpleNamespace
 
-    arch = SimpleNamespace(head_dim=64, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    arch = SimpleNamespace(
+        head_dim=64, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3
+    )
     assert D.linear_shapes(arch) == SHAPES
-    arch = SimpleNamespace(head_dim=8, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    arch = SimpleNamespace(
+        head_dim=8, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+    )
     assert D.linear_shapes(arch, tp_size=2) == [(16 + 16, 64), (64, 16), (96, 64), (64, 48)]
 
 
@@ -111,5 +125,11 @@ def test_the_runner_logs_its_choice(tiny_dirs):
         runner = make_runner(model_dir, dtype="auto")
     (line,) = [e for e in logs if e["event"] == "dtype_choice"]
     assert line["dtype"] == str(runner.dtype).removeprefix("torch.") == runner.model_info.dtype
-    assert line["requested"] == "auto" and line["reason"] in ("no native bf16", "bf16 measured faster", "bf16 not faster enough")
-    assert runner.dtype_choice.as_dict() == {k: line[k] for k in ("dtype", "requested", "reason", "features", "figures")}
+    assert line["requested"] == "auto" and line["reason"] in (
+        "no native bf16",
+        "bf16 measured faster",
+        "bf16 not faster enough",
+    )
+    assert runner.dtype_choice.as_dict() == {
+        k: line[k] for k in ("dtype", "requested", "reason", "features", "figures")
+    }

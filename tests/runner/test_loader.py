@@ -191,7 +191,6 @@ def test_resolve_is_torch_free(tiny_dirs):
     assert proc.returncode == 0, proc.stderr
 
 
-
 def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):
     import shutil
 

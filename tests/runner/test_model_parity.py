@@ -92,7 +92,9 @@ def test_prefix_cache_hit_reads_shared_blocks(tiny_dirs):
     prefix = _prompt(4, 8)
     a, b = prefix + _prompt(5, 3), prefix + _prompt(6, 5)
     sp = SamplingParams(temperature=0.0, max_tokens=4)
-    so = SchedulerOutput([NewRequestData("a", a, [], sp, [0, 1, 2], 0)], CachedRequestData(), {"a": len(a)}, len(a), set())
+    so = SchedulerOutput(
+        [NewRequestData("a", a, [], sp, [0, 1, 2], 0)], CachedRequestData(), {"a": len(a)}, len(a), set()
+    )
     runner.execute_model(so)
     # b reuses blocks 0 and 1 (8 prefix tokens) and computes its 5 new tokens only
     so = SchedulerOutput([NewRequestData("b", b, [], sp, [0, 1, 5, 6], 8)], CachedRequestData(), {"b": 5}, 5, {"a"})

@@ -61,7 +61,9 @@ def test_normalise_and_matryoshka_dimensions(tiny_dirs):
     tokens = _prompts(1)[2]
     last = _hidden(hf, tokens)[-1]
     full, cut, raw = llm.embed(
-        [tokens] * 3, [PoolingParams(), PoolingParams(dimensions=16), PoolingParams(dimensions=16, normalize=False)], use_tqdm=False,
+        [tokens] * 3,
+        [PoolingParams(), PoolingParams(dimensions=16), PoolingParams(dimensions=16, normalize=False)],
+        use_tqdm=False,
     )
     assert (torch.tensor(full.outputs.embedding) - F.normalize(last, dim=0)).abs().max() <= TOL
     assert cut.outputs.hidden_size == 16  # truncated first, then normalised (vLLM's order)
@@ -75,7 +77,9 @@ def test_dimensions_refused_unless_the_model_is_matryoshka(tiny_dirs):
     with pytest.raises(ValueError, match="Matryoshka"):
         llm.embed([[1, 2, 3]], PoolingParams(dimensions=8), use_tqdm=False)
     with pytest.raises(ValueError, match="at most the model's hidden size 64"):
-        _llm(model_dir, **{"model.pooler.matryoshka": True}).embed([[1, 2]], PoolingParams(dimensions=65), use_tqdm=False)
+        _llm(model_dir, **{"model.pooler.matryoshka": True}).embed(
+            [[1, 2]], PoolingParams(dimensions=65), use_tqdm=False
+        )
 
 
 def test_batched_steps_and_prefix_cache(tiny_dirs):

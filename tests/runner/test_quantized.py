@@ -38,10 +38,27 @@ from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, Qu
 from pkgd.runner.loader.gguf_weights import choose_quantization
 from pkgd.sampling_params import SamplingParams
 
-LEGACY = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_0",
-          "ffn_up": "Q4_1", "ffn_down": "Q8_0", "token_embd": "Q8_0"}
-KQUANT = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
-          "ffn_up": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q4_K", "output": "Q8_0"}
+LEGACY = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_1",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_1",
+    "ffn_down": "Q8_0",
+    "token_embd": "Q8_0",
+}
+KQUANT = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q4_K",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q6_K",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q4_K",
+    "output": "Q8_0",
+}
 MODELS = {
     "legacy": ("llama-plain", {}, LEGACY),
     "kquant": ("qwen2", {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}, KQUANT),
@@ -68,8 +85,15 @@ def tiny_quantized(tmp_path_factory):
 def _runner(path, quantization="auto", **model_kw):
     from pkgd.runner.model_runner import ModelRunner
 
-    cfg = VllmConfig(model={"source": str(path), "cache_dir": str(path.parent / "cache"), "dtype": "float32",
-                            "quantization": quantization, **model_kw})
+    cfg = VllmConfig(
+        model={
+            "source": str(path),
+            "cache_dir": str(path.parent / "cache"),
+            "dtype": "float32",
+            "quantization": quantization,
+            **model_kw,
+        }
+    )
     return ModelRunner(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
 
 
@@ -132,8 +156,11 @@ def test_logits_match_the_dequantized_float_path_within_activation_rounding(tiny
             rounded = _all_position_logits(dequantized, seq)
         prefill = _all_position_logits(quantized, seq)
         worst = max(worst, float((decoded - want[len(prompt) - 1 :]).abs().max()), float((prefill - want).abs().max()))
-        rounded_worst = max(rounded_worst, float((decoded - rounded[len(prompt) - 1 :]).abs().max()),
-                            float((prefill - rounded).abs().max()))
+        rounded_worst = max(
+            rounded_worst,
+            float((decoded - rounded[len(prompt) - 1 :]).abs().max()),
+            float((prefill - rounded).abs().max()),
+        )
     assert rounded_worst < ROUNDED_BOUND, rounded_worst
     assert worst < LOGIT_BOUND, worst
 
@@ -182,7 +209,9 @@ def _all_position_logits(runner, ids):
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("seq_lens", [[1], [37], [61, 3], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x1", "1x37", "61+3", "8"])
+@pytest.mark.parametrize(
+    "seq_lens", [[1], [37], [61, 3], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x1", "1x37", "61+3", "8"]
+)
 def test_one_call_step_on_quantized_weights_matches_the_per_layer_forward(tiny_quantized, name, threads, seq_lens):
     from tests.runner.test_cpu_decode import _forward, _random_step
 

@@ -71,7 +71,9 @@ def test_min_p_drops_tokens_below_fraction_of_top():
 
 def test_top_k_top_p_mask_keeps_ties_and_respects_off_values():
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0], [3.0, 2.0, 2.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    out = top_k_top_p_mask(logits, torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([1.0, 1.0, 0.3], dtype=torch.float32))
+    out = top_k_top_p_mask(
+        logits, torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([1.0, 1.0, 0.3], dtype=torch.float32)
+    )
     kept = torch.isfinite(out)
     assert kept[0].tolist() == [True, True, True, False]  # tie at the k-th value kept
     assert kept[1].all()  # both off

@@ -28,7 +28,9 @@ PROMPTS = [
 def smollm2(tmp_path_factory):
     # The dequantized float path: what transformers computes (the quantized path's own checks
     # are tests/runner/test_quantized.py and tests/engine/test_smollm2.py).
-    cfg = VllmConfig(model={"cache_dir": str(tmp_path_factory.mktemp("pkgd-cache")), "dtype": "float32", "quantization": "none"})
+    cfg = VllmConfig(
+        model={"cache_dir": str(tmp_path_factory.mktemp("pkgd-cache")), "dtype": "float32", "quantization": "none"}
+    )
     mf = resolve_model(cfg.model)
     ensure_float_weights(mf)
     return cfg, mf
@@ -70,7 +72,14 @@ def test_greedy_8_prompts_x_32_tokens_identical_to_transformers_generate(smollm2
         with torch.no_grad():
             ids = torch.tensor([p])
             # explicit mask: the prompt contains <|im_end|> (= pad id), which generate would mask
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2)
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=2,
+            )
         want = out[0, len(p) :].tolist()
         assert ours[str(i)] == want, (PROMPTS[i], tok.decode(ours[str(i)]), tok.decode(want))
         compared += len(want)

@@ -50,6 +50,8 @@ def test_tp2_greedy_and_seeded_match_tp1(tiny_dirs):
 def test_tp_size_that_does_not_divide_the_heads_fails_cleanly(tiny_dirs):
     model_dir, _ = tiny_dirs("llama")
     cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32"}, parallel={"tp": 3})
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by the tensor-parallel size \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads \(4\) is not divisible by the tensor-parallel size \(3\)"
+    ):
         TPExecutor(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
     assert not torch.distributed.is_initialized()

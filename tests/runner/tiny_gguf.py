@@ -23,10 +23,17 @@ MERGES = ["h i", "\u0120 t"]
 
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 
 
@@ -65,9 +72,17 @@ def _q4_k(a: np.ndarray) -> np.ndarray:
     sc = np.clip(np.round(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
     mn = np.clip(np.round(np.divide(-lo, dminf, out=np.zeros_like(lo), where=dminf > 0)), 0, 63).astype(np.uint8)
     step = (df * sc)[..., None]
-    q = np.clip(np.round(np.divide(x + (dminf * mn)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 15).astype(np.uint8)
-    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
-                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    q = np.clip(
+        np.round(np.divide(x + (dminf * mn)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 15
+    ).astype(np.uint8)
+    scales = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4),
+        ],
+        axis=1,
+    )
     qs = q.reshape(n, 4, 2, 32)
     qs = (qs[:, :, 0] | (qs[:, :, 1] << 4)).reshape(n, 128)
     blocks = np.concatenate([d16.view(np.uint8).reshape(n, 2), dmin16.view(np.uint8).reshape(n, 2), scales, qs], axis=1)
@@ -87,7 +102,9 @@ def _q6_k(a: np.ndarray) -> np.ndarray:
     ql = q[:, :, :64] & 15 | ((q[:, :, 64:] & 15) << 4)
     hi = (q >> 4).reshape(n, 2, 4, 32)
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    blocks = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], axis=1)
+    blocks = np.concatenate(
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d16.view(np.uint8).reshape(n, 2)], axis=1
+    )
     return blocks.reshape(a.shape[0], -1)
 
 
@@ -140,7 +157,11 @@ def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str 
             a = permute(a, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = permute(a, cfg.num_key_value_heads)
-        qtype = (quantize(_gguf_name(name)) if callable(quantize) else "Q8_0" if quantize is True else quantize or None) if a.ndim == 2 else None
+        qtype = (
+            (quantize(_gguf_name(name)) if callable(quantize) else "Q8_0" if quantize is True else quantize or None)
+            if a.ndim == 2
+            else None
+        )
         if qtype:
             q = quantize_blocks(a, qtype)
             w.add_tensor(_gguf_name(name), q, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))

@@ -37,10 +37,13 @@ def clone(tmp_path):
 def _run(root: Path, stub: Path, log: Path, *, tty: bool) -> str:
     env = {"PATH": os.environ["PATH"], "PYTHON": str(stub), "STUB_LOG": str(log)}
     if not tty:
-        return subprocess.run([str(root / "scripts" / "bootstrap")], env=env, capture_output=True, text=True,
-                              check=True, timeout=60).stderr
+        return subprocess.run(
+            [str(root / "scripts" / "bootstrap")], env=env, capture_output=True, text=True, check=True, timeout=60
+        ).stderr
     master, slave = pty.openpty()
-    proc = subprocess.Popen([str(root / "scripts" / "bootstrap")], env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    proc = subprocess.Popen(
+        [str(root / "scripts" / "bootstrap")], env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave
+    )
     os.close(slave)
     out = b""
     while True:

@@ -23,7 +23,12 @@ def start_daemon(workdir):
     daemons: list[Daemon] = []
 
     def start(
-        config: dict[str, Any] | None = None, *, env: dict[str, str] | None = None, argv: list[str] | None = None, name: str = "", real: bool = False
+        config: dict[str, Any] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+        name: str = "",
+        real: bool = False,
     ) -> Daemon:
         d = workdir / (name or f"d{len(daemons)}")
         d.mkdir()

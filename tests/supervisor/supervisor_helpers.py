@@ -56,7 +56,12 @@ class Daemon:
     """One supervisor process and what it logged."""
 
     def __init__(
-        self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None, argv: list[str] | None = None, real: bool = False
+        self,
+        workdir: Path,
+        config: dict[str, Any],
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+        real: bool = False,
     ) -> None:
         self.workdir = workdir
         self.runtime_dir = workdir / "run"
@@ -70,7 +75,14 @@ class Daemon:
         self.lines: list[str] = []
         self._cond = threading.Condition()
         cmd = argv or [sys.executable, str(HARNESS), str(self.config_path)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, pass_fds=())
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+            pass_fds=(),
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -237,7 +249,9 @@ def reload_and_wait(d: Daemon, config: dict[str, Any] | str | None, timeout: flo
     d.signal(signal.SIGHUP)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = [e for e in d.events[mark:] if e.get("event", "").startswith("reload_") and e["event"] != "reload_started"]
+        done = [
+            e for e in d.events[mark:] if e.get("event", "").startswith("reload_") and e["event"] != "reload_started"
+        ]
         if done:
             return done[0]
         time.sleep(0.05)

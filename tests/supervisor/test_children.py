@@ -21,7 +21,10 @@ os.write(fd, messages.encode({frame}))
 os.close(fd)
 {after}
 """
-HANDSHAKE = "messages.Handshake(version=1, engine_index=0, pid=os.getpid(), model_name='m', max_model_len=16, vocab_size=8, eos_token_id=None, num_kv_blocks=2, block_size=16)"
+HANDSHAKE = (
+    "messages.Handshake(version=1, engine_index=0, pid=os.getpid(), model_name='m', max_model_len=16, "
+    "vocab_size=8, eos_token_id=None, num_kv_blocks=2, block_size=16)"
+)
 
 
 def program(frame: str, after: str = "import time; time.sleep(30)", before: str = "") -> str:
@@ -58,7 +61,10 @@ def test_child_failed_carries_its_message_even_when_it_exits_at_once():
 def test_exit_without_a_frame_and_garbage_are_errors():
     frame, _, _ = run_child("import sys; sys.exit(4)")
     assert "exited with exit code 4 before it was ready" in str(frame)
-    code = "import os, sys; fd = int(sys.argv[sys.argv.index('--ready-fd') + 1]); os.write(fd, b'\\xc1garbage'); os.close(fd); import time; time.sleep(30)"
+    code = (
+        "import os, sys; fd = int(sys.argv[sys.argv.index('--ready-fd') + 1]); os.write(fd, b'\\xc1garbage'); "
+        "os.close(fd); import time; time.sleep(30)"
+    )
     frame, _, _ = run_child(code)
     assert "invalid ready frame" in str(frame)
 

@@ -115,6 +115,9 @@ def test_a_stale_control_socket_is_not_taken_for_a_live_daemon(tmp_path):
 
 
 def test_ctl_and_the_supervisor_stay_light():
-    code = "import sys, pkgd.cli.ctl, pkgd.supervisor.supervisor; print(sorted(m for m in ('torch', 'hydra', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys, pkgd.cli.ctl, pkgd.supervisor.supervisor; print(sorted(m for m in ('torch', 'hydra', "
+        "'transformers') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "[]", r.stderr  # the daemon's parent process never loads torch

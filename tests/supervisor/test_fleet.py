@@ -14,7 +14,9 @@ from pkgd.supervisor.restart import RestartPolicy
 
 
 def test_backoff_doubles_up_to_the_cap_and_gives_up_past_max_restarts():
-    policy = RestartPolicy(SupervisorConfig(restart_backoff=0.5, restart_backoff_max=1.5, max_restarts=4, restart_window=10))
+    policy = RestartPolicy(
+        SupervisorConfig(restart_backoff=0.5, restart_backoff_max=1.5, max_restarts=4, restart_window=10)
+    )
     assert [policy.record_crash(t) for t in (0, 1, 2, 3)] == [0.5, 1.0, 1.5, 1.5]
     assert policy.record_crash(4) is None  # 5th crash within 10 s
     assert policy.crashes_in_window(13.5) == 1  # old crashes age out of the window
@@ -87,7 +89,9 @@ def test_crash_loop_exits_non_zero_and_leaves_nothing(start_daemon):
 
 
 def test_engine_that_keeps_crashing_by_itself_ends_the_daemon(start_daemon):
-    d = start_daemon({"model": {"source": "fake:crash_after=3"}, "supervisor": {"max_restarts": 1, "restart_backoff": 0.1}})
+    d = start_daemon(
+        {"model": {"source": "fake:crash_after=3"}, "supervisor": {"max_restarts": 1, "restart_backoff": 0.1}}
+    )
     d.wait_ready()
     assert d.wait_exit(30) == 1
     assert [e["how"] for e in d.find("child_died")] == ["exit code 3", "exit code 3"]
@@ -95,7 +99,9 @@ def test_engine_that_keeps_crashing_by_itself_ends_the_daemon(start_daemon):
 
 def test_restart_that_fails_to_start_counts_as_a_crash(start_daemon, tmp_path):
     marker = tmp_path / "die"  # once it exists, the fake engine dies before it is ready
-    d = start_daemon({"model": {"source": f"fake:die_if={marker}"}, "supervisor": {"max_restarts": 1, "restart_backoff": 0.1}})
+    d = start_daemon(
+        {"model": {"source": f"fake:die_if={marker}"}, "supervisor": {"max_restarts": 1, "restart_backoff": 0.1}}
+    )
     d.wait_ready()
     marker.touch()
     os.kill(d.child_pids()["engine-core-0"], signal.SIGKILL)

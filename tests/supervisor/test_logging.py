@@ -22,7 +22,12 @@ def test_concurrent_processes_never_split_a_line():
     # PYTHONUNBUFFERED (common in containers) makes print() write the text and the newline
     # separately, so lines of processes sharing a pipe interleave unless written in one go.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-c", f"import subprocess, sys; ps = [subprocess.Popen([sys.executable, '-c', {WRITER!r}]) for _ in range(4)]; [p.wait() for p in ps]"]
+    cmd = [
+        sys.executable,
+        "-c",
+        f"import subprocess, sys; ps = [subprocess.Popen([sys.executable, '-c', {WRITER!r}]) for _ in "
+        "range(4)]; [p.wait() for p in ps]",
+    ]
     out = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, timeout=120).stderr.decode().splitlines()
     assert len(out) == 6000
     assert all(json.loads(line)["event"] == "line" for line in out)

@@ -85,7 +85,10 @@ def test_watchdog_stops_while_an_endpoint_hangs_and_resumes_after(start_daemon, 
 
 
 def test_status_line_tells_of_a_restarting_child(start_daemon, notify_socket):
-    d = start_daemon({"supervisor": {"restart_backoff": 3.0}}, env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "400000"})
+    d = start_daemon(
+        {"supervisor": {"restart_backoff": 3.0}},
+        env={"NOTIFY_SOCKET": str(notify_socket.path), "WATCHDOG_USEC": "400000"},
+    )
     d.wait_ready()
     notify_socket.wait_for("READY", "1")
     mark = len(notify_socket.messages)

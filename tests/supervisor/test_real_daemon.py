@@ -67,7 +67,9 @@ class Clients:
 
 def ask(url: str, content: str = "What is the capital of France?") -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=12)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=12
+    )
     return r.choices[0].message.content or ""
 
 
@@ -122,13 +124,18 @@ def test_kill_9_of_an_engine_core_errors_then_recovers(start_daemon):
 
 
 def test_kill_9_of_one_api_server_leaves_the_other_serving(start_daemon):
-    d = start_daemon(merge(REAL, {"frontend": {"api_server_count": 2}, "supervisor": {"restart_backoff": 5.0}}), real=True)
+    d = start_daemon(
+        merge(REAL, {"frontend": {"api_server_count": 2}, "supervisor": {"restart_backoff": 5.0}}), real=True
+    )
     url = d.wait_ready(300)
     victim = d.child_pids()["api-server-0"]
     mark = d.mark()
     os.kill(victim, signal.SIGKILL)
     d.wait_event("child_died", after=mark)
-    answers = [httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60) for _ in range(6)]
+    answers = [
+        httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        for _ in range(6)
+    ]
     assert [r.status_code for r in answers] == [200] * 6  # during the 5 s backoff
     d.wait_event("child_restarted", after=mark, timeout=300)
     assert d.child_pids()["api-server-0"] != victim
@@ -136,7 +143,9 @@ def test_kill_9_of_one_api_server_leaves_the_other_serving(start_daemon):
 
 def test_data_parallel_and_external_lb(start_daemon):
     port = free_port_pair()
-    d = start_daemon(merge(REAL, {"parallel": {"dp": 2}, "lb": {"mode": "external"}, "frontend": {"port": port}}), real=True)
+    d = start_daemon(
+        merge(REAL, {"parallel": {"dp": 2}, "lb": {"mode": "external"}, "frontend": {"port": port}}), real=True
+    )
     d.wait_ready(300)
     urls = d.status()["urls"]
     assert urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
@@ -147,13 +156,21 @@ def test_data_parallel_and_external_lb(start_daemon):
 def test_headless_engines_serve_another_instances_api_servers(start_daemon):
     rpc = free_port_pair()
     parallel = {"dp": 2, "nnodes": 2, "dp_rpc_port": rpc}
-    headless = start_daemon(merge(REAL, {"parallel": {**parallel, "node_rank": 1}, "frontend": {"headless": True}}), real=True, name="headless")
+    headless = start_daemon(
+        merge(REAL, {"parallel": {**parallel, "node_rank": 1}, "frontend": {"headless": True}}),
+        real=True,
+        name="headless",
+    )
     assert headless.wait_event("ready", 300)["engines"] == [f"tcp://127.0.0.1:{rpc + 1}"]
-    api = start_daemon(merge(REAL, {"parallel": {**parallel, "remote_engines": [f"tcp://127.0.0.1:{rpc + 1}"]}}), real=True, name="api")
+    api = start_daemon(
+        merge(REAL, {"parallel": {**parallel, "remote_engines": [f"tcp://127.0.0.1:{rpc + 1}"]}}), real=True, name="api"
+    )
     url = api.wait_ready(300)
     for _ in range(4):  # balanced over the local and the remote core
         assert "Paris" in ask(url)
-    running = [int(m) for m in re.findall(r'vllm:num_requests_running\{[^}]*\} (\d+)', httpx.get(url + "/metrics").text)]
+    running = [
+        int(m) for m in re.findall(r"vllm:num_requests_running\{[^}]*\} (\d+)", httpx.get(url + "/metrics").text)
+    ]
     assert running and sum(running) == 0
     headless.signal(signal.SIGTERM)
     assert headless.wait_exit(60) == 0

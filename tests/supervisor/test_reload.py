@@ -168,4 +168,7 @@ def test_swap_strategy_auto_follows_memory_and_mode(monkeypatch):
     cuda = VllmConfig.model_validate({"parallel": {"device": "cuda"}})
     assert not rl.can_overlap(sup(), cuda, cuda.serve_plan())[0]
     headless = VllmConfig.model_validate({"frontend": {"headless": True}, "supervisor": {"engine_swap": "overlap"}})
-    assert rl.can_overlap(sup(), headless, headless.serve_plan()) == (False, "headless engine cores keep their TCP addresses")
+    assert rl.can_overlap(sup(), headless, headless.serve_plan()) == (
+        False,
+        "headless engine cores keep their TCP addresses",
+    )

@@ -38,8 +38,10 @@ CONFIG = {
     "supervisor": {"engine_ready_timeout": 300},
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-HEADLINE = re.compile(r"pkgd ready: (http://127\.0\.0\.1:\d+) \(SmolLM2-135M-Instruct, 1 engine core, 1 API server\) "
-                      r"— try: curl (\S+)/v1/models")
+HEADLINE = re.compile(
+    r"pkgd ready: (http://127\.0\.0\.1:\d+) \(SmolLM2-135M-Instruct, 1 engine core, 1 API server\) "
+    r"— try: curl (\S+)/v1/models"
+)
 
 
 def _env(workdir: Path) -> dict[str, str]:
@@ -50,7 +52,9 @@ def _env(workdir: Path) -> dict[str, str]:
 def _tree(workdir: Path, config: dict) -> Path:
     etc = workdir / "etc"
     etc.mkdir()
-    cfg = merge(config, {"model": {"cache_dir": str(workdir / "cache")}, "supervisor": {"runtime_dir": str(workdir / "run")}})
+    cfg = merge(
+        config, {"model": {"cache_dir": str(workdir / "cache")}, "supervisor": {"runtime_dir": str(workdir / "run")}}
+    )
     (etc / "pkgd.yaml").write_text(yaml.safe_dump(cfg))
     return etc
 
@@ -92,8 +96,14 @@ def test_cold_start_on_a_terminal_shows_progress_and_a_headline(workdir):
     etc = _tree(workdir, CONFIG)
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
-    proc = subprocess.Popen([_pkgd(), "serve", "--config-dir", str(etc)], stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=slave, env=_env(workdir), start_new_session=True)
+    proc = subprocess.Popen(
+        [_pkgd(), "serve", "--config-dir", str(etc)],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        env=_env(workdir),
+        start_new_session=True,
+    )
     os.close(slave)
     try:
         text, longest_silence = _read_pty_until(master, proc, HEADLINE, timeout=300)
@@ -110,7 +120,12 @@ def test_cold_start_on_a_terminal_shows_progress_and_a_headline(workdir):
     lines = text.replace("\r\n", "\n").split("\n")
     for name in PHASES:  # one readable line each, with its duration
         assert any(re.search(rf"model_phase .*phase={name} .*seconds=\d", line) for line in lines), name
-    bars = [part for line in lines for part in line.split("\r") if re.match(r"(converting|loading weights|allocating)", part)]
+    bars = [
+        part
+        for line in lines
+        for part in line.split("\r")
+        if re.match(r"(converting|loading weights|allocating)", part)
+    ]
     assert any("tensor" in bar for bar in bars), lines  # tqdm drew the conversion and the weights
     assert "waiting_for_engine" in text
     assert not [line for line in lines if "warning" in line.lower() or "error" in line.lower()], text
@@ -122,8 +137,14 @@ def test_cold_start_on_a_terminal_shows_progress_and_a_headline(workdir):
 def test_cold_start_under_systemd_logs_one_json_line_per_phase(workdir):
     etc = _tree(workdir, merge(CONFIG, {"logging": {"format": "auto"}}))
     env = {**_env(workdir), "JOURNAL_STREAM": "8:1234"}  # as systemd sets it for a unit logging to the journal
-    proc = subprocess.Popen([_pkgd(), "serve", "--config-dir", str(etc)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        [_pkgd(), "serve", "--config-dir", str(etc)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     events = []
     try:
         for line in proc.stderr:
@@ -136,7 +157,9 @@ def test_cold_start_under_systemd_logs_one_json_line_per_phase(workdir):
         proc.wait(60)
     phases = {e["phase"]: e for e in events if e["event"] == "model_phase"}
     assert set(phases) == set(PHASES)
-    assert all(isinstance(e["seconds"], float) and e["role"] == "engine-core" and e["dp_rank"] == 0 for e in phases.values())
+    assert all(
+        isinstance(e["seconds"], float) and e["role"] == "engine-core" and e["dp_rank"] == 0 for e in phases.values()
+    )
     assert phases["convert_gguf"]["tensors"] > 0 and phases["kv_cache"]["num_blocks"] > 0
     assert [e for e in events if e["level"] != "info"] == []
     ready = events[-1]

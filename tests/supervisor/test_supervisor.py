@@ -130,6 +130,7 @@ def test_children_die_with_a_killed_supervisor(start_daemon):
 def test_second_sigterm_kills_without_waiting_for_the_drain(start_daemon):
     d = start_daemon({"supervisor": {"drain_timeout": 30}})
     url = d.wait_ready()
+
     def slow() -> None:
         with contextlib.suppress(httpx.HTTPError):  # cut off by the kill, as it should be
             httpx.get(url + "/slow?s=20", timeout=30)

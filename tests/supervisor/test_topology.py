@@ -60,7 +60,9 @@ def test_hybrid_lb_uses_node_local_cores_only():
 
 
 def test_headless_binds_tcp_and_remote_engines_join_the_api_servers():
-    plan, specs, engines, apis = plan_children({"frontend": {"headless": True}, "parallel": {"dp": 2, "dp_rpc_port": 20000}})
+    plan, specs, engines, apis = plan_children(
+        {"frontend": {"headless": True}, "parallel": {"dp": 2, "dp_rpc_port": 20000}}
+    )
     assert plan.mode == "headless" and specs == [] and apis == []
     assert [e.address for e in engines] == ["tcp://127.0.0.1:20000", "tcp://127.0.0.1:20001"]
     _, _, engines, apis = plan_children({"parallel": {"remote_engines": ["tcp://10.0.0.2:20000"]}})
@@ -68,7 +70,9 @@ def test_headless_binds_tcp_and_remote_engines_join_the_api_servers():
 
 
 def test_uds_with_external_lb_is_refused():
-    config = VllmConfig.model_validate({"parallel": {"dp": 2}, "lb": {"mode": "external"}, "frontend": {"uds": "/tmp/x.sock"}})
+    config = VllmConfig.model_validate(
+        {"parallel": {"dp": 2}, "lb": {"mode": "external"}, "frontend": {"uds": "/tmp/x.sock"}}
+    )
     with pytest.raises(BindError, match="frontend.uds cannot be used with lb.mode: external"):
         listen_specs(config, config.serve_plan())
 
@@ -105,10 +109,14 @@ def test_external_lb_each_rank_on_port_plus_rank(start_daemon):
 def test_headless_instance_serves_another_instances_api_servers(start_daemon):
     rpc = free_port_pair()
     common = {"parallel": {"dp": 2, "nnodes": 2, "dp_rpc_port": rpc}}
-    headless = start_daemon({**common, "parallel": {**common["parallel"], "node_rank": 1}, "frontend": {"headless": True}}, name="headless")
+    headless = start_daemon(
+        {**common, "parallel": {**common["parallel"], "node_rank": 1}, "frontend": {"headless": True}}, name="headless"
+    )
     event = headless.wait_event("ready")
     assert event["url"] is None and event["engines"] == [f"tcp://127.0.0.1:{rpc + 1}"]
-    api = start_daemon({"parallel": {**common["parallel"], "remote_engines": [f"tcp://127.0.0.1:{rpc + 1}"]}}, name="api")
+    api = start_daemon(
+        {"parallel": {**common["parallel"], "remote_engines": [f"tcp://127.0.0.1:{rpc + 1}"]}}, name="api"
+    )
     api.wait_ready()
     served = {api.get("/generate").json()["engine_pid"] for _ in range(4)}
     assert served == {api.child_pids()["engine-core-0"], headless.child_pids()["engine-core-1"]}
@@ -120,7 +128,17 @@ def test_headless_instance_serves_another_instances_api_servers(start_daemon):
 def test_systemd_socket_activation_is_adopted(start_daemon, workdir):
     port = free_port_pair()
     cfg_dir = workdir / "sa"
-    d = start_daemon(name="sa", argv=["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, str(HARNESS), str(cfg_dir / "pkgd.yaml")])
+    d = start_daemon(
+        name="sa",
+        argv=[
+            "systemd-socket-activate",
+            "-l",
+            f"127.0.0.1:{port}",
+            sys.executable,
+            str(HARNESS),
+            str(cfg_dir / "pkgd.yaml"),
+        ],
+    )
     assert d.config_path == cfg_dir / "pkgd.yaml"
     # systemd-socket-activate starts the service on the first connection, as systemd would;
     # connect once it listens.

@@ -38,14 +38,43 @@ def dashboard_metrics() -> set[str]:
 
 def test_vllm_launch_line_serves_and_the_dashboard_finds_every_metric(start_daemon, workdir):
     port = free_port_pair()
-    argv = [PKGD, "serve", _gguf(), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-            "--max-num-seqs", "64", "--served-model-name", "smol", "gpt-4o", "--api-key", "sk-x",
-            "--enable-prefix-caching", "--gpu-memory-utilization", "0.9", "--dtype", "float32",
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--generation-config", "auto",
-            "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    argv = [
+        PKGD,
+        "serve",
+        _gguf(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "64",
+        "--served-model-name",
+        "smol",
+        "gpt-4o",
+        "--api-key",
+        "sk-x",
+        "--enable-prefix-caching",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--dtype",
+        "float32",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--generation-config",
+        "auto",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     # the system tree start_daemon writes (runtime dir, JSON logs) sits below the vLLM line
-    d = start_daemon({"cache": {"kv_cache_memory_bytes": 160 << 20}, "supervisor": {"engine_ready_timeout": 300}},
-                     name="vllm-line", argv=[*argv, "--config-dir", str(workdir / "vllm-line")])
+    d = start_daemon(
+        {"cache": {"kv_cache_memory_bytes": 160 << 20}, "supervisor": {"engine_ready_timeout": 300}},
+        name="vllm-line",
+        argv=[*argv, "--config-dir", str(workdir / "vllm-line")],
+    )
     url = d.wait_ready(300)
     assert url == f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-x", max_retries=0, timeout=120)
@@ -66,8 +95,14 @@ def test_vllm_launch_line_serves_and_the_dashboard_finds_every_metric(start_daem
     samples = {s.name for f in families.values() for s in f.samples}
     missing = sorted(m for m in dashboard_metrics() if m not in samples and m not in families)
     assert not missing, f"dashboard metrics absent from /metrics: {missing}"
-    for counter in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions",
-                    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success"):
+    for counter in (
+        "vllm:prefix_cache_hits",
+        "vllm:prefix_cache_queries",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+    ):
         assert families[counter].type == "counter", counter
     running = [s for s in families["vllm:num_requests_running"].samples]
     assert running and running[0].labels == {"model_name": "smol", "engine": "0"}
@@ -76,8 +111,13 @@ def test_vllm_launch_line_serves_and_the_dashboard_finds_every_metric(start_daem
 
 
 def test_an_unsupported_vllm_flag_is_one_line_and_exit_2():
-    r = subprocess.run([PKGD, "serve", "--port", "1", "--speculative-config", '{"method": "ngram"}', "--enforce-eager"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [PKGD, "serve", "--port", "1", "--speculative-config", '{"method": "ngram"}', "--enforce-eager"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert r.stderr.splitlines()[1:] == [
-        "  --speculative-config: a vLLM flag pkgd does not support: pkgd has no speculative decoding"]
+        "  --speculative-config: a vLLM flag pkgd does not support: pkgd has no speculative decoding"
+    ]

@@ -27,7 +27,9 @@ def unit(name: str) -> configparser.ConfigParser:
     return parser
 
 
-@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed (Debian package: systemd)")
+@pytest.mark.skipif(
+    not shutil.which("systemd-analyze"), reason="systemd-analyze not installed (Debian package: systemd)"
+)
 def test_systemd_analyze_verify_is_clean(tmp_path):
     pkgd = Path(sys.executable).with_name("pkgd")
     for name in [*UNITS, "pkgd.socket"]:
@@ -64,7 +66,9 @@ def test_instances_get_their_own_config_and_runtime_dirs():
 
 
 def test_sysusers_creates_the_unit_user():
-    line = next(ln for ln in (SYSTEMD / "sysusers.d/pkgd.conf").read_text().splitlines() if ln and not ln.startswith("#"))
+    line = next(
+        ln for ln in (SYSTEMD / "sysusers.d/pkgd.conf").read_text().splitlines() if ln and not ln.startswith("#")
+    )
     assert line.split()[:2] == ["u", unit("pkgd.service")["Service"]["User"]]
 
 
@@ -88,6 +92,8 @@ def test_example_etc_tree_is_a_valid_config():
     config = merged_example()
     assert config.scheduler.max_num_seqs == 64 and config.logging.format == "json"
     assert config.frontend.served_model_names == ["smollm2", "gpt-3.5-turbo"]  # conf.d applied
-    assert config.supervisor.drain_timeout + API_STOP_EXTRA + ENGINE_STOP_GRACE < int(unit("pkgd.service")["Service"]["TimeoutStopSec"])
+    assert config.supervisor.drain_timeout + API_STOP_EXTRA + ENGINE_STOP_GRACE < int(
+        unit("pkgd.service")["Service"]["TimeoutStopSec"]
+    )
     keyed = merged_example(["90-api-keys.yaml.example"])
     assert len(keyed.frontend.api_keys) == 1

@@ -4,7 +4,8 @@ Outermost `LiveCORS` (Starlette's ``CORSMiddleware`` rebuilt when ``frontend.cor
 changes), then `GuardMiddleware`: the request body limit (``frontend.max_request_body_bytes``,
 413) and deadline (``frontend.body_timeout``, 408: a client trickling its body cannot hold a
 connection), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
-`hmac.compare_digest`) and, while draining, ``Connection: close`` on every response. Both read ``state.config`` on every request, so a SIGHUP reload of
+`hmac.compare_digest`) and, while draining, ``Connection: close`` on every response.
+Both read ``state.config`` on every request, so a SIGHUP reload of
 these live fields needs no restart. The index (``/``), ``/health``, ``/ping``, ``/version``,
 ``/metrics`` and the OpenAPI docs (``/docs``) are open; everything else needs a key when keys
 are configured (vLLM checks keys on ``/v1`` routes only; pkgd also guards its admin and
@@ -28,7 +29,9 @@ from pkgd.api.routes import install_request_schemas, router
 from pkgd.api.routes_admin import router as admin_router
 from pkgd.api.state import ServerState
 
-OPEN_PATHS = frozenset({"/", "/health", "/ping", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+OPEN_PATHS = frozenset(
+    {"/", "/health", "/ping", "/version", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"}
+)
 
 
 def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None = None) -> ASGIApp:
@@ -47,11 +50,17 @@ def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None =
 
 
 async def _send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(headers or [])],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -73,25 +82,41 @@ class GuardMiddleware:
         send = _closing_when_draining(send, self.state)
         f = self.state.config.frontend
         if f.api_keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope, f.api_keys):
-            await _send_json(send, 401, _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "invalid_api_key"),
-                             [(b"www-authenticate", b"Bearer")])
+            await _send_json(
+                send,
+                401,
+                _error(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "invalid_api_key"),
+                [(b"www-authenticate", b"Bearer")],
+            )
             return
         limit = f.max_request_body_bytes
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await _send_json(send, 413, _error(413, f"request body of {length} bytes exceeds frontend.max_request_body_bytes ({limit})"),
-                             [(b"connection", b"close")])  # the body is not read: the connection cannot go on
+            await _send_json(
+                send,
+                413,
+                _error(413, f"request body of {length} bytes exceeds frontend.max_request_body_bytes ({limit})"),
+                [(b"connection", b"close")],
+            )  # the body is not read: the connection cannot go on
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             try:
                 body = await asyncio.wait_for(_read_body(receive, limit), f.body_timeout)
             except TimeoutError:
-                await _send_json(send, 408, _error(408, f"the request body did not arrive within frontend.body_timeout ({f.body_timeout:g} s)"),
-                                 [(b"connection", b"close")])
+                await _send_json(
+                    send,
+                    408,
+                    _error(408, f"the request body did not arrive within frontend.body_timeout ({f.body_timeout:g} s)"),
+                    [(b"connection", b"close")],
+                )
                 return
             if body is None:
-                await _send_json(send, 413, _error(413, f"request body exceeds frontend.max_request_body_bytes ({limit})"),
-                                 [(b"connection", b"close")])
+                await _send_json(
+                    send,
+                    413,
+                    _error(413, f"request body exceeds frontend.max_request_body_bytes ({limit})"),
+                    [(b"connection", b"close")],
+                )
                 return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
@@ -176,8 +201,15 @@ class LiveCORS:
         cfg = self.state.config.frontend.cors
         if cfg is not self._cors_cfg:
             self._cors_cfg = cfg
-            self._cors = CORSMiddleware(
-                self.app, allow_origins=cfg.allowed_origins, allow_credentials=cfg.allow_credentials,
-                allow_methods=cfg.allowed_methods, allow_headers=cfg.allowed_headers,
-            ) if cfg.allowed_origins else None
+            self._cors = (
+                CORSMiddleware(
+                    self.app,
+                    allow_origins=cfg.allowed_origins,
+                    allow_credentials=cfg.allow_credentials,
+                    allow_methods=cfg.allowed_methods,
+                    allow_headers=cfg.allowed_headers,
+                )
+                if cfg.allowed_origins
+                else None
+            )
         await (self._cors or self.app)(scope, receive, send)

@@ -51,7 +51,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}}
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+    }
 
 
 #: Seconds a 503 tells clients to wait (``Retry-After``): an engine core restarting or an API
@@ -59,7 +61,14 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 RETRY_AFTER_S = 2
 
 
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     if status == 503:
         headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(error_body(status, message, param=param, code=code), status_code=status, headers=headers)
@@ -79,7 +88,14 @@ def from_value_error(exc: ValueError) -> APIError:
 
 
 _PARAMS = {f.name for f in msgspec.structs.fields(SamplingParams)} | {
-    "messages", "prompt", "model", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "echo",
+    "messages",
+    "prompt",
+    "model",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "echo",
 }
 
 

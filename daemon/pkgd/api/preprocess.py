@@ -150,7 +150,12 @@ def _is_int(value: Any) -> TypeGuard[int]:
 def _at_most(value: int, limit: int, what: str, param: str, limit_name: str) -> None:
     if value > limit:
         shown = f"{value} {what}" if what else str(value)
-        raise APIError(400, f"{param}: {shown}, more than frontend.limits.{limit_name} allows ({limit})", param=param, code=limit_name)
+        raise APIError(
+            400,
+            f"{param}: {shown}, more than frontend.limits.{limit_name} allows ({limit})",
+            param=param,
+            code=limit_name,
+        )
 
 
 def text_chars(value: Any, stop_after: int) -> int:

@@ -240,7 +240,11 @@ class ChatMessage(OpenAIModel):
             msg["name"] = self.name
         if self.tool_calls:
             msg["tool_calls"] = [
-                {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+                }
                 for tc in self.tool_calls
             ]
         if self.tool_call_id is not None:

@@ -59,14 +59,21 @@ class ResponsesRequest(KnownFieldsModel):
         """The function tools in the chat endpoint's shape."""
         if not self.tools:
             return None
-        return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}}
-                for t in self.tools]
+        return [
+            {
+                "type": "function",
+                "function": {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t},
+            }
+            for t in self.tools
+        ]
 
     def chat_tool_choice(self) -> Any:
         choice = self.tool_choice
         if isinstance(choice, dict):
             if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise ValueError("tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+                raise ValueError(
+                    "tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name': ...}"
+                )
             return {"type": "function", "function": {"name": choice["name"]}}
         return choice
 
@@ -99,8 +106,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise ValueError(f"input[{i}]: role {role!r} is not one of user, system, developer, assistant")
             messages.append({"role": role, "content": _text_of(item.get("content"), i)})
         elif kind == "function_call":
-            call = {"id": _field(item, "call_id", i), "type": "function",
-                    "function": {"name": _field(item, "name", i), "arguments": _field(item, "arguments", i)}}
+            call = {
+                "id": _field(item, "call_id", i),
+                "type": "function",
+                "function": {"name": _field(item, "name", i), "arguments": _field(item, "arguments", i)},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -113,7 +123,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue
         else:
-            raise ValueError(f"input[{i}]: items of type {kind!r} are not supported (message, function_call, function_call_output)")
+            raise ValueError(
+                f"input[{i}]: items of type {kind!r} are not supported (message, function_call, function_call_output)"
+            )
     return messages
 
 
@@ -131,7 +143,11 @@ def _text_of(content: Any, i: int) -> str:
         raise ValueError(f"input[{i}].content: expected a string or a list of text parts")
     parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+        if (
+            not isinstance(part, dict)
+            or part.get("type") not in ("input_text", "output_text", "text")
+            or not isinstance(part.get("text"), str)
+        ):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"input[{i}].content: parts of type {kind!r} are not supported (text only)")
         parts.append(part["text"])

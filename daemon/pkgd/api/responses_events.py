@@ -57,9 +57,15 @@ class ResponseBuilder:
 
     def to_dict(self, *, with_output: bool = True) -> dict[str, Any]:
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
-            "status": self.status, "output": list(self.output) if with_output else [],
-            "error": self.error, "incomplete_details": self.incomplete_details, "usage": self.usage,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": self.status,
+            "output": list(self.output) if with_output else [],
+            "error": self.error,
+            "incomplete_details": self.incomplete_details,
+            "usage": self.usage,
             **self.base,
         }
 
@@ -70,8 +76,10 @@ def response_usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dic
     details = chat_usage.get("prompt_tokens_details") or {}
     prompt, completion = chat_usage.get("prompt_tokens", 0), chat_usage.get("completion_tokens", 0)
     return {
-        "input_tokens": prompt, "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
-        "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt + completion,
     }
 
@@ -91,7 +99,14 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments, "status": status}
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def output_of_message(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -162,7 +177,9 @@ class EventTranslator:
             yield from self._close(item)
         self.builder.output = [self._final(item) for item in self.items]
         reasoning = "".join(i.text for i in self.items if i.kind == "reasoning")
-        self.builder.finish(self.finish_reason, self.usage, self.count_tokens(reasoning) if reasoning and self.count_tokens else 0)
+        self.builder.finish(
+            self.finish_reason, self.usage, self.count_tokens(reasoning) if reasoning and self.count_tokens else 0
+        )
         yield self._event("response.completed", response=self.builder.to_dict())
 
     def fail(self, status: int, message: str) -> Iterator[dict[str, Any]]:
@@ -191,10 +208,19 @@ class EventTranslator:
         item = _Open(len(self.items), kind, new_id("msg" if kind == "message" else "rs"))
         self.items.append(item)
         self.current = item
-        blank = message_item(item.id, "", "in_progress") if kind == "message" else reasoning_item(item.id, "", "in_progress")
+        blank = (
+            message_item(item.id, "", "in_progress")
+            if kind == "message"
+            else reasoning_item(item.id, "", "in_progress")
+        )
         yield self._event("response.output_item.added", output_index=item.index, item=blank)
-        yield self._event("response.content_part.added", item_id=item.id, output_index=item.index, content_index=0,
-                          part=self._part(item, ""))
+        yield self._event(
+            "response.content_part.added",
+            item_id=item.id,
+            output_index=item.index,
+            content_index=0,
+            part=self._part(item, ""),
+        )
 
     def _call(self, call: dict[str, Any]) -> Iterator[dict[str, Any]]:
         fn = call.get("function") or {}
@@ -207,25 +233,43 @@ class EventTranslator:
             item = _Open(len(self.items), "call", new_id("fc"), call.get("id") or new_id("call"), fn.get("name") or "")
             self.items.append(item)
             self.calls[index] = item
-            yield self._event("response.output_item.added", output_index=item.index,
-                              item=call_item(item.id, item.call_id, item.name, "", "in_progress"))
+            yield self._event(
+                "response.output_item.added",
+                output_index=item.index,
+                item=call_item(item.id, item.call_id, item.name, "", "in_progress"),
+            )
         if fn.get("arguments"):
             item.text += fn["arguments"]
-            yield self._event("response.function_call_arguments.delta", item_id=item.id, output_index=item.index, delta=fn["arguments"])
+            yield self._event(
+                "response.function_call_arguments.delta",
+                item_id=item.id,
+                output_index=item.index,
+                delta=fn["arguments"],
+            )
 
     def _close(self, item: _Open) -> Iterator[dict[str, Any]]:
         if item.closed:
             return
         item.closed = True
         if item.kind == "call":
-            yield self._event("response.function_call_arguments.done", item_id=item.id, output_index=item.index,
-                              arguments=item.text, name=item.name)
+            yield self._event(
+                "response.function_call_arguments.done",
+                item_id=item.id,
+                output_index=item.index,
+                arguments=item.text,
+                name=item.name,
+            )
         else:
             done = "response.output_text.done" if item.kind == "message" else "response.reasoning_text.done"
             extra: dict[str, Any] = {"logprobs": []} if item.kind == "message" else {}
             yield self._event(done, item_id=item.id, output_index=item.index, content_index=0, text=item.text, **extra)
-            yield self._event("response.content_part.done", item_id=item.id, output_index=item.index, content_index=0,
-                              part=self._part(item, item.text))
+            yield self._event(
+                "response.content_part.done",
+                item_id=item.id,
+                output_index=item.index,
+                content_index=0,
+                part=self._part(item, item.text),
+            )
         yield self._event("response.output_item.done", output_index=item.index, item=self._final(item))
 
     @staticmethod

@@ -34,10 +34,10 @@ from pkgd.api.state import ServerState
 
 router = APIRouter()
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+_SSE = {
+    "text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then data: [DONE]"}}
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then data: [DONE]"}}}
 
 
 def get_state(request: Request) -> ServerState:
@@ -47,21 +47,43 @@ def get_state(request: Request) -> ServerState:
 def _body(model: type) -> dict[str, Any]:
     """OpenAPI ``requestBody`` of a route that parses its body itself (on the `Preprocessor`,
     not through FastAPI on the event loop); `install_request_schemas` adds the schema."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+        }
+    }
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+REQUEST_MODELS = (
+    CompletionRequest,
+    ChatCompletionRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"],
-             openapi_extra=_body(CompletionRequest))
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={**_ERRORS, 200: {"content": _SSE}},
+    tags=["openai"],
+    openapi_extra=_body(CompletionRequest),
+)
 async def completions(request: Request) -> Any:
     """Text completion (``stream: true`` answers server-sent events)."""
     return await create_completion(request, get_state(request))
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"],
-             openapi_extra=_body(ChatCompletionRequest))
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={**_ERRORS, 200: {"content": _SSE}},
+    tags=["openai"],
+    openapi_extra=_body(ChatCompletionRequest),
+)
 async def chat_completions(request: Request) -> Any:
     """Chat completion with the model's chat template (``stream: true`` answers server-sent events)."""
     return await create_chat_completion(request, get_state(request))
@@ -73,8 +95,12 @@ async def embeddings(request: Request) -> Any:
     return await create_embedding(request, get_state(request))
 
 
-@router.post("/v1/responses", responses={**_ERRORS, 200: {"content": _SSE}}, tags=["openai"],
-             openapi_extra=_body(ResponsesRequest))
+@router.post(
+    "/v1/responses",
+    responses={**_ERRORS, 200: {"content": _SSE}},
+    tags=["openai"],
+    openapi_extra=_body(ResponsesRequest),
+)
 async def responses(request: Request) -> Any:
     """OpenAI's Responses API over the chat template (``stream: true`` answers Responses events)."""
     return await create_response(request, get_state(request))
@@ -89,7 +115,9 @@ async def get_response(response_id: str, request: Request) -> Any:
 def _model_cards(state: ServerState) -> list[ModelCard]:
     hs = state.llm.handshake
     max_len = hs.max_model_len if hs is not None else None
-    return [ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in state.served_model_names()]
+    return [
+        ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in state.served_model_names()
+    ]
 
 
 @router.get("/v1/models", response_model=ModelList, tags=["openai"])
@@ -108,7 +136,13 @@ async def model(model_id: str, request: Request) -> Any:
     return JSONResponse(card.model_dump())
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, tags=["utilities"], openapi_extra=_body(TokenizeRequest))
+@router.post(
+    "/tokenize",
+    response_model=TokenizeResponse,
+    responses=_ERRORS,
+    tags=["utilities"],
+    openapi_extra=_body(TokenizeRequest),
+)
 async def tokenize(request: Request) -> Any:
     """Token ids of a prompt, or of chat messages under the chat template."""
     state = get_state(request)
@@ -130,7 +164,13 @@ def _tokenize(state: ServerState, raw: bytes) -> JSONResponse:
     return JSONResponse(TokenizeResponse(count=len(tokens), max_model_len=ip.max_model_len, tokens=tokens).model_dump())
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, tags=["utilities"], openapi_extra=_body(DetokenizeRequest))
+@router.post(
+    "/detokenize",
+    response_model=DetokenizeResponse,
+    responses=_ERRORS,
+    tags=["utilities"],
+    openapi_extra=_body(DetokenizeRequest),
+)
 async def detokenize(request: Request) -> Any:
     """Text of token ids."""
     state = get_state(request)
@@ -193,8 +233,14 @@ async def index(request: Request) -> Any:
         body["authentication"] = "send 'Authorization: Bearer <key>' to /v1/*"
     else:
         body["models"] = state.served_model_names()
-    body["links"] = {"docs": "/docs", "models": "/v1/models", "health": "/health", "metrics": "/metrics",
-                     "version": "/version", "openapi": "/openapi.json"}
+    body["links"] = {
+        "docs": "/docs",
+        "models": "/v1/models",
+        "health": "/health",
+        "metrics": "/metrics",
+        "version": "/version",
+        "openapi": "/openapi.json",
+    }
     return JSONResponse(body)
 
 

@@ -56,7 +56,10 @@ async def ping(request: Request) -> Response:
     """SageMaker's health check: 200 while an engine core serves, else 503 (as ``/health``)."""
     status, body = _state(request).health()
     if status != 200:
-        return JSONResponse({"error": {"message": body["status"], "type": "service_unavailable", "param": None, "code": None}}, status_code=status)
+        return JSONResponse(
+            {"error": {"message": body["status"], "type": "service_unavailable", "param": None, "code": None}},
+            status_code=status,
+        )
     return JSONResponse(body)
 
 
@@ -96,8 +99,11 @@ async def tokenizer_info(request: Request) -> Any:
     tok = state.llm.tokenizer
     if tok is None:
         raise APIError(404, "this model has no tokenizer")
-    info = {k: _json_able(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
-            if not k.endswith("_file") and k != "name_or_path"}  # paths on this host
+    info = {
+        k: _json_able(v)
+        for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+        if not k.endswith("_file") and k != "name_or_path"
+    }  # paths on this host
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         if info.get(name) is None and getattr(tok, name, None) is not None:
             info[name] = str(getattr(tok, name))
@@ -161,7 +167,9 @@ async def reset_prefix_cache(request: Request) -> Any:
     """Empty every engine core's prefix cache; 409 while requests hold KV blocks."""
     results = await _utility(_dev(request), "reset_prefix_cache")
     if not all(results):
-        raise APIError(409, "the prefix cache is in use by running requests and was not reset; retry when the engine is idle")
+        raise APIError(
+            409, "the prefix cache is in use by running requests and was not reset; retry when the engine is idle"
+        )
     return JSONResponse({"reset": True})
 
 

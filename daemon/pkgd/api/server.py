@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class ApiServer:
     """One API-server process's life: start, serve, reload, drain."""
 
-    def __init__(self, config: VllmConfig, args: argparse.Namespace, ready: child.ReadyPipe, source: child.ConfigSource) -> None:
+    def __init__(
+        self, config: VllmConfig, args: argparse.Namespace, ready: child.ReadyPipe, source: child.ConfigSource
+    ) -> None:
         self.args = args
         self.source = source
         self.ready = ready
@@ -92,7 +94,9 @@ class ApiServer:
             name = self.state.served_model_names()[0]
             metrics = Metrics(name, max_model_len=hs.max_model_len if hs else cfg.model.max_model_len or 131072)
             self.llm.metrics = self.state.metrics = metrics
-            self.state.engine_collector = EngineStatsCollector(name, self.llm.client.engine_info, cache_config_labels(cfg))
+            self.state.engine_collector = EngineStatsCollector(
+                name, self.llm.client.engine_info, cache_config_labels(cfg)
+            )
         tasks = [asyncio.create_task(self._reload_loop())]
         # What start-up loaded (the tokenizer stack: millions of objects) lives as long as the
         # process: move it out of the cyclic collector's reach, or every full collection,
@@ -102,8 +106,12 @@ class ApiServer:
         gc.freeze()
         self._drain_on_signals()
         hs = self.llm.handshake
-        logger.info("api_server_ready", server_index=self.args.server_index, model=hs.model_name if hs else None,
-                    engines=len(self.args.engine_address))  # before the frame: the supervisor's ready line comes last
+        logger.info(
+            "api_server_ready",
+            server_index=self.args.server_index,
+            model=hs.model_name if hs else None,
+            engines=len(self.args.engine_address),
+        )  # before the frame: the supervisor's ready line comes last
         self.ready.send(ApiServerReady(server_index=self.args.server_index, pid=os.getpid()))
         try:
             yield
@@ -171,8 +179,12 @@ class ApiServer:
         hc.errorlog = logging.getLogger("hypercorn.error")
         sock = socket.socket(fileno=self.args.listen_fd)
         self.http = HttpServer(
-            build_app(self.state, lifespan=self.lifespan), hc, sock, lambda: self.state.config.frontend,
-            shared=cfg.serve_plan().api_server_count > 1, on_drain_timeout=self._abort_inflight,
+            build_app(self.state, lifespan=self.lifespan),
+            hc,
+            sock,
+            lambda: self.state.config.frontend,
+            shared=cfg.serve_plan().api_server_count > 1,
+            on_drain_timeout=self._abort_inflight,
         )
         await self.http.serve(self.stop, drain_timeout=lambda: self.state.config.supervisor.drain_timeout)
 

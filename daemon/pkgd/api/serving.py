@@ -54,11 +54,17 @@ def request_id(prefix: str, request: Request) -> str:
 
 
 def sampling_params(
-    body: SamplingFields, state: ServerState, *, max_tokens: int | None, logprobs: int | None, stream: bool,
+    body: SamplingFields,
+    state: ServerState,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    stream: bool,
     logprobs_field: str = "logprobs",
 ) -> SamplingParams:
     """The request's `SamplingParams`, unset fields from ``model.generation``, then
-    ``model.generation_config``'s file, then vLLM's defaults. ``logprobs_field`` names the request field ``logprobs`` came from (chat:
+    ``model.generation_config``'s file, then vLLM's defaults.
+    ``logprobs_field`` names the request field ``logprobs`` came from (chat:
     ``top_logprobs``). Raises `APIError` 400 for values outside the config's limits (the
     counts of ``frontend.limits`` are checked first, on the decoded body: `parse_body`)."""
     gen = state.config.model.generation
@@ -68,8 +74,12 @@ def sampling_params(
         structlog.contextvars.bind_contextvars(user=body.user)
     for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
         if value is not None and value > max_logprobs:
-            raise APIError(400, f"{name}: {value}, more than frontend.limits.max_logprobs allows ({max_logprobs})",
-                           param=name, code="max_logprobs")
+            raise APIError(
+                400,
+                f"{name}: {value}, more than frontend.limits.max_logprobs allows ({max_logprobs})",
+                param=name,
+                code="max_logprobs",
+            )
     bias = None
     if body.logit_bias:
         try:
@@ -113,13 +123,18 @@ def require_runner(state: ServerState, runner: str, api: str) -> None:
     actual = hs.runner if hs is not None else state.config.model.runner_type
     if actual == runner:
         return
-    how = ("as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
-           if actual == "pooling" else
-           "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner pooling)")
+    how = (
+        "as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
+        if actual == "pooling"
+        else "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner "
+        "pooling)"
+    )
     raise APIError(400, f"this model does not support the {api}: it is served {how}")
 
 
-def with_constraint(state: ServerState, body: SamplingFields, params: SamplingParams) -> tuple[SamplingParams, Constraint | None]:
+def with_constraint(
+    state: ServerState, body: SamplingFields, params: SamplingParams
+) -> tuple[SamplingParams, Constraint | None]:
     """``params`` with the request's structured-output constraint (`pkgd.api.structured`),
     checked by ``state.constraints`` in the calling thread: call it on the `Preprocessor`,
     never on the event loop (a schema's check is CPU work). Raises `APIError` 400 naming the
@@ -128,8 +143,9 @@ def with_constraint(state: ServerState, body: SamplingFields, params: SamplingPa
         constraint = request_constraint(body)
         if constraint is None:
             return params, None
-        state.constraints.check_blocking(constraint.params, constraint.field,
-                                         max_bytes=state.config.frontend.limits.max_constraint_bytes)
+        state.constraints.check_blocking(
+            constraint.params, constraint.field, max_bytes=state.config.frontend.limits.max_constraint_bytes
+        )
     except ValueError as exc:
         message = str(exc)
         raise APIError(400, message, param=message.split(":", 1)[0].split(" ", 1)[0]) from None
@@ -167,7 +183,9 @@ async def final_output(state: ServerState, processed: ProcessedRequest) -> Reque
     except (EngineRequestError, EngineUnavailableError) as exc:
         raise from_engine_error(exc) from None
     except TimeoutError:
-        raise APIError(503, f"the request ran longer than frontend.request_timeout ({timeout} s) and was aborted") from None
+        raise APIError(
+            503, f"the request ran longer than frontend.request_timeout ({timeout} s) and was aborted"
+        ) from None
     raise APIError(500, "the engine ended the request without a final output")
 
 
@@ -259,4 +277,6 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )

@@ -51,7 +51,9 @@ if TYPE_CHECKING:
     from pkgd.outputs import CompletionOutput, Logprob
 
 
-async def create_chat_completion(request: Request, state: ServerState, parsed: ChatCompletionRequest | None = None) -> Any:
+async def create_chat_completion(
+    request: Request, state: ServerState, parsed: ChatCompletionRequest | None = None
+) -> Any:
     """Answer one chat request; the body is parsed, its constraint checked, templated and
     tokenized on the `Preprocessor`, never on the event loop. ``parsed``: the body, already
     parsed there (``/invocations``, ``/v1/responses``)."""
@@ -59,7 +61,9 @@ async def create_chat_completion(request: Request, state: ServerState, parsed: C
     rid = serving.request_id("chatcmpl", request)
     chat = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
     if chat.body.stream:
-        return StreamingResponse(serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+        return StreamingResponse(
+            serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
+        )
     try:
         out = await serving.run_until_disconnected(request, serving.final_output(state, chat.processed))
     except serving.ClientDisconnected:
@@ -74,19 +78,33 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: ChatCompletionReq
     serving.require_runner(state, "generate", "Chat Completions API")
     use_tools = _use_tool_parser(body, state)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = serving.sampling_params(body, state, max_tokens=body.effective_max_tokens(), logprobs=top,
-                                     stream=body.stream, logprobs_field="top_logprobs")
+    params = serving.sampling_params(
+        body,
+        state,
+        max_tokens=body.effective_max_tokens(),
+        logprobs=top,
+        stream=body.stream,
+        logprobs_field="top_logprobs",
+    )
     params, constraint = serving.with_constraint(state, body, params)
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    processed = serving.process(state, lambda ip: ip.process_chat(
-        rid, messages, params, priority=body.priority, tools=tools,
-        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs,
-    ))
+    processed = serving.process(
+        state,
+        lambda ip: ip.process_chat(
+            rid,
+            messages,
+            params,
+            priority=body.priority,
+            tools=tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        ),
+    )
     return _Chat(state, body, rid, model, processed, use_tools, constraint)
 
 
@@ -99,7 +117,11 @@ def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
     f = state.config.frontend
     if state.tool_parser is None or not f.enable_auto_tool_choice:
         if choice == "auto":
-            raise APIError(400, '"auto" tool choice requires frontend.enable_auto_tool_choice and frontend.tool_call_parser to be set', param="tool_choice")
+            raise APIError(
+                400,
+                '"auto" tool choice requires frontend.enable_auto_tool_choice and frontend.tool_call_parser to be set',
+                param="tool_choice",
+            )
         return False
     return True
 
@@ -107,8 +129,16 @@ def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
 class _Chat:
     """Builds the OpenAI objects for one chat request."""
 
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, rid: str, model: str,
-                 processed: ProcessedRequest, use_tools: bool, constraint: Constraint | None = None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        processed: ProcessedRequest,
+        use_tools: bool,
+        constraint: Constraint | None = None,
+    ) -> None:
         self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
         self.use_tools = use_tools
         self.forced_tool = constraint if constraint is not None and constraint.tool_mode else None
@@ -135,17 +165,30 @@ class _Chat:
             elif self.use_tools:
                 content, tool_calls = self.state.tool_parser.extract(text)  # type: ignore[union-attr]
             tool_calls = tool_calls[: self.max_calls]
-            finish = "tool_calls" if tool_calls and c.finish_reason == "stop" and self._named() is None else c.finish_reason
-            choices.append(ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=content, reasoning_content=reasoning,
-                                            tool_calls=[ToolCall.model_validate(tc) for tc in tool_calls]),
-                logprobs=self._logprobs(c.logprobs) if self.body.logprobs else None,
-                finish_reason=finish, stop_reason=c.stop_reason,
-            ))
+            finish = (
+                "tool_calls" if tool_calls and c.finish_reason == "stop" and self._named() is None else c.finish_reason
+            )
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(
+                        content=content,
+                        reasoning_content=reasoning,
+                        tool_calls=[ToolCall.model_validate(tc) for tc in tool_calls],
+                    ),
+                    logprobs=self._logprobs(c.logprobs) if self.body.logprobs else None,
+                    finish_reason=finish,
+                    stop_reason=c.stop_reason,
+                )
+            )
         completion_tokens = sum(len(c.token_ids) for c in outputs)
-        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
-                                      usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens))
+        return ChatCompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens),
+        )
 
     def _named(self) -> str | None:
         """The function a named tool choice forces, else None."""
@@ -158,10 +201,12 @@ class _Chat:
         for d in sample or []:
             token_id, lp = next(iter(d.items()))
             top = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
-            content.append(ChatLogprobsContent(
-                **_logprob(self._token(token_id, lp), lp.logprob),
-                top_logprobs=[ChatLogprob(**_logprob(self._token(t, v), v.logprob)) for t, v in top],
-            ))
+            content.append(
+                ChatLogprobsContent(
+                    **_logprob(self._token(token_id, lp), lp.logprob),
+                    top_logprobs=[ChatLogprob(**_logprob(self._token(t, v), v.logprob)) for t, v in top],
+                )
+            )
         return ChatChoiceLogprobs(content=content)
 
     def _token(self, token_id: int, lp: Logprob) -> str:
@@ -194,11 +239,18 @@ class _Chat:
                     yield self._chunk(choices, serving.usage(prompt_tokens, completion_tokens) if continuous else None)
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
-            yield ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=[],
-                                      usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()
+            yield ChatCompletionChunk(
+                id=self.rid,
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=serving.usage(prompt_tokens, completion_tokens),
+            ).model_dump_json()
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Any = None) -> str:
-        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
+        return ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump_json()
 
 
 class _ChoiceStream:
@@ -243,13 +295,19 @@ class _ChoiceStream:
             return None
         forced_stop = self.named is None and self.num_calls and c.finish_reason == "stop"
         finish = "tool_calls" if forced_stop else c.finish_reason
-        return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason)
+        return ChatStreamChoice(
+            index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish, stop_reason=c.stop_reason
+        )
 
     def _delta_call(self, d: CallDelta) -> DeltaToolCall:
         if d.index not in self.ids:  # the call's first delta: its id, type and name
             self.ids[d.index] = new_call_id()
-            return DeltaToolCall(index=d.index, id=self.ids[d.index], type="function",
-                                 function={"name": d.name or "", "arguments": d.arguments})
+            return DeltaToolCall(
+                index=d.index,
+                id=self.ids[d.index],
+                type="function",
+                function={"name": d.name or "", "arguments": d.arguments},
+            )
         return DeltaToolCall(index=d.index, function={"arguments": d.arguments})
 
 

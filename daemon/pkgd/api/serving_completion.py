@@ -43,7 +43,9 @@ async def create_completion(request: Request, state: ServerState, parsed: Comple
     rid = serving.request_id("cmpl", request)
     fmt = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
     if fmt.body.stream:
-        return StreamingResponse(serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS)
+        return StreamingResponse(
+            serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
+        )
 
     async def run_all() -> list[RequestOutput]:
         return list(await asyncio.gather(*(serving.final_output(state, p) for p in fmt.processed)))
@@ -61,8 +63,9 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Completions API")
     score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
-    params = serving.sampling_params(body, state, max_tokens=1 if score_only else body.max_tokens,
-                                     logprobs=body.logprobs, stream=body.stream)
+    params = serving.sampling_params(
+        body, state, max_tokens=1 if score_only else body.max_tokens, logprobs=body.logprobs, stream=body.stream
+    )
     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
         params = _with_prompt_logprobs(params, body.logprobs)
     params, _constraint = serving.with_constraint(state, body, params)
@@ -71,10 +74,18 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest
     for i, p in enumerate(prompts):
         try:
             # process() calls the lambda at once, so it sees this iteration's i and p
-            processed.append(serving.process(state, lambda ip: ip.process(
-                f"{rid}-{i}" if len(prompts) > 1 else rid, p, params,
-                add_special_tokens=body.add_special_tokens, priority=body.priority,
-            )))
+            processed.append(
+                serving.process(
+                    state,
+                    lambda ip: ip.process(
+                        f"{rid}-{i}" if len(prompts) > 1 else rid,
+                        p,
+                        params,
+                        add_special_tokens=body.add_special_tokens,
+                        priority=body.priority,
+                    ),
+                )
+            )
         except APIError as exc:
             if len(prompts) == 1:
                 raise
@@ -89,8 +100,16 @@ def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
 class _Formatter:
     """Builds the OpenAI objects for one completion request."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, rid: str, model: str, processed: list[ProcessedRequest],
-                 *, score_only: bool = False) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        body: CompletionRequest,
+        rid: str,
+        model: str,
+        processed: list[ProcessedRequest],
+        *,
+        score_only: bool = False,
+    ) -> None:
         self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
         self.score_only = score_only
         self.created = int(time.time())
@@ -113,22 +132,40 @@ class _Formatter:
                 logprobs = None
                 if self.body.logprobs is not None:
                     logprobs = self._logprobs(c.logprobs or [], 0, ro if self.body.echo else None)
-                choices.append(CompletionChoice(
-                    index=i * n + c.index, text=prefix + c.text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                ))
+                choices.append(
+                    CompletionChoice(
+                        index=i * n + c.index,
+                        text=prefix + c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
         prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
-                                  usage=serving.usage(prompt_tokens, completion_tokens))
+        return CompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=serving.usage(prompt_tokens, completion_tokens),
+        )
 
     def _scored(self, c: CompletionOutput) -> CompletionOutput:
         """With ``max_tokens: 0`` the one generated token is dropped (only the prompt counts)."""
         if not self.score_only:
             return c
-        return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                   finish_reason="length" if c.finish_reason else None, stop_reason=None)
+        return dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            logprobs=[] if c.logprobs is not None else None,
+            finish_reason="length" if c.finish_reason else None,
+            stop_reason=None,
+        )
 
-    def _logprobs(self, sample: list[dict[int, Logprob]], offset: int, echo_of: RequestOutput | None) -> CompletionLogprobs:
+    def _logprobs(
+        self, sample: list[dict[int, Logprob]], offset: int, echo_of: RequestOutput | None
+    ) -> CompletionLogprobs:
         out = CompletionLogprobs()
         entries: list[tuple[int, dict[int, Logprob] | None]] = []
         if echo_of is not None:
@@ -177,18 +214,34 @@ class _Formatter:
                     choices.append(self._stream_choice(index, prefix, c, ro, offsets))
                 if choices:
                     usage = serving.usage(prompt_tokens, completion_tokens) if continuous else None
-                    yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage).model_dump_json()
+                    yield CompletionResponse(
+                        id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+                    ).model_dump_json()
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[],
-                                     usage=serving.usage(prompt_tokens, completion_tokens)).model_dump_json()
+            yield CompletionResponse(
+                id=self.rid,
+                created=self.created,
+                model=self.model,
+                choices=[],
+                usage=serving.usage(prompt_tokens, completion_tokens),
+            ).model_dump_json()
 
-    def _stream_choice(self, index: int, prefix: str, c: CompletionOutput, ro: RequestOutput, offsets: dict[int, int]) -> CompletionChoice:
+    def _stream_choice(
+        self, index: int, prefix: str, c: CompletionOutput, ro: RequestOutput, offsets: dict[int, int]
+    ) -> CompletionChoice:
         logprobs = None
         if self.body.logprobs is not None:
-            logprobs = self._logprobs(c.logprobs or [], offsets.get(index, 0), ro if prefix and self.body.echo else None)
+            logprobs = self._logprobs(
+                c.logprobs or [], offsets.get(index, 0), ro if prefix and self.body.echo else None
+            )
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
-        return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        return CompletionChoice(
+            index=index,
+            text=prefix + c.text,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
 
 def _finite(logprob: float) -> float:

@@ -46,7 +46,9 @@ async def create_embedding(request: Request, state: ServerState, parsed: Embeddi
     return await state.preprocess.run(_response, body, rid, model, processed, outs)
 
 
-def _prepare(state: ServerState, raw: bytes, rid: str, parsed: EmbeddingRequest | None) -> tuple[EmbeddingRequest, str, list]:
+def _prepare(
+    state: ServerState, raw: bytes, rid: str, parsed: EmbeddingRequest | None
+) -> tuple[EmbeddingRequest, str, list]:
     body = parsed if parsed is not None else parse_body(raw, EmbeddingRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "pooling", "Embeddings API")
@@ -58,10 +60,19 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: EmbeddingRequest 
     for i, prompt in enumerate(inputs):
         try:
             # process() calls the lambda at once, so it sees this iteration's i and prompt
-            processed.append(serving.process(state, lambda ip: ip.process_pooling(
-                f"{rid}-{i}", prompt, params, truncate_prompt_tokens=body.truncate_prompt_tokens,
-                add_special_tokens=body.add_special_tokens, priority=body.priority,
-            )))
+            processed.append(
+                serving.process(
+                    state,
+                    lambda ip: ip.process_pooling(
+                        f"{rid}-{i}",
+                        prompt,
+                        params,
+                        truncate_prompt_tokens=body.truncate_prompt_tokens,
+                        add_special_tokens=body.add_special_tokens,
+                        priority=body.priority,
+                    ),
+                )
+            )
         except APIError as exc:
             if len(inputs) == 1:
                 raise
@@ -69,16 +80,24 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: EmbeddingRequest 
     return body, model, processed
 
 
-def _response(body: EmbeddingRequest, rid: str, model: str, processed: list, outs: list[PoolingRequestOutput]) -> JSONResponse:
+def _response(
+    body: EmbeddingRequest, rid: str, model: str, processed: list, outs: list[PoolingRequestOutput]
+) -> JSONResponse:
     data = [
         {"object": "embedding", "index": i, "embedding": _encode_vector(out, body.encoding_format)}
         for i, out in enumerate(outs)
     ]
     num_tokens = sum(len(p.prompt_token_ids) for p in processed)
-    return JSONResponse({
-        "id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
-    })
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+        }
+    )
 
 
 async def _encode_all(state: ServerState, processed: list) -> list[PoolingRequestOutput]:
@@ -91,7 +110,9 @@ async def _encode_all(state: ServerState, processed: list) -> list[PoolingReques
     except (EngineRequestError, EngineUnavailableError) as exc:
         raise from_engine_error(exc) from None
     except TimeoutError:
-        raise APIError(503, f"the request ran longer than frontend.request_timeout ({timeout} s) and was aborted") from None
+        raise APIError(
+            503, f"the request ran longer than frontend.request_timeout ({timeout} s) and was aborted"
+        ) from None
     finally:
         for t in tasks:
             t.cancel()

@@ -41,8 +41,12 @@ logger = log.get_logger(__name__)
 
 # Chat request fields as the Responses request names them, for error messages (longest first:
 # a json_schema's fields sit directly in text.format).
-_FIELD_NAMES = {"response_format.json_schema": "text.format", "response_format": "text.format",
-                "max_completion_tokens": "max_output_tokens", "messages": "input"}
+_FIELD_NAMES = {
+    "response_format.json_schema": "text.format",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+}
 
 
 async def create_response(request: Request, state: ServerState) -> Any:
@@ -67,7 +71,9 @@ async def create_response(request: Request, state: ServerState) -> Any:
     return JSONResponse(response)
 
 
-def _prepare(state: ServerState, raw: bytes) -> tuple[ResponsesRequest, list[dict[str, Any]], ChatCompletionRequest, ResponseBuilder]:
+def _prepare(
+    state: ServerState, raw: bytes
+) -> tuple[ResponsesRequest, list[dict[str, Any]], ChatCompletionRequest, ResponseBuilder]:
     """Parse a Responses request and translate it to the chat request it is (on the
     `Preprocessor`); the conversation with its history is held to ``frontend.limits`` too."""
     limits = state.config.frontend.limits
@@ -90,7 +96,11 @@ def _finish(state: ServerState, builder: ResponseBuilder, chat_json: bytes) -> d
     chat = json.loads(chat_json)
     choice = chat["choices"][0]
     builder.output = output_of_message(choice["message"])
-    builder.finish(choice.get("finish_reason"), chat.get("usage"), _reasoning_tokens(state, choice["message"].get("reasoning_content")))
+    builder.finish(
+        choice.get("finish_reason"),
+        chat.get("usage"),
+        _reasoning_tokens(state, choice["message"].get("reasoning_content")),
+    )
     return builder.to_dict()
 
 
@@ -106,12 +116,20 @@ def _history(body: ResponsesRequest, state: ServerState) -> list[dict[str, Any]]
     if rid is None:
         return []
     if not state.responses.enabled:
-        raise APIError(400, "previous_response_id needs stored responses, which are off "
-                            "(frontend.responses_store_size: 0); send the whole conversation as input", param="previous_response_id")
+        raise APIError(
+            400,
+            "previous_response_id needs stored responses, which are off "
+            "(frontend.responses_store_size: 0); send the whole conversation as input",
+            param="previous_response_id",
+        )
     stored = state.responses.get(rid)
     if stored is None:
-        raise APIError(400, f"previous response {rid!r} is not stored on this API server "
-                            "(never stored, evicted, or stored by another API server)", param="previous_response_id")
+        raise APIError(
+            400,
+            f"previous response {rid!r} is not stored on this API server "
+            "(never stored, evicted, or stored by another API server)",
+            param="previous_response_id",
+        )
     return list(stored.conversation)
 
 
@@ -127,9 +145,15 @@ def _chat_request(body: ResponsesRequest, model: str, messages: list[dict[str, A
     its Responses name (e.g. ``text.format`` while structured outputs are unavailable)."""
     try:
         fields: dict[str, Any] = {
-            "model": model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
-            "tools": body.chat_tools(), "parallel_tool_calls": body.parallel_tool_calls, "user": body.user,
+            "model": model,
+            "messages": messages,
+            "max_completion_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "stream": body.stream,
+            "tools": body.chat_tools(),
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "user": body.user,
         }
         if body.stream:
             fields["stream_options"] = {"include_usage": True}
@@ -168,13 +192,20 @@ def _renamed(exc: APIError) -> APIError:
 def _echo(body: ResponsesRequest, *, stored: bool) -> dict[str, Any]:
     """The request fields a response object repeats."""
     return {
-        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature if body.temperature is not None else 1.0,
         "top_p": body.top_p if body.top_p is not None else 1.0,
         "tools": [{"strict": None, "description": None, "parameters": None, **t} for t in body.tools or []],
-        "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
-        "text": {"format": body.text_format()}, "truncation": body.truncation, "metadata": body.metadata or {},
-        "previous_response_id": body.previous_response_id, "store": stored, "background": False, "user": body.user,
+        "tool_choice": body.tool_choice,
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "text": {"format": body.text_format()},
+        "truncation": body.truncation,
+        "metadata": body.metadata or {},
+        "previous_response_id": body.previous_response_id,
+        "store": stored,
+        "background": False,
+        "user": body.user,
     }
 
 
@@ -186,16 +217,20 @@ def _reasoning_tokens(state: ServerState, text: str | None) -> int:
 def _assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output as the chat messages that continue its conversation."""
     text = "".join(p["text"] for item in output if item["type"] == "message" for p in item["content"])
-    calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-             for i in output if i["type"] == "function_call"]
+    calls = [
+        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        for i in output
+        if i["type"] == "function_call"
+    ]
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
     return [message]
 
 
-async def _stream(answer: StreamingResponse, state: ServerState, builder: ResponseBuilder,
-                  conversation: list[dict[str, Any]] | None) -> AsyncIterator[str]:
+async def _stream(
+    answer: StreamingResponse, state: ServerState, builder: ResponseBuilder, conversation: list[dict[str, Any]] | None
+) -> AsyncIterator[str]:
     """The Responses events of a streamed chat completion, as SSE (``event:`` and ``data:``)."""
     translator = EventTranslator(builder, lambda text: _reasoning_tokens(state, text))
     for event in translator.start():

@@ -33,7 +33,9 @@ class ServerState:
         self.preprocess = Preprocessor(f.preprocess_threads)
         # parser classes; they share no base class (their extract()s differ in what they return)
         self.tool_parser: type[Any] | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
-        self.reasoning_parser: type[Any] | None = load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+        self.reasoning_parser: type[Any] | None = (
+            load_parser("reasoning", f.reasoning_parser) if f.reasoning_parser else None
+        )
         self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
         self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
 
@@ -58,7 +60,9 @@ class ServerState:
         names = self.served_model_names()
         if name is None or name in names:
             return name or names[0]
-        raise APIError(404, f"the model {name!r} does not exist; served: {', '.join(names)}", param="model", code="model_not_found")
+        raise APIError(
+            404, f"the model {name!r} does not exist; served: {', '.join(names)}", param="model", code="model_not_found"
+        )
 
     # ---- readiness -------------------------------------------------------------------------
 

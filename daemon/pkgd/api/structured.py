@@ -50,7 +50,12 @@ def request_constraint(body: SamplingFields) -> Constraint | None:
     found: list[Constraint] = []
     if body.structured_outputs is not None:
         found.append(Constraint(_from_vllm(body.structured_outputs), "structured_outputs"))
-    for name, kw in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+    for name, kw in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
         value = getattr(body, name)
         if value is not None:
             found.append(Constraint(StructuredOutputsParams(**{kw: value}), name))
@@ -66,13 +71,22 @@ def request_constraint(body: SamplingFields) -> Constraint | None:
         if tool is not None:
             found.append(tool)
     if len(found) > 1:
-        raise ValueError(f"{found[1].field.split(' ')[0]}: give one constraint, not both {found[0].field.split(' ')[0]} and {found[1].field.split(' ')[0]}")
+        raise ValueError(
+            f"{found[1].field.split(' ')[0]}: give one constraint, not both {found[0].field.split(' ')[0]} "
+            f"and {found[1].field.split(' ')[0]}"
+        )
     return found[0] if found else None
 
 
 def _from_vllm(so: StructuredOutputsRequest) -> StructuredOutputsParams:
-    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                   json_object=bool(so.json_object), disable_any_whitespace=so.disable_any_whitespace)
+    return StructuredOutputsParams(
+        json=so.json_,
+        regex=so.regex,
+        choice=so.choice,
+        grammar=so.grammar,
+        json_object=bool(so.json_object),
+        disable_any_whitespace=so.disable_any_whitespace,
+    )
 
 
 def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
@@ -84,10 +98,16 @@ def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
     if not tools:
         raise ValueError("tool_choice: a required or named tool choice needs tools")
     if choice == "required":
-        item = {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": params}, "required": ["name", "parameters"]}
-            for name, params in tools.items()
-        ]}
+        item = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": params},
+                    "required": ["name", "parameters"],
+                }
+                for name, params in tools.items()
+            ]
+        }
         schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
         if not body.parallel_tool_calls:
             schema["maxItems"] = 1
@@ -116,6 +136,11 @@ def tool_calls_of(constraint: Constraint, text: str) -> list[dict[str, Any]]:
     else:
         return []
     return [
-        {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-        for name, args in calls if isinstance(name, str)
+        {
+            "id": new_call_id(),
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+        }
+        for name, args in calls
+        if isinstance(name, str)
     ]

@@ -26,7 +26,9 @@ def load_hf_model(model_dir: str | Path, *, dtype: torch.dtype = torch.float32):
 
 
 @torch.inference_mode()
-def run_hf(model, workload: Workload, *, batch_size: int, ignore_eos: bool, pad_token_id: int, eos_token_id: int | None) -> RunResult:
+def run_hf(
+    model, workload: Workload, *, batch_size: int, ignore_eos: bool, pad_token_id: int, eos_token_id: int | None
+) -> RunResult:
     """Greedy ``generate()`` over static batches; returns the same counters as `run_pkgd`."""
     t0 = time.perf_counter()
     out_tokens = 0

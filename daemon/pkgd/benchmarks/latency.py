@@ -44,11 +44,21 @@ def summarize(latencies: list[float]) -> LatencyResult:
     return LatencyResult(list(latencies), statistics.fmean(latencies), {str(p): pct(p) for p in PERCENTILES})
 
 
-def run_latency(llm: Any, workload: Workload, *, n: int, temperature: float, num_iters: int, num_iters_warmup: int,
-                detokenize: bool = True) -> LatencyResult:
+def run_latency(
+    llm: Any,
+    workload: Workload,
+    *,
+    n: int,
+    temperature: float,
+    num_iters: int,
+    num_iters_warmup: int,
+    detokenize: bool = True,
+) -> LatencyResult:
     """Generate ``workload`` ``num_iters_warmup`` times untimed, then ``num_iters`` times timed."""
     params = [
-        SamplingParams(n=n, temperature=temperature, top_p=1.0, max_tokens=out, ignore_eos=True, seed=i, detokenize=detokenize)
+        SamplingParams(
+            n=n, temperature=temperature, top_p=1.0, max_tokens=out, ignore_eos=True, seed=i, detokenize=detokenize
+        )
         for i, out in enumerate(workload.output_lens)
     ]
 

@@ -62,7 +62,11 @@ def series_from_figures(figures: dict[str, Any], label: str, *, prefix: str = ""
     for key, name in LATENCY_KEYS.items():
         stats = figures.get(prefix + key)
         if isinstance(stats, dict):
-            kept = {p: float(stats[p]) for p in PERCENTILES if isinstance(stats.get(p), (int, float)) and math.isfinite(stats[p])}
+            kept = {
+                p: float(stats[p])
+                for p in PERCENTILES
+                if isinstance(stats.get(p), (int, float)) and math.isfinite(stats[p])
+            }
             if kept:
                 series.latency[name] = kept
     return series
@@ -121,7 +125,7 @@ def plot_runs(runs: Sequence[Series], path: str | Path, *, title: str) -> Path:
             _throughput_panel(ax, runs, name, colors)
         else:
             _latency_panel(ax, runs, name, colors)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[i % len(colors)]) for i in range(len(runs))]
     fig.legend(handles, [r.label for r in runs], loc="upper right", ncol=min(len(runs), 4), frameon=False)
@@ -167,8 +171,11 @@ def compare_lines(runs: Sequence[Series]) -> list[str]:
         return []
     this, lines = runs[0], []
     for other in runs[1:]:
-        ratios = [f"{name} {this.throughput[name] / value:.2f}x" for name, value in other.throughput.items()
-                  if name in this.throughput and value > 0]
+        ratios = [
+            f"{name} {this.throughput[name] / value:.2f}x"
+            for name, value in other.throughput.items()
+            if name in this.throughput and value > 0
+        ]
         if ratios:
             lines.append(f"{this.label} / {other.label}: " + ", ".join(ratios))
     return lines
@@ -176,12 +183,21 @@ def compare_lines(runs: Sequence[Series]) -> list[str]:
 
 def add_plot_args(parser: Any) -> None:
     """``--plot FILE.png`` and ``--compare RUN.json`` (repeatable) on a bench command's parser."""
-    parser.add_argument("--plot", metavar="FILE.png", default=None,
-                        help="draw throughput and latency percentiles of this run (and of the runs compared) into a PNG "
-                             "(needs pkgd[plot])")
-    parser.add_argument("--compare", metavar="RUN.json", action="append", default=None,
-                        help="an earlier run's --output-json file to compare with (repeatable): printed as ratios, "
-                             "drawn beside this run with --plot")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw throughput and latency percentiles of this run (and of the runs compared) into a PNG "
+        "(needs pkgd[plot])",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="RUN.json",
+        action="append",
+        default=None,
+        help="an earlier run's --output-json file to compare with (repeatable): printed as ratios, "
+        "drawn beside this run with --plot",
+    )
 
 
 def check_plot_args(args: Any) -> list[Series]:

@@ -14,5 +14,8 @@ def latency_stats(values: Iterable[float]) -> dict[str, float]:
     ordered = sorted(values)
     if not ordered:
         return {name: float("nan") for name in PERCENTILES}
-    return {"median": statistics.median(ordered), "mean": statistics.fmean(ordered),
-            "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+    return {
+        "median": statistics.median(ordered),
+        "mean": statistics.fmean(ordered),
+        "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }

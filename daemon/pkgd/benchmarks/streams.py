@@ -53,11 +53,24 @@ class StreamClients:
     ``Retry-After`` is honoured, as the openai client does.
     """
 
-    def __init__(self, url: str, n: int = 32, *, body: dict[str, Any] | None = None, read_timeout: float = 30.0,
-                 stop_on: tuple[str, ...] = ("refused",)) -> None:
+    def __init__(
+        self,
+        url: str,
+        n: int = 32,
+        *,
+        body: dict[str, Any] | None = None,
+        read_timeout: float = 30.0,
+        stop_on: tuple[str, ...] = ("refused",),
+    ) -> None:
         self.url = url.rstrip("/")
-        self.body = {"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 32, "ignore_eos": True, "temperature": 0,
-                     "stream_options": {"include_usage": True}, **(body or {})}
+        self.body = {
+            "prompt": [1, 2, 3, 4, 5, 6, 7, 8],
+            "max_tokens": 32,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+            **(body or {}),
+        }
         self.read_timeout = read_timeout
         self.stop_on = stop_on
         self.outcomes: list[Outcome] = []
@@ -65,7 +78,9 @@ class StreamClients:
         self._ports: dict[int, int | None] = {}  # thread index -> local port of its connection
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True, name=f"stream-client-{i}") for i in range(n)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True, name=f"stream-client-{i}") for i in range(n)
+        ]
         for t in self._threads:
             t.start()
 
@@ -123,14 +138,22 @@ class StreamClients:
         with self._lock:
             self.inflight[index] = (started, None)
         try:
-            with client.stream("POST", f"{self.url}/v1/completions", json={**self.body, "stream": True},
-                               extensions={"trace": trace}) as r:
+            with client.stream(
+                "POST", f"{self.url}/v1/completions", json={**self.body, "stream": True}, extensions={"trace": trace}
+            ) as r:
                 port = _client_port(r)
                 with self._lock:
                     self.inflight[index] = (started, port)
                 if r.status_code != 200:
                     r.read()
-                    return Outcome(f"http_{r.status_code}", started, time.monotonic(), port, r.text[:200], r.headers.get("retry-after"))
+                    return Outcome(
+                        f"http_{r.status_code}",
+                        started,
+                        time.monotonic(),
+                        port,
+                        r.text[:200],
+                        r.headers.get("retry-after"),
+                    )
                 return self._read_stream(r, started, port)
         except httpx.ConnectError as exc:
             kind = "refused" if "refused" in str(exc).lower() else "cut"
@@ -148,7 +171,7 @@ class StreamClients:
                 continue
             now = time.monotonic()
             max_gap, last = max(max_gap, now - last), now
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 continue

@@ -110,7 +110,9 @@ class RunResult:
         return (self.prompt_tokens + self.output_tokens) / self.elapsed
 
 
-def run_pkgd(llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: float = 0.0, use_tqdm: bool = False) -> RunResult:
+def run_pkgd(
+    llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: float = 0.0, use_tqdm: bool = False
+) -> RunResult:
     """All prompts through `LLM.generate` at once (continuous batching)."""
     params = [
         SamplingParams(max_tokens=n, ignore_eos=ignore_eos, temperature=temperature, seed=i, detokenize=False)
@@ -122,9 +124,14 @@ def run_pkgd(llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: flo
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     timed = [o.metrics for o in outs if o.metrics and "first_token_time" in o.metrics]
-    return RunResult(elapsed, len(outs), workload.num_prompt_tokens, out_tokens,
-                     ttfts=[m["first_token_time"] - m["arrival_time"] for m in timed],
-                     latencies=[m["last_token_time"] - m["arrival_time"] for m in timed])
+    return RunResult(
+        elapsed,
+        len(outs),
+        workload.num_prompt_tokens,
+        out_tokens,
+        ttfts=[m["first_token_time"] - m["arrival_time"] for m in timed],
+        latencies=[m["last_token_time"] - m["arrival_time"] for m in timed],
+    )
 
 
 @dataclasses.dataclass
@@ -158,8 +165,15 @@ class _PacedEngine:
         return getattr(self._engine, name)
 
 
-def run_single_stream(llm: LLM, *, input_len: int = 128, output_len: int = 128, vocab_size: int, seed: int = 1,
-                      probe: Callable[[], float] | None = None) -> SingleStreamResult:
+def run_single_stream(
+    llm: LLM,
+    *,
+    input_len: int = 128,
+    output_len: int = 128,
+    vocab_size: int,
+    seed: int = 1,
+    probe: Callable[[], float] | None = None,
+) -> SingleStreamResult:
     """1 request, ``input_len`` in / ``output_len`` out, greedy, ignore_eos. Decode rate =
     (output tokens − 1) ÷ (last token time − first token time).
 
@@ -167,8 +181,14 @@ def run_single_stream(llm: LLM, *, input_len: int = 128, output_len: int = 128, 
     every engine step; the readings taken between the first and the last token are averaged
     (harmonic mean: each weighs as the time its step would take at that bandwidth) into
     ``paced_bandwidth``, and their time is subtracted from the decode time."""
-    (prompt,) = make_workload(num_prompts=1, input_len=input_len, output_len=output_len, vocab_size=vocab_size,
-                              tokenizer=llm.get_tokenizer(), seed=seed).prompts
+    (prompt,) = make_workload(
+        num_prompts=1,
+        input_len=input_len,
+        output_len=output_len,
+        vocab_size=vocab_size,
+        tokenizer=llm.get_tokenizer(),
+        seed=seed,
+    ).prompts
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0, detokenize=False)
     engine = llm.engine
     paced = _PacedEngine(engine, probe) if probe is not None else None

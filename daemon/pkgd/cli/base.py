@@ -51,4 +51,6 @@ def add_config_source_args(parser: argparse.ArgumentParser) -> None:
         help="system config tree (DIR/NAME.yaml, DIR/conf.d/*.yaml, DIR/GROUP/OPTION.yaml); "
         "default /etc/pkgd when it exists",
     )
-    group.add_argument("--config-name", metavar="NAME", help="root file of the system tree: DIR/NAME.yaml (default pkgd)")
+    group.add_argument(
+        "--config-name", metavar="NAME", help="root file of the system tree: DIR/NAME.yaml (default pkgd)"
+    )

@@ -47,35 +47,74 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="input and output lengths uniform in [len·(1−r), len·(1+r)]")
-    p.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=None,
-                   help="output lengths uniform in [MIN, MAX] (mixed lengths); overrides --output-len")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="input and output lengths uniform in [len·(1−r), len·(1+r)]",
+    )
+    p.add_argument(
+        "--output-len-range",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="output lengths uniform in [MIN, MAX] (mixed lengths); overrides --output-len",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    p.add_argument("--prompts", choices=["random", "fixed"], default="random",
-                   help="random token ids, or a fixed English paragraph tiled to the input length")
+    p.add_argument(
+        "--prompts",
+        choices=["random", "fixed"],
+        default="random",
+        help="random token ids, or a fixed English paragraph tiled to the input length",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="hf: also run transformers generate() on the same prompts")
+    p.add_argument(
+        "--baseline",
+        choices=["none", "hf"],
+        default="none",
+        help="hf: also run transformers generate() on the same prompts",
+    )
     p.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the HF baseline")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run pkgd (and the baseline) this many times, alternating, and report the fastest "
-                        "of each: on a shared machine the quietest window is the closest to the truth")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run pkgd (and the baseline) this many times, alternating, and report the fastest "
+        "of each: on a shared machine the quietest window is the closest to the truth",
+    )
     p.add_argument("--skip-single-stream", action="store_true", help="skip the single-stream decode run")
-    p.add_argument("--single-stream-len", type=int, default=128, metavar="N",
-                   help="input and output tokens of the single-stream run")
+    p.add_argument(
+        "--single-stream-len",
+        type=int,
+        default=128,
+        metavar="N",
+        help="input and output tokens of the single-stream run",
+    )
     p.add_argument("--skip-roofline", action="store_true", help="skip the GEMM and bandwidth measurements")
-    p.add_argument("--dtypes", default=None, metavar="LIST",
-                   help="comma-separated model.dtype values (auto, float32, bfloat16, float16): one engine each in this "
-                        "process, the workload (and single stream) through each in turn, --repeats times in alternating "
-                        "order; prints each one's output and single-stream tokens/s as ratios against the first")
-    p.add_argument("--quantizations", default=None, metavar="LIST",
-                   help="comma-separated model.quantization values (auto, none): as --dtypes, one engine each (of a "
-                        "GGUF model: its weights kept quantized, or dequantized), with their weight memory as ratios too")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
-                        "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
-                        "are composed with every config layer instead)")
+    p.add_argument(
+        "--dtypes",
+        default=None,
+        metavar="LIST",
+        help="comma-separated model.dtype values (auto, float32, bfloat16, float16): one engine each in this "
+        "process, the workload (and single stream) through each in turn, --repeats times in alternating "
+        "order; prints each one's output and single-stream tokens/s as ratios against the first",
+    )
+    p.add_argument(
+        "--quantizations",
+        default=None,
+        metavar="LIST",
+        help="comma-separated model.quantization values (auto, none): as --dtypes, one engine each (of a "
+        "GGUF model: its weights kept quantized, or dequantized), with their weight memory as ratios too",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config keys when run as 'python -m pkgd.cli.bench' (under 'pkgd' the "
+        "configuration flags and overrides, e.g. --max-num-seqs 64 or cache.num_blocks=512, "
+        "are composed with every config layer instead)",
+    )
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
     plot.add_plot_args(p)
@@ -126,17 +165,26 @@ def run_throughput(args: argparse.Namespace) -> int:
     torch.set_num_threads(llm.config.parallel.cpu_threads)
     tok = llm.get_tokenizer()
     workload = throughput.make_workload(
-        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        vocab_size=engine.vocab_size,
+        random_range_ratio=args.random_range_ratio,
         output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
-        prompt_kind=args.prompts, tokenizer=tok, seed=llm.config.model.seed,
+        prompt_kind=args.prompts,
+        tokenizer=tok,
+        seed=llm.config.model.seed,
     )
     # warm-up: first-call set-up must not count
-    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    warm = throughput.make_workload(
+        num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok
+    )
     throughput.run_pkgd(llm, warm, ignore_eos=True)
 
     def pkgd_run() -> Any:
-        return throughput.run_pkgd(llm, workload, ignore_eos=args.ignore_eos, temperature=args.temperature, use_tqdm=args.progress)
+        return throughput.run_pkgd(
+            llm, workload, ignore_eos=args.ignore_eos, temperature=args.temperature, use_tqdm=args.progress
+        )
 
     runs = [pkgd_run()]
     peak_rss = hardware.peak_rss_bytes()  # before the micro-benchmarks and HF allocate anything
@@ -148,8 +196,12 @@ def run_throughput(args: argparse.Namespace) -> int:
         if probe:
             bandwidth = hardware.read_bandwidth()
         single = throughput.run_single_stream(
-            llm, input_len=args.single_stream_len, output_len=args.single_stream_len, vocab_size=engine.vocab_size,
-            probe=probe.read if probe else None)
+            llm,
+            input_len=args.single_stream_len,
+            output_len=args.single_stream_len,
+            vocab_size=engine.vocab_size,
+            probe=probe.read if probe else None,
+        )
         if probe:
             bandwidth = max(bandwidth, hardware.read_bandwidth())
         del probe
@@ -161,14 +213,23 @@ def run_throughput(args: argparse.Namespace) -> int:
             hf_runs.append(hf_run())
     res = min(runs, key=lambda r: r.elapsed)
     fig: dict[str, Any] = {
-        "model": engine.model_name, "num_prompts": args.num_prompts, "threads": torch.get_num_threads(),
-        "dtype": str(engine.model_runner.model_info.dtype), "num_kv_blocks": engine.num_kv_blocks,
+        "model": engine.model_name,
+        "num_prompts": args.num_prompts,
+        "threads": torch.get_num_threads(),
+        "dtype": str(engine.model_runner.model_info.dtype),
+        "num_kv_blocks": engine.num_kv_blocks,
         "kv_cache_dtype": str(getattr(engine.model_runner, "kv_dtype", "")).removeprefix("torch."),
-        "prompt_tokens": res.prompt_tokens, "output_tokens": res.output_tokens, "elapsed_s": res.elapsed,
-        "all_elapsed_s": [r.elapsed for r in runs], "requests_per_s": res.requests_per_s,
-        "output_tokens_per_s": res.output_tokens_per_s, "total_tokens_per_s": res.total_tokens_per_s,
-        "peak_rss_bytes": peak_rss, "num_preemptions": engine.stats().num_preemptions,
-        "ttft_s": latency_stats(res.ttfts), "latency_s": latency_stats(res.latencies),
+        "prompt_tokens": res.prompt_tokens,
+        "output_tokens": res.output_tokens,
+        "elapsed_s": res.elapsed,
+        "all_elapsed_s": [r.elapsed for r in runs],
+        "requests_per_s": res.requests_per_s,
+        "output_tokens_per_s": res.output_tokens_per_s,
+        "total_tokens_per_s": res.total_tokens_per_s,
+        "peak_rss_bytes": peak_rss,
+        "num_preemptions": engine.stats().num_preemptions,
+        "ttft_s": latency_stats(res.ttfts),
+        "latency_s": latency_stats(res.latencies),
     }
     if single is not None:
         fig.update(single_stream_decode_tokens_per_s=single.decode_tokens_per_s, single_stream_ttft_s=single.ttft)
@@ -176,9 +237,14 @@ def run_throughput(args: argparse.Namespace) -> int:
         fig.update(_roofline(engine, res, single, bandwidth))
     if hf_runs:
         hf = min(hf_runs, key=lambda r: r.elapsed)
-        fig.update(hf_batch_size=args.hf_batch_size, hf_elapsed_s=hf.elapsed, hf_all_elapsed_s=[r.elapsed for r in hf_runs],
-                   hf_requests_per_s=hf.requests_per_s, hf_output_tokens_per_s=hf.output_tokens_per_s,
-                   hf_total_tokens_per_s=hf.total_tokens_per_s)
+        fig.update(
+            hf_batch_size=args.hf_batch_size,
+            hf_elapsed_s=hf.elapsed,
+            hf_all_elapsed_s=[r.elapsed for r in hf_runs],
+            hf_requests_per_s=hf.requests_per_s,
+            hf_output_tokens_per_s=hf.output_tokens_per_s,
+            hf_total_tokens_per_s=hf.total_tokens_per_s,
+        )
     _print_report(fig, args)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
@@ -187,8 +253,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     runs = [plot.series_from_figures(fig, "pkgd")]
     if hf_runs:
         runs.append(plot.series_from_figures(fig, "HF generate()", prefix="hf_"))
-    plot.report(runs + args.previous_runs, args.plot, title=f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts, "
-                f"{args.input_len} in / {args.output_len} out, {fig['threads']} threads")
+    plot.report(
+        runs + args.previous_runs,
+        args.plot,
+        title=f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts, "
+        f"{args.input_len} in / {args.output_len} out, {fig['threads']} threads",
+    )
     return 0
 
 
@@ -205,7 +275,9 @@ def run_dtype_comparison(args: argparse.Namespace) -> int:
 
     if args.dtypes and args.quantizations:
         raise SystemExit("--dtypes and --quantizations: one at a time")
-    flag, allowed, given = ("--dtypes", DTYPES, args.dtypes) if args.dtypes else ("--quantizations", QUANTIZATIONS, args.quantizations)
+    flag, allowed, given = (
+        ("--dtypes", DTYPES, args.dtypes) if args.dtypes else ("--quantizations", QUANTIZATIONS, args.quantizations)
+    )
     names = [d.strip() for d in given.split(",") if d.strip()]
     bad = [d for d in names if d not in allowed]
     if bad or len(set(names)) != len(names) or not names:
@@ -218,21 +290,36 @@ def run_dtype_comparison(args: argparse.Namespace) -> int:
     torch.set_num_threads(first.config.parallel.cpu_threads)
     engine, tok = first.engine, first.get_tokenizer()
     workload = throughput.make_workload(
-        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        vocab_size=engine.vocab_size, random_range_ratio=args.random_range_ratio,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        vocab_size=engine.vocab_size,
+        random_range_ratio=args.random_range_ratio,
         output_len_range=tuple(args.output_len_range) if args.output_len_range else None,
-        prompt_kind=args.prompts, tokenizer=tok, seed=first.config.model.seed,
+        prompt_kind=args.prompts,
+        tokenizer=tok,
+        seed=first.config.model.seed,
     )
-    warm = throughput.make_workload(num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok)
+    warm = throughput.make_workload(
+        num_prompts=2, input_len=16, output_len=4, vocab_size=engine.vocab_size, tokenizer=tok
+    )
     for llm in llms.values():
         throughput.run_pkgd(llm, warm, ignore_eos=True)
     rows = dtype_compare.compare_dtypes(
-        llms, workload, repeats=args.repeats, ignore_eos=args.ignore_eos, temperature=args.temperature,
-        single_stream_len=None if args.skip_single_stream else args.single_stream_len, vocab_size=engine.vocab_size,
-        progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else (lambda _: None))
-    print(f"pkgd bench throughput {flag}: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
-          f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, {torch.get_num_threads()} threads, "
-          f"fastest of {args.repeats} alternating run(s) each")
+        llms,
+        workload,
+        repeats=args.repeats,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        single_stream_len=None if args.skip_single_stream else args.single_stream_len,
+        vocab_size=engine.vocab_size,
+        progress=(lambda m: print(m, file=sys.stderr, flush=True)) if args.progress else (lambda _: None),
+    )
+    print(
+        f"pkgd bench throughput {flag}: {engine.model_name}, {args.num_prompts} prompts, input {args.input_len}, "
+        f"output {args.output_len}{' (ignore_eos)' if args.ignore_eos else ''}, {torch.get_num_threads()} threads, "
+        f"fastest of {args.repeats} alternating run(s) each"
+    )
     print("\n".join(dtype_compare.format_rows(rows)))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
@@ -279,42 +366,70 @@ def _hf_runner(llm: Any, workload: Any, args: argparse.Namespace) -> Any:
     model = load_hf_model(model_dir)
     tok = llm.get_tokenizer()
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (engine.eos_token_id or 0)
-    return lambda: run_hf(model, workload, batch_size=args.hf_batch_size, ignore_eos=args.ignore_eos,
-                          pad_token_id=pad, eos_token_id=engine.eos_token_id)
+    return lambda: run_hf(
+        model,
+        workload,
+        batch_size=args.hf_batch_size,
+        ignore_eos=args.ignore_eos,
+        pad_token_id=pad,
+        eos_token_id=engine.eos_token_id,
+    )
 
 
 def _print_report(fig: dict[str, Any], args: argparse.Namespace) -> None:
-    out_desc = f"{args.output_len_range[0]}-{args.output_len_range[1]}" if args.output_len_range else str(args.output_len)
-    print(f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts ({args.prompts}), input {args.input_len}, "
-          f"output {out_desc}{' (ignore_eos)' if args.ignore_eos else ''}, range ratio {args.random_range_ratio}, "
-          f"dtype {fig['dtype']}, {fig['threads']} threads, {fig['num_kv_blocks']} KV blocks ({fig['kv_cache_dtype']})")
-    print(f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
-          f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in {fig['elapsed_s']:.1f} s, "
-          f"runs {', '.join(f'{t:.1f}' for t in fig['all_elapsed_s'])} s; {fig['num_preemptions']} preemptions)")
+    out_desc = (
+        f"{args.output_len_range[0]}-{args.output_len_range[1]}" if args.output_len_range else str(args.output_len)
+    )
+    print(
+        f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts ({args.prompts}), input {args.input_len}, "
+        f"output {out_desc}{' (ignore_eos)' if args.ignore_eos else ''}, range ratio {args.random_range_ratio}, "
+        f"dtype {fig['dtype']}, {fig['threads']} threads, {fig['num_kv_blocks']} KV blocks ({fig['kv_cache_dtype']})"
+    )
+    print(
+        f"Throughput: {fig['requests_per_s']:.2f} requests/s, {fig['total_tokens_per_s']:.1f} total tokens/s, "
+        f"{fig['output_tokens_per_s']:.1f} output tokens/s ({fig['output_tokens']} output tokens in "
+        f"{fig['elapsed_s']:.1f} s, "
+        f"runs {', '.join(f'{t:.1f}' for t in fig['all_elapsed_s'])} s; {fig['num_preemptions']} preemptions)"
+    )
     for key, label in (("ttft_s", "TTFT"), ("latency_s", "Latency")):  # every request arrives at the start
         st = fig[key]
         print(f"{label:8s} median {st['median']:7.2f} s   mean {st['mean']:7.2f} s   p99 {st['p99']:7.2f} s")
     print(f"Peak RSS (engine, before baselines): {fig['peak_rss_bytes'] / GB:.2f} GB")
     if "gemm_flops" in fig:
         print(f"GEMM (torch.mm fp32 2048x2048x2048): {fig['gemm_flops'] / 1e9:.1f} GFLOP/s")
-        print(f"Roofline: 2 x {fig['parameters'] / 1e6:.1f}M params x {fig['prompt_tokens'] + fig['output_tokens']} tokens "
-              f"/ {fig['elapsed_s']:.1f} s = {fig['achieved_flops'] / 1e9:.1f} GFLOP/s = {100 * fig['roofline_fraction']:.1f}% of GEMM")
+        print(
+            f"Roofline: 2 x {fig['parameters'] / 1e6:.1f}M params x "
+            f"{fig['prompt_tokens'] + fig['output_tokens']} tokens "
+            f"/ {fig['elapsed_s']:.1f} s = {fig['achieved_flops'] / 1e9:.1f} GFLOP/s = "
+            f"{100 * fig['roofline_fraction']:.1f}% of GEMM"
+        )
     if "single_stream_decode_tokens_per_s" in fig:
         n = args.single_stream_len
-        line = (f"Single stream ({n} in / {n} out): decode {fig['single_stream_decode_tokens_per_s']:.1f} tokens/s, "
-                f"TTFT {fig['single_stream_ttft_s']:.3f} s")
+        line = (
+            f"Single stream ({n} in / {n} out): decode {fig['single_stream_decode_tokens_per_s']:.1f} tokens/s, "
+            f"TTFT {fig['single_stream_ttft_s']:.3f} s"
+        )
         if "bandwidth_bound_tokens_per_s" in fig:
-            line += (f"; bandwidth bound {fig['bandwidth_bound_tokens_per_s']:.1f} tokens/s "
-                     f"({fig['read_bandwidth_bytes_per_s'] / GB:.1f} GB/s read between its steps / "
-                     f"{fig['weight_bytes_per_token'] / 1e6:.0f} MB per token) = {100 * fig['single_stream_fraction']:.0f}% of the bound")
+            line += (
+                f"; bandwidth bound {fig['bandwidth_bound_tokens_per_s']:.1f} tokens/s "
+                f"({fig['read_bandwidth_bytes_per_s'] / GB:.1f} GB/s read between its steps / "
+                f"{fig['weight_bytes_per_token'] / 1e6:.0f} MB per token) = "
+                f"{100 * fig['single_stream_fraction']:.0f}% of the bound"
+            )
         print(line)
         if "best_read_bound_tokens_per_s" in fig:
-            print(f"  against the best read just before/after it ({fig['best_read_bandwidth_bytes_per_s'] / GB:.1f} GB/s, "
-                  f"bound {fig['best_read_bound_tokens_per_s']:.1f} tokens/s): {100 * fig['single_stream_fraction_of_best_read']:.0f}%")
+            print(
+                "  against the best read just before/after it "
+                f"({fig['best_read_bandwidth_bytes_per_s'] / GB:.1f} GB/s, "
+                f"bound {fig['best_read_bound_tokens_per_s']:.1f} tokens/s): "
+                f"{100 * fig['single_stream_fraction_of_best_read']:.0f}%"
+            )
     if "hf_output_tokens_per_s" in fig:
-        print(f"HF generate() static batches of {fig['hf_batch_size']}: {fig['hf_requests_per_s']:.2f} requests/s, "
-              f"{fig['hf_total_tokens_per_s']:.1f} total tokens/s, {fig['hf_output_tokens_per_s']:.1f} output tokens/s "
-              f"(runs {', '.join(f'{t:.1f}' for t in fig['hf_all_elapsed_s'])} s)")
+        print(
+            f"HF generate() static batches of {fig['hf_batch_size']}: {fig['hf_requests_per_s']:.2f} requests/s, "
+            f"{fig['hf_total_tokens_per_s']:.1f} total tokens/s, {fig['hf_output_tokens_per_s']:.1f} output tokens/s "
+            f"(runs {', '.join(f'{t:.1f}' for t in fig['hf_all_elapsed_s'])} s)"
+        )
         print(f"pkgd / HF output tokens/s: {fig['output_tokens_per_s'] / fig['hf_output_tokens_per_s']:.2f}x")
 
 
@@ -327,20 +442,32 @@ class BenchSubcommand(CLISubcommand):
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(self.name, help=self.help, description=self.help)
         sub = parser.add_subparsers(dest="bench_command", required=True, metavar="{throughput,serve,latency}")
-        t = sub.add_parser("throughput", help="offline throughput of the engine (vllm bench throughput)",
-                           description=THROUGHPUT_DESCRIPTION, epilog=THROUGHPUT_EXAMPLES)
+        t = sub.add_parser(
+            "throughput",
+            help="offline throughput of the engine (vllm bench throughput)",
+            description=THROUGHPUT_DESCRIPTION,
+            epilog=THROUGHPUT_EXAMPLES,
+        )
         add_throughput_args(t)
         t.set_defaults(bench_dispatch=run_throughput)
         from pkgd.cli import bench_serve  # light: argparse only until it runs
 
-        s = sub.add_parser("serve", help="load a running OpenAI-compatible server (vllm bench serve)",
-                           description=bench_serve.DESCRIPTION, epilog=bench_serve.EXAMPLES)
+        s = sub.add_parser(
+            "serve",
+            help="load a running OpenAI-compatible server (vllm bench serve)",
+            description=bench_serve.DESCRIPTION,
+            epilog=bench_serve.EXAMPLES,
+        )
         bench_serve.add_serve_args(s)
         s.set_defaults(bench_dispatch=bench_serve.run_serve)
         from pkgd.cli import bench_latency  # light: argparse only until it runs
 
-        lat = sub.add_parser("latency", help="latency of one batch (vllm bench latency)",
-                             description=bench_latency.DESCRIPTION, epilog=bench_latency.EXAMPLES)
+        lat = sub.add_parser(
+            "latency",
+            help="latency of one batch (vllm bench latency)",
+            description=bench_latency.DESCRIPTION,
+            epilog=bench_latency.EXAMPLES,
+        )
         bench_latency.add_latency_args(lat)
         lat.set_defaults(bench_dispatch=lambda a: bench_latency.run_latency(a, offline_llm))
         return parser

@@ -49,8 +49,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
     # Not --model / --api-key / --seed: under `pkgd` those are config flags (frontend, model).
     p.add_argument("--model-name", dest="model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--bearer-token", dest="api_key", default=None, metavar="KEY",
-                   help="Bearer key, when the server wants one (default: $OPENAI_API_KEY)")
+    p.add_argument(
+        "--bearer-token",
+        dest="api_key",
+        default=None,
+        metavar="KEY",
+        help="Bearer key, when the server wants one (default: $OPENAI_API_KEY)",
+    )
     p.add_argument("--num-prompts", type=int, default=256, help="number of requests")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -119,9 +124,15 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
 def _bodies(args: argparse.Namespace, model: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
     extra = {"stream_options": {"include_usage": True}} if args.stream else {}
     return [
-        {"model": model, "prompt": [rng.randrange(1000, 30000) for _ in range(args.input_len)],
-         "max_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature,
-         "stream": args.stream, **extra}
+        {
+            "model": model,
+            "prompt": [rng.randrange(1000, 30000) for _ in range(args.input_len)],
+            "max_tokens": args.output_len,
+            "ignore_eos": True,
+            "temperature": args.temperature,
+            "stream": args.stream,
+            **extra,
+        }
         for _ in range(n)
     ]
 
@@ -155,11 +166,19 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
     return {
-        "model": model, "num_prompts": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "model": model,
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
-        "stream": args.stream, "elapsed_s": elapsed, "requests_per_s": len(ok) / elapsed,
-        "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / elapsed,
+        "max_concurrency": args.max_concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "stream": args.stream,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(ok) / elapsed,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "ttft_s": latency_stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": latency_stats(tpots),
@@ -169,14 +188,22 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
 
 
 def print_report(fig: dict[str, Any]) -> None:
-    print(f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> {fig['output_len']} tokens, "
-          f"concurrency {fig['max_concurrency']}, {'streaming' if fig['stream'] else 'non-streaming'}")
-    print(f"Completed {fig['completed']} ({fig['failed']} failed) in {fig['elapsed_s']:.2f} s: "
-          f"{fig['requests_per_s']:.2f} requests/s, {fig['output_tokens_per_s']:.1f} output tokens/s, "
-          f"{fig['total_tokens_per_s']:.1f} total tokens/s")
+    print(
+        f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> "
+        f"{fig['output_len']} tokens, "
+        f"concurrency {fig['max_concurrency']}, {'streaming' if fig['stream'] else 'non-streaming'}"
+    )
+    print(
+        f"Completed {fig['completed']} ({fig['failed']} failed) in {fig['elapsed_s']:.2f} s: "
+        f"{fig['requests_per_s']:.2f} requests/s, {fig['output_tokens_per_s']:.1f} output tokens/s, "
+        f"{fig['total_tokens_per_s']:.1f} total tokens/s"
+    )
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("latency_s", "Latency")):
         s = fig[key]
-        print(f"{label:8s} median {s['median'] * 1e3:9.1f} ms   mean {s['mean'] * 1e3:9.1f} ms   p99 {s['p99'] * 1e3:9.1f} ms")
+        print(
+            f"{label:8s} median {s['median'] * 1e3:9.1f} ms   mean {s['mean'] * 1e3:9.1f} ms   p99 "
+            f"{s['p99'] * 1e3:9.1f} ms"
+        )
     for err in fig["errors"]:
         print(f"error: {err}")
 
@@ -196,9 +223,12 @@ def run_serve(args: argparse.Namespace) -> int:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(fig, f, indent=2)
     stream = "streaming" if fig["stream"] else "non-streaming"
-    plot.report([plot.series_from_figures(fig, args.base_url), *previous], args.plot,
-                title=f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> "
-                f"{fig['output_len']} tokens, concurrency {fig['max_concurrency']}, {stream}")
+    plot.report(
+        [plot.series_from_figures(fig, args.base_url), *previous],
+        args.plot,
+        title=f"pkgd bench serve: {fig['model']}, {fig['num_prompts']} requests, {fig['input_len']} -> "
+        f"{fig['output_len']} tokens, concurrency {fig['max_concurrency']}, {stream}",
+    )
     return 1 if fig["failed"] else 0
 
 

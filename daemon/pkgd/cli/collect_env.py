@@ -30,14 +30,48 @@ kernels the engine would use here and the dtype auto resolves to; and the compos
 configuration's digest, chosen group options and which keys each layer set. No configuration
 value is printed (API keys stay private)."""
 
-LIBRARIES = ("pkgd", "torch", "triton", "transformers", "tokenizers", "safetensors", "gguf", "numpy", "fastapi",
-             "starlette", "hypercorn", "pydantic", "hydra-core", "pyzmq", "msgspec", "prometheus_client", "xgrammar",
-             "openai")
-X86_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-             "amx_tile", "amx_bf16", "amx_int8")
+LIBRARIES = (
+    "pkgd",
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "gguf",
+    "numpy",
+    "fastapi",
+    "starlette",
+    "hypercorn",
+    "pydantic",
+    "hydra-core",
+    "pyzmq",
+    "msgspec",
+    "prometheus_client",
+    "xgrammar",
+    "openai",
+)
+X86_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 ARM_FLAGS = ("asimd", "sve", "bf16", "i8mm")
-ENV_SHOWN = ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS",
-             "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "CC", "PROMETHEUS_MULTIPROC_DIR")
+ENV_SHOWN = (
+    "THP_MEM_ALLOC_ENABLE",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "TRITON_INTERPRET",
+    "CC",
+    "PROMETHEUS_MULTIPROC_DIR",
+)
 
 
 def _version(dist: str) -> str:
@@ -89,15 +123,21 @@ def host_report() -> dict[str, Any]:
     mem = _meminfo()
     return {
         "versions": {"python": sys.version.split()[0], **{lib: _version(lib) for lib in LIBRARIES}},
-        "os": f"{platform.system()} {platform.release()} ({platform.machine()}), {platform.libc_ver()[0]} {platform.libc_ver()[1]}".strip(),
+        "os": (
+            f"{platform.system()} {platform.release()} ({platform.machine()}), "
+            f"{platform.libc_ver()[0]} {platform.libc_ver()[1]}"
+        ).strip(),
         "cpu": {
             "model": _cpu_model(),
             "logical_cpus": os.cpu_count(),
             "cores_available": host.available_cores(),
             "flags": {f: f in flags for f in (ARM_FLAGS if platform.machine() in ("aarch64", "arm64") else X86_FLAGS)},
         },
-        "memory": {"total_bytes": mem.get("MemTotal"), "available_bytes": mem.get("MemAvailable"),
-                   "transparent_hugepages": _thp()},
+        "memory": {
+            "total_bytes": mem.get("MemTotal"),
+            "available_bytes": mem.get("MemAvailable"),
+            "transparent_hugepages": _thp(),
+        },
         "environment": {k: os.environ[k] for k in ENV_SHOWN if k in os.environ},
     }
 
@@ -115,8 +155,11 @@ def kernels_report(config: Any) -> dict[str, Any]:
     }
     if cuda:
         out["gpus"] = [
-            {"name": torch.cuda.get_device_name(i), "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
-             "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))}
+            {
+                "name": torch.cuda.get_device_name(i),
+                "memory_bytes": torch.cuda.get_device_properties(i).total_memory,
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
+            }
             for i in range(torch.cuda.device_count())
         ]
     device = config.parallel.device
@@ -165,8 +208,10 @@ def _cpu_kernels() -> str:
         kernels = load()
     except CpuKernelsUnavailable as exc:
         return f"PyTorch ops (the C kernels are unavailable: {exc})"
-    return (f"C kernels for CPU decode (matvec, paged decode attention, RMSNorm, one-call decode) from {kernels.path}; "
-            "PyTorch ops for prefill")
+    return (
+        f"C kernels for CPU decode (matvec, paged decode attention, RMSNorm, one-call decode) from {kernels.path}; "
+        "PyTorch ops for prefill"
+    )
 
 
 def config_report(composed: Any) -> dict[str, Any]:

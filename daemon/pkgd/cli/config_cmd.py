@@ -49,17 +49,27 @@ class ConfigSubcommand(CLISubcommand):
             description=f"Compose each PATH as the daemon would and report every problem. {_PATH_HELP}. "
             "Without PATH, checks the default tree (/etc/pkgd or --config-dir).",
         )
-        validate.add_argument("paths", nargs="*", metavar="PATH", help="config tree or file; default: /etc/pkgd or --config-dir")
+        validate.add_argument(
+            "paths", nargs="*", metavar="PATH", help="config tree or file; default: /etc/pkgd or --config-dir"
+        )
         keys = actions.add_parser(
             "keys",
             help="every config key with its type, default, vLLM flag and meaning",
             description="The configuration keys from the schema: type, default, vLLM flags, what a "
             "reload does when the key changes, and what it means.",
         )
-        keys.add_argument("section", nargs="?", metavar="SECTION",
-                          help="only this section or key (model, frontend.cors, parallel.tp); default: all")
-        keys.add_argument("--format", choices=("text", "markdown"), default="text",
-                          help="markdown: the reference as docs/configuration.md holds it")
+        keys.add_argument(
+            "section",
+            nargs="?",
+            metavar="SECTION",
+            help="only this section or key (model, frontend.cors, parallel.tp); default: all",
+        )
+        keys.add_argument(
+            "--format",
+            choices=("text", "markdown"),
+            default="text",
+            help="markdown: the reference as docs/configuration.md holds it",
+        )
         schema_cmd = actions.add_parser(
             "schema",
             help="print the JSON schema of the configuration (or of the YAML files that build it)",
@@ -82,7 +92,9 @@ class ConfigSubcommand(CLISubcommand):
         return parser
 
     def cmd(self, args: argparse.Namespace) -> int:
-        action = {"show": _show, "validate": _validate, "keys": _keys, "schema": _schema, "diff": _diff}[args.config_command]
+        action = {"show": _show, "validate": _validate, "keys": _keys, "schema": _schema, "diff": _diff}[
+            args.config_command
+        ]
         return action(args)
 
 
@@ -111,7 +123,10 @@ def _keys(args: argparse.Namespace) -> int:
 
     if args.format == "markdown":
         if args.section:
-            print("pkgd config keys: error: --format markdown prints the whole reference; leave out SECTION", file=sys.stderr)
+            print(
+                "pkgd config keys: error: --format markdown prints the whole reference; leave out SECTION",
+                file=sys.stderr,
+            )
             return 2
         sys.stdout.write(keys.keys_markdown())
         return 0
@@ -133,7 +148,10 @@ def _schema(args: argparse.Namespace) -> int:
         if args.group not in sections:
             match = closest(args.group, sections)
             hint = f"; did you mean {match}?" if match else ""
-            print(f"pkgd: config schema --group {args.group}: no such section{hint} ({', '.join(sections)})", file=sys.stderr)
+            print(
+                f"pkgd: config schema --group {args.group}: no such section{hint} ({', '.join(sections)})",
+                file=sys.stderr,
+            )
             return 2
         sys.stdout.write(json.dumps(file_schemas.group_schema(args.group), indent=2) + "\n")
     elif args.file:

@@ -30,7 +30,9 @@ from pkgd.supervisor.control import ControlError, send_command
 from pkgd.supervisor.runtime import CONTROL_SOCKET, ROOT_RUNTIME_DIR, default_runtime_dir, resolve_runtime_dir
 
 
-def find_runtime_dir(explicit: str | None, environ: dict[str, str] | None = None, configured: str | None = None) -> Path:
+def find_runtime_dir(
+    explicit: str | None, environ: dict[str, str] | None = None, configured: str | None = None
+) -> Path:
     """The runtime directory to use (see module docstring); ``configured`` is
     ``supervisor.runtime_dir`` of the composed configuration."""
     env = dict(os.environ) if environ is None else environ
@@ -63,7 +65,11 @@ def _accepts_connections(path: Path) -> bool:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runtime-dir", metavar="DIR", help="runtime directory of the daemon (holds control.sock); default: found as the daemon resolves it")
+    parser.add_argument(
+        "--runtime-dir",
+        metavar="DIR",
+        help="runtime directory of the daemon (holds control.sock); default: found as the daemon resolves it",
+    )
     parser.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
 
 
@@ -83,11 +89,13 @@ def _configured_runtime_dir(args: argparse.Namespace) -> str | None:
     try:
         return compose(request).config.supervisor.runtime_dir
     except ConfigError as exc:
-        raise ConfigError([
-            *exc.problems,
-            f"pkgd {args.command_name}: not sent: this configuration does not compose, so its daemon "
-            "(supervisor.runtime_dir) is unknown; fix it, or name the daemon with --runtime-dir DIR",
-        ]) from None
+        raise ConfigError(
+            [
+                *exc.problems,
+                f"pkgd {args.command_name}: not sent: this configuration does not compose, so its daemon "
+                "(supervisor.runtime_dir) is unknown; fix it, or name the daemon with --runtime-dir DIR",
+            ]
+        ) from None
 
 
 def _ask(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
@@ -129,7 +137,10 @@ class StatusCommand(_ControlCommand):
 
     name = "status"
     help = "show the running daemon's processes and configuration"
-    description = "Show the running daemon's children (PIDs, state, uptime, restarts), serve mode, config hash and endpoint health."
+    description = (
+        "Show the running daemon's children (PIDs, state, uptime, restarts), serve mode, config hash and "
+        "endpoint health."
+    )
 
     def format(self, reply: dict[str, Any]) -> str:
         return format_status(reply["status"])
@@ -169,17 +180,25 @@ def _duration(seconds: float) -> str:
 def format_status(s: dict[str, Any]) -> str:
     """Human-readable ``pkgd status``."""
     lines = [
-        f"pkgd pid {s['pid']}  {s['state']}  mode {s['mode']}  up {_duration(s['uptime_s'])}  config {s['config_hash']}",
+        f"pkgd pid {s['pid']}  {s['state']}  mode {s['mode']}  "
+        f"up {_duration(s['uptime_s'])}  config {s['config_hash']}",
         f"model    {s['model']}",
     ]
     health = {h["url"]: h for h in s["health"]}
     for url in s["urls"]:
         h = health.get(url)
-        shown = "not probed yet" if h is None else ("healthy" if h["healthy"] else f"unhealthy ({h['status'] or h['error']})")
+        shown = (
+            "not probed yet"
+            if h is None
+            else ("healthy" if h["healthy"] else f"unhealthy ({h['status'] or h['error']})")
+        )
         lines.append(f"listen   {url}  {shown}")
     lines.append(f"{'ROLE':<12} {'INDEX':>5} {'PID':>8}  {'STATE':<10} {'UPTIME':>8} {'RESTARTS':>8}  ADDRESS")
     for c in s["children"]:
-        lines.append(f"{c['role']:<12} {c['index']:>5} {c['pid']:>8}  {c['state']:<10} {_duration(c['uptime_s']):>8} {c['restarts']:>8}  {c['address']}")
+        lines.append(
+            f"{c['role']:<12} {c['index']:>5} {c['pid']:>8}  {c['state']:<10} {_duration(c['uptime_s']):>8} "
+            f"{c['restarts']:>8}  {c['address']}"
+        )
     if s.get("retiring"):
         lines.append(f"retiring {s['retiring']} replaced child(ren), draining")
     if s.get("last_reload"):

@@ -64,7 +64,7 @@ def split_argv(argv: Sequence[str], commands: Collection[str] = ()) -> SplitArgv
         token = tokens[i]
         i += 1
         if token == "--":
-            out.rest += tokens[i - 1:]
+            out.rest += tokens[i - 1 :]
             break
         name, eq, inline = token.partition("=")
         if name in (*_SOURCE_OPTIONS, VLLM_CONFIG_FLAG):
@@ -85,8 +85,9 @@ def split_argv(argv: Sequence[str], commands: Collection[str] = ()) -> SplitArgv
         # a config key's list stops at an override too; the values of a flag pkgd refuses
         # (``--lora-modules name=path``) are taken whole so its one-line answer is the error
         overrides_end = normalize_flag(token).partition("=")[0] in schema.alias_index()
-        if arity in (1, "+") and (i >= len(tokens) or (
-                arity == "+" and _ends_values(tokens[i], commands, overrides_end=overrides_end))):
+        if arity in (1, "+") and (
+            i >= len(tokens) or (arity == "+" and _ends_values(tokens[i], commands, overrides_end=overrides_end))
+        ):
             raise ConfigError([f"{token}: expects a value"])
         if arity == 1:
             out.flags.append(tokens[i])

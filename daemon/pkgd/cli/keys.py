@@ -134,8 +134,10 @@ def common_flags_text(flags: Sequence[tuple[str, str]] = COMMON_FLAGS) -> str:
     from pkgd.config import schema
 
     leaves = schema.leaves()
-    lines = ["common flags (each sets the config key shown, here with its default; every key, with",
-             "its flags and meaning: pkgd config keys [SECTION]):"]
+    lines = [
+        "common flags (each sets the config key shown, here with its default; every key, with",
+        "its flags and meaning: pkgd config keys [SECTION]):",
+    ]
     for key, metavar in flags:
         leaf = leaves[key]
         flag = leaf.aliases[0].partition("=")[0]
@@ -154,7 +156,8 @@ def keys_markdown() -> str:
         "Generated from the configuration schema by `pkgd config keys --format markdown`;",
         "edit the field descriptions in `daemon/pkgd/config/`, not this file (a test checks it).",
         "",
-        SETTING_A_KEY.replace("KEY=VALUE", "`KEY=VALUE`").replace("~KEY", "`~KEY`")
+        SETTING_A_KEY.replace("KEY=VALUE", "`KEY=VALUE`")
+        .replace("~KEY", "`~KEY`")
         .replace("PKGD_SECTION__FIELD=VALUE", "`PKGD_SECTION__FIELD=VALUE`"),
         "",
         "The reload column says what a SIGHUP reload does when the key changes: `live` applies it",
@@ -168,16 +171,34 @@ def keys_markdown() -> str:
         "| group | options | packaged default |",
         "|---|---|---|",
     ]
-    out += [f"| `{g}` | {', '.join(f'`{o}`' for o in opts)} | {f'`{d}`' if d else 'none'} |" for g, opts, d in _groups()]
+    out += [
+        f"| `{g}` | {', '.join(f'`{o}`' for o in opts)} | {f'`{d}`' if d else 'none'} |" for g, opts, d in _groups()
+    ]
     for section, leaves in by_section(schema.leaves().values()).items():
-        out += ["", f"## {section}", "", schema.sections().get(section, ""), "",
-                "| key | type | default | vLLM flag | environment | reload | description |", "|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"## {section}",
+            "",
+            schema.sections().get(section, ""),
+            "",
+            "| key | type | default | vLLM flag | environment | reload | description |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for leaf in leaves:
             flags = "<br>".join(f"`{flag_text(a)}`" for a in leaf.aliases)
-            out.append(" | ".join([
-                f"| `{leaf.key}`", _cell(leaf.type_label), f"`{_cell(default_text(leaf.default))}`", flags,
-                f"`{env_name(leaf.key)}`", leaf.reload.value, _cell(leaf.description) + " |",
-            ]))
+            out.append(
+                " | ".join(
+                    [
+                        f"| `{leaf.key}`",
+                        _cell(leaf.type_label),
+                        f"`{_cell(default_text(leaf.default))}`",
+                        flags,
+                        f"`{env_name(leaf.key)}`",
+                        leaf.reload.value,
+                        _cell(leaf.description) + " |",
+                    ]
+                )
+            )
     return "\n".join(out) + "\n"
 
 

@@ -51,9 +51,13 @@ def render(config: Any, body: dict[str, Any], *, tokenizer: Any = None) -> dict[
     processor = InputProcessor(tok, max_model_len=config.model.max_model_len or 1 << 30)
     messages = [m.template_dict() for m in request.messages]
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-    text = processor.render_chat(messages, tools=tools, add_generation_prompt=request.add_generation_prompt,
-                                 continue_final_message=request.continue_final_message,
-                                 chat_template_kwargs=request.chat_template_kwargs)
+    text = processor.render_chat(
+        messages,
+        tools=tools,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        chat_template_kwargs=request.chat_template_kwargs,
+    )
     ids = processor.tokenize(text, add_special_tokens=False)
     return {"prompt": text, "prompt_token_ids": ids, "num_tokens": len(ids)}
 
@@ -98,13 +102,28 @@ class LaunchSubcommand(CLISubcommand):
     help = "launch render: print the prompt a chat request becomes, without an engine"
 
     def subparser_init(self, subparsers: Any) -> argparse.ArgumentParser:
-        parser = subparsers.add_parser(self.name, help=self.help, description="Launch one component of pkgd on its own.")
+        parser = subparsers.add_parser(
+            self.name, help=self.help, description="Launch one component of pkgd on its own."
+        )
         components = parser.add_subparsers(dest="launch_component", required=True, metavar="{render}")
-        r = components.add_parser("render", help="print the prompt a chat request becomes (chat template, tokens)",
-                                  description=RENDER_DESCRIPTION, epilog=RENDER_EXAMPLES)
-        r.add_argument("model_tag", nargs="?", metavar="MODEL", help="model whose tokenizer and template to use (sets model.source)")
-        r.add_argument("--request", default="-", metavar="FILE", help="chat completions request body as JSON; - = stdin")
-        r.add_argument("--message", action="append", metavar="ROLE:TEXT", help="a message instead of --request (repeatable)")
+        r = components.add_parser(
+            "render",
+            help="print the prompt a chat request becomes (chat template, tokens)",
+            description=RENDER_DESCRIPTION,
+            epilog=RENDER_EXAMPLES,
+        )
+        r.add_argument(
+            "model_tag",
+            nargs="?",
+            metavar="MODEL",
+            help="model whose tokenizer and template to use (sets model.source)",
+        )
+        r.add_argument(
+            "--request", default="-", metavar="FILE", help="chat completions request body as JSON; - = stdin"
+        )
+        r.add_argument(
+            "--message", action="append", metavar="ROLE:TEXT", help="a message instead of --request (repeatable)"
+        )
         r.add_argument("--json", action="store_true", help="print the prompt, its token ids and their count as JSON")
         return parser
 

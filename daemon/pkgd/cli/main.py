@@ -30,7 +30,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run-batch": ("pkgd.cli.run_batch", "run a JSONL file of OpenAI requests offline"),
     "status": ("pkgd.cli.ctl", "show the running daemon's processes and configuration"),
     "reload": ("pkgd.cli.ctl", "make the running daemon compose its configuration again"),
-    "collect-env": ("pkgd.cli.collect_env", "print the versions, hardware, kernels and config digest a bug report needs"),
+    "collect-env": (
+        "pkgd.cli.collect_env",
+        "print the versions, hardware, kernels and config digest a bug report needs",
+    ),
     "launch": ("pkgd.cli.launch", "launch render: print the prompt a chat request becomes, without an engine"),
 }
 DEFAULT_SUBCOMMAND = "serve"
@@ -96,7 +99,9 @@ def _version() -> str:
         return "unknown"
 
 
-def build_parser(command: str | None, *, with_help_text: bool = True) -> tuple[ArgumentParser, dict[str, CLISubcommand]]:
+def build_parser(
+    command: str | None, *, with_help_text: bool = True
+) -> tuple[ArgumentParser, dict[str, CLISubcommand]]:
     """The ``pkgd`` parser, with the real subparser of ``command`` only (others are listed).
 
     ``with_help_text``: build the texts only ``--help`` / ``--version`` show (the common flags
@@ -116,7 +121,9 @@ def build_parser(command: str | None, *, with_help_text: bool = True) -> tuple[A
     parser.add_argument("--version", action="version", version=f"pkgd {_version() if with_help_text else ''}")
     add_config_source_args(parser)
     # prog: argparse would derive the commands' names from the custom usage line
-    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND", title="commands (default: serve)", prog="pkgd")
+    subparsers = parser.add_subparsers(
+        dest="subcommand", metavar="COMMAND", title="commands (default: serve)", prog="pkgd"
+    )
     table = available_subcommands()
     commands: dict[str, CLISubcommand] = {}
     if command in table:

@@ -24,10 +24,17 @@ from pkgd.config.errors import closest
 
 # The parsers a parse_command_line call ran, outermost first (argparse calls each subparser's
 # parse_known_args in turn).
-_RAN: contextvars.ContextVar[list[argparse.ArgumentParser] | None] = contextvars.ContextVar("pkgd_parsers_ran", default=None)
+_RAN: contextvars.ContextVar[list[argparse.ArgumentParser] | None] = contextvars.ContextVar(
+    "pkgd_parsers_ran", default=None
+)
 
-_SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction,
-             argparse._CountAction, argparse.BooleanOptionalAction)
+_SWITCHES = (
+    argparse._StoreTrueAction,
+    argparse._StoreFalseAction,
+    argparse._StoreConstAction,
+    argparse._CountAction,
+    argparse.BooleanOptionalAction,
+)
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -38,8 +45,9 @@ class HelpFormatter(argparse.HelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
-        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False)
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)  # keep --flag-names whole
@@ -47,8 +55,12 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (default in (None, argparse.SUPPRESS) or isinstance(action, _SWITCHES) or default == []
-                or "default" in text.lower()):
+        if (
+            default in (None, argparse.SUPPRESS)
+            or isinstance(action, _SWITCHES)
+            or default == []
+            or "default" in text.lower()
+        ):
             return text
         shown = " ".join(str(v) for v in default) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"

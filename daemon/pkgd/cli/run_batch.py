@@ -44,11 +44,20 @@ examples:
 
 # OpenAI body field -> SamplingParams field (same meaning), plus vLLM's extra fields.
 _COMMON = {
-    "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-    "skip_special_tokens": "skip_special_tokens", "include_stop_str_in_output": "include_stop_str_in_output",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
 
 
@@ -126,7 +135,9 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
             item.constraint = _constraint(item.body, chat=item.url == "/v1/chat/completions")
         if item.url == "/v1/completions":
             params = _constrained(sampling_params_from_body(item.body, chat=False), item.constraint)
-            item.processed = [proc.process(f"{item.request_id}-{i}", p, params) for i, p in enumerate(_completion_prompts(item.body))]
+            item.processed = [
+                proc.process(f"{item.request_id}-{i}", p, params) for i, p in enumerate(_completion_prompts(item.body))
+            ]
         elif item.url == "/v1/chat/completions":
             params = _constrained(sampling_params_from_body(item.body, chat=True), item.constraint)
             messages = item.body.get("messages")
@@ -155,7 +166,9 @@ def _constraint(body: dict[str, Any], *, chat: bool) -> Any:
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ()))
-        raise BadRequest(f"{where + ': ' if where else ''}{str(err.get('msg', 'invalid value')).removeprefix('Value error, ')}") from None
+        raise BadRequest(
+            f"{where + ': ' if where else ''}{str(err.get('msg', 'invalid value')).removeprefix('Value error, ')}"
+        ) from None
     constraint = request_constraint(req)
     if constraint is not None:
         check(constraint.params, constraint.field)
@@ -215,7 +228,11 @@ def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str
         prompt_tokens += len(ro.prompt_token_ids)
         for c in ro.outputs:
             completion_tokens += len(c.token_ids)
-            choice: dict[str, Any] = {"index": len(choices), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            choice: dict[str, Any] = {
+                "index": len(choices),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
             if chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
                 if item.constraint is not None and item.constraint.tool_mode:
@@ -231,15 +248,21 @@ def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str
         "created": int(time.time()),
         "model": model_name,
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
 def _result_line(item: _Item, body: dict[str, Any] | None) -> dict[str, Any]:
     if item.error is not None:
-        response = {"status_code": 400, "request_id": item.request_id,
-                    "body": {"error": {"message": item.error, "type": "BadRequestError", "param": None, "code": 400}}}
+        response = {
+            "status_code": 400,
+            "request_id": item.request_id,
+            "body": {"error": {"message": item.error, "type": "BadRequestError", "param": None, "code": 400}},
+        }
         error = {"code": "invalid_request", "message": item.error}
     else:
         response, error = {"status_code": 200, "request_id": item.request_id, "body": body}, None
@@ -254,7 +277,9 @@ def process_batch(llm: Any, lines: list[str], *, use_tqdm: bool = False) -> list
     done = llm.run_processed(flat, use_tqdm=use_tqdm)
     outputs = dict(zip((p.request_id for p in flat), done, strict=True))
     return [
-        _result_line(it, None if it.error else _response_body(it, [outputs[p.request_id] for p in it.processed], model_name))
+        _result_line(
+            it, None if it.error else _response_body(it, [outputs[p.request_id] for p in it.processed], model_name)
+        )
         for it in items
     ]
 
@@ -262,7 +287,7 @@ def process_batch(llm: Any, lines: list[str], *, use_tqdm: bool = False) -> list
 def run_batch(args: argparse.Namespace) -> int:
     from pkgd.cli.bench import offline_llm
 
-    with (sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")) as f:
+    with sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8") as f:
         lines = f.readlines()
     llm = offline_llm(args)
     results = process_batch(llm, lines, use_tqdm=not args.no_progress)
@@ -289,9 +314,13 @@ class RunBatchSubcommand(CLISubcommand):
         p = subparsers.add_parser(self.name, help=self.help, description=DESCRIPTION, epilog=EXAMPLES)
         p.add_argument("-i", "--input-file", required=True, help="batch requests, JSONL ('-' = stdin)")
         p.add_argument("-o", "--output-file", required=True, help="results, JSONL ('-' = stdout)")
-        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                       help="config keys when run as 'python -m pkgd.cli.run_batch' (under 'pkgd', "
-                            "--model, --max-num-seqs and other config flags are composed with every layer)")
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="KEY=VALUE",
+            help="config keys when run as 'python -m pkgd.cli.run_batch' (under 'pkgd', "
+            "--model, --max-num-seqs and other config flags are composed with every layer)",
+        )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         return p
 

@@ -190,7 +190,8 @@ def _choice_problems(choices: Iterable[GroupChoice], groups: _Groups) -> list[st
         if c.group not in groups.options:
             hint = did_you_mean(c.group, groups.options)
             problems.append(
-                f"{c.group}: unknown config group (set by {c.origin}){hint}; groups: {', '.join(sorted(groups.options))}"
+                f"{c.group}: unknown config group (set by {c.origin}){hint}; groups: "
+                f"{', '.join(sorted(groups.options))}"
             )
         elif c.option is not None and c.option not in groups.options[c.group]:
             names = sorted(groups.options[c.group])
@@ -245,7 +246,9 @@ def _merge_presets(tree: layers.Provenance, groups: _Groups, final: Mapping[str,
             with initialize_config_dir(config_dir=str(packaged_dir()), version_base=None, job_name="pkgd"):
                 presets = OmegaConf.to_container(hydra_compose(PACKAGED_CONFIG_NAME, overrides), resolve=False)
                 per_option = {
-                    f"system:{g}/{o}.yaml": OmegaConf.to_container(hydra_compose(None, [f"+{g}={o}", *searchpath]), resolve=False)
+                    f"system:{g}/{o}.yaml": OmegaConf.to_container(
+                        hydra_compose(None, [f"+{g}={o}", *searchpath]), resolve=False
+                    )
                     for g, o in system_options
                 }
     except (HydraException, OmegaConfBaseException) as e:

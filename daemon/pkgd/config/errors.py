@@ -124,6 +124,6 @@ def _expected(msg: str) -> str:
     """What was expected, from pydantic's message: "Input should be X" gives "X"; a field
     validator's ``ValueError`` (worded "expected …" in pkgd's models) is taken as is."""
     if msg.startswith("Input should be "):
-        return msg[len("Input should be "):]
+        return msg[len("Input should be ") :]
     msg = msg.removeprefix("Value error, ").removeprefix("expected ")
     return msg[:1].lower() + msg[1:]

@@ -86,7 +86,10 @@ class Provenance:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(parents[: i + 1])
-                return f"{key}: cannot set ({without_value(detail)}): {where} holds the value {show_value(child)}, not a section"
+                return (
+                    f"{key}: cannot set ({without_value(detail)}): {where} holds the value {show_value(child)}, "
+                    "not a section"
+                )
             node = child
         self._set(node, name, value, key, layer, {key: detail})
         return None
@@ -163,7 +166,9 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
         problems.append(f"--config-name {config_name}: no file {main}")
     conf_d = root / CONF_D
     if conf_d.is_dir():
-        files += sorted(p for p in conf_d.iterdir() if p.suffix == ".yaml" and not p.name.startswith(".") and p.is_file())
+        files += sorted(
+            p for p in conf_d.iterdir() if p.suffix == ".yaml" and not p.name.startswith(".") and p.is_file()
+        )
     layers = []
     for path in files:
         label = f"system:{path.relative_to(root)}"
@@ -214,7 +219,7 @@ def _defaults_list(entries: Any, path: Path) -> tuple[tuple[tuple[str, str | Non
         if entry == "_self_":
             continue
         if isinstance(entry, dict) and len(entry) == 1:
-            (group, option), = entry.items()
+            ((group, option),) = entry.items()
             group = str(group).removeprefix("override ").strip()
             if option is None or isinstance(option, str):
                 choices.append((group, option))
@@ -244,7 +249,7 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     warnings: list[str] = []
     problems: list[str] = []
     for var in mine:
-        parts = var[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)
+        parts = var[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
         if parts[0] in sections:
             details[".".join(parts)] = f"env {var}"
             continue
@@ -252,8 +257,10 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
         if problem:
             problems.append(problem)
         else:
-            warnings.append(f"{var}: ignored, not a pkgd setting (config variables are {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<FIELD>)")
-    config_vars = {k: v for k, v in mine.items() if k[len(ENV_PREFIX):].lower().split(ENV_DELIMITER)[0] in sections}
+            warnings.append(
+                f"{var}: ignored, not a pkgd setting (config variables are {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<FIELD>)"
+            )
+    config_vars = {k: v for k, v in mine.items() if k[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)[0] in sections}
     try:
         values = _env_source_class()(config_vars)()
     except SettingsError:
@@ -282,8 +289,13 @@ def _misspelt_env(var: str, parts: list[str], sections: Sequence[str]) -> str | 
             continue
         fields = schema.children(section)
         field_name = rest if rest in fields else closest(rest, fields)
-        suggestion = _env_name(section, [field_name]) if field_name else f"{ENV_PREFIX}{section.upper()}{ENV_DELIMITER}<FIELD>"
-        return f"{var}: not a config variable (env; sections and fields are separated by {ENV_DELIMITER!r}); did you mean {suggestion}?"
+        suggestion = (
+            _env_name(section, [field_name]) if field_name else f"{ENV_PREFIX}{section.upper()}{ENV_DELIMITER}<FIELD>"
+        )
+        return (
+            f"{var}: not a config variable (env; sections and fields are separated by {ENV_DELIMITER!r}); did "
+            f"you mean {suggestion}?"
+        )
     return None
 
 

@@ -49,7 +49,9 @@ class ValueOp:
     origin: str = "cli"
 
 
-def parse_overrides(overrides: Iterable[str], groups: Collection[str]) -> tuple[list[GroupChoice], list[ValueOp], list[str]]:
+def parse_overrides(
+    overrides: Iterable[str], groups: Collection[str]
+) -> tuple[list[GroupChoice], list[ValueOp], list[str]]:
     """Split Hydra overrides into group choices and value operations (in order).
 
     ``groups`` are the names of the config groups. Returns ``(choices, ops, problems)``; a
@@ -71,7 +73,9 @@ def parse_overrides(overrides: Iterable[str], groups: Collection[str]) -> tuple[
             continue
         key = ov.key_or_group
         if ov.is_sweep_override():
-            problems.append(f"{text}: a sweep is not a config value; quote it ({key}='…') or write a list ({key}=[a,b])")
+            problems.append(
+                f"{text}: a sweep is not a config value; quote it ({key}='…') or write a list ({key}=[a,b])"
+            )
         elif ov.package is not None:
             problems.append(f"{text}: '@PACKAGE' is not supported on the pkgd command line")
         elif key in groups:
@@ -261,7 +265,6 @@ def unknown_delete(key: str) -> str:
     parent, _, name = key.rpartition(".")
     hint = did_you_mean(name, schema.children(parent), prefix=f"{parent}." if parent else "")
     return f"~{key}: unknown key{hint}"
-
 
 
 def keyword_ops(kwargs: Mapping[str, Any]) -> tuple[list[ValueOp], list[str]]:

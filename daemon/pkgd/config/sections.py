@@ -30,10 +30,14 @@ class GenerationDefaults(Section):
     """Sampling defaults applied when a request leaves a field unset (vLLM's
     ``--override-generation-config``)."""
 
-    temperature: float | None = field(None, "Default sampling temperature; null keeps the OpenAI default of 1.0.", ge=0.0, le=2.0, reload=L)
+    temperature: float | None = field(
+        None, "Default sampling temperature; null keeps the OpenAI default of 1.0.", ge=0.0, le=2.0, reload=L
+    )
     top_p: float | None = field(None, "Default nucleus-sampling mass; null keeps 1.0.", gt=0.0, le=1.0, reload=L)
     top_k: int | None = field(None, "Default top-k; null or 0 disables it.", ge=0, reload=L)
-    max_tokens: int | None = field(None, "Default max_tokens for requests that give none; null = up to max_model_len.", ge=1, reload=L)
+    max_tokens: int | None = field(
+        None, "Default max_tokens for requests that give none; null = up to max_model_len.", ge=1, reload=L
+    )
     repetition_penalty: float | None = field(None, "Default repetition penalty (1.0 = none).", gt=0.0, le=2.0, reload=L)
 
 
@@ -47,7 +51,9 @@ class PoolerConfig(Section):
         "Qwen3-Embedding); mean: the average over the prompt; cls: the first token's. auto = "
         "the sentence-transformers 1_Pooling/config.json of the model directory, else last.",
     )
-    normalize: bool = field(True, "L2-normalise pooled vectors unless a request says otherwise (vLLM's default for embeddings).")
+    normalize: bool = field(
+        True, "L2-normalise pooled vectors unless a request says otherwise (vLLM's default for embeddings)."
+    )
     matryoshka: bool | None = field(
         None,
         "Accept a request's dimensions (Matryoshka truncation of the vector); null = as the "
@@ -66,8 +72,15 @@ class ModelConfig(Section):
         aliases=("--model",),
         min_length=1,
     )
-    name: str | None = field(None, "Model name reported by the API; null = derived from source (file or directory name).", aliases=(), reload=L)
-    tokenizer: str | None = field(None, "Tokenizer directory or .gguf file; null = the model source.", aliases=("--tokenizer",))
+    name: str | None = field(
+        None,
+        "Model name reported by the API; null = derived from source (file or directory name).",
+        aliases=(),
+        reload=L,
+    )
+    tokenizer: str | None = field(
+        None, "Tokenizer directory or .gguf file; null = the model source.", aliases=("--tokenizer",)
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto",
         "Weight and activation dtype. 'auto': on CUDA the checkpoint dtype; on CPU bfloat16 when "
@@ -93,9 +106,16 @@ class ModelConfig(Section):
         "means 'auto'.",
         aliases=("--quantization", "-q"),
     )
-    chat_template: str | None = field(None, "Jinja chat template: a file path or the template text; null = the tokenizer's.", aliases=("--chat-template",), reload=A)
+    chat_template: str | None = field(
+        None,
+        "Jinja chat template: a file path or the template text; null = the tokenizer's.",
+        aliases=("--chat-template",),
+        reload=A,
+    )
     seed: int = field(0, "Seed of the engine's random state for requests without a seed.", aliases=("--seed",), ge=0)
-    trust_remote_code: bool = field(False, "Refused when true: pkgd never runs code shipped with a model.", aliases=("--trust-remote-code",))
+    trust_remote_code: bool = field(
+        False, "Refused when true: pkgd never runs code shipped with a model.", aliases=("--trust-remote-code",)
+    )
     cache_dir: str | None = field(
         None,
         "Where converted weights (GGUF dequantized to safetensors) are cached; null = "
@@ -174,20 +194,79 @@ class ModelConfig(Section):
 class ParallelConfig(Section):
     """Tensor/data parallelism, nodes and the engine's CPU threads."""
 
-    tp: int = field(1, "Tensor-parallel size: workers sharding each layer (torch.distributed).", aliases=("--tensor-parallel-size", "-tp"), ge=1, le=64)
-    pp: int = field(1, "Pipeline-parallel size. pkgd implements no pipeline parallelism, so only 1 is valid.", aliases=("--pipeline-parallel-size", "-pp"), ge=1, le=1)
-    dp: int = field(1, "Data-parallel size: engine cores, each a full model replica.", aliases=("--data-parallel-size", "-dp"), ge=1, le=64)
-    dp_local: int | None = field(None, "Data-parallel ranks on this node; null = dp / nnodes.", aliases=("--data-parallel-size-local", "-dpl"), ge=0)
-    dp_rank: int | None = field(None, "This instance's data-parallel rank; setting it implies the external load balancer (as vLLM).", aliases=("--data-parallel-rank", "-dpn"), ge=0)
-    dp_start_rank: int | None = field(None, "First data-parallel rank on this node; null = node_rank * dp_local.", aliases=("--data-parallel-start-rank", "-dpr"), ge=0)
-    dp_address: str = field("127.0.0.1", "Address the engine cores' IPC listens on / headless nodes connect to.", aliases=("--data-parallel-address", "-dpa"), min_length=1)
-    dp_rpc_port: int = field(13345, "TCP port of the engine-core IPC when cores and API servers are on different nodes.", aliases=("--data-parallel-rpc-port", "-dpp"), ge=1, le=65535)
+    tp: int = field(
+        1,
+        "Tensor-parallel size: workers sharding each layer (torch.distributed).",
+        aliases=("--tensor-parallel-size", "-tp"),
+        ge=1,
+        le=64,
+    )
+    pp: int = field(
+        1,
+        "Pipeline-parallel size. pkgd implements no pipeline parallelism, so only 1 is valid.",
+        aliases=("--pipeline-parallel-size", "-pp"),
+        ge=1,
+        le=1,
+    )
+    dp: int = field(
+        1,
+        "Data-parallel size: engine cores, each a full model replica.",
+        aliases=("--data-parallel-size", "-dp"),
+        ge=1,
+        le=64,
+    )
+    dp_local: int | None = field(
+        None,
+        "Data-parallel ranks on this node; null = dp / nnodes.",
+        aliases=("--data-parallel-size-local", "-dpl"),
+        ge=0,
+    )
+    dp_rank: int | None = field(
+        None,
+        "This instance's data-parallel rank; setting it implies the external load balancer (as vLLM).",
+        aliases=("--data-parallel-rank", "-dpn"),
+        ge=0,
+    )
+    dp_start_rank: int | None = field(
+        None,
+        "First data-parallel rank on this node; null = node_rank * dp_local.",
+        aliases=("--data-parallel-start-rank", "-dpr"),
+        ge=0,
+    )
+    dp_address: str = field(
+        "127.0.0.1",
+        "Address the engine cores' IPC listens on / headless nodes connect to.",
+        aliases=("--data-parallel-address", "-dpa"),
+        min_length=1,
+    )
+    dp_rpc_port: int = field(
+        13345,
+        "TCP port of the engine-core IPC when cores and API servers are on different nodes.",
+        aliases=("--data-parallel-rpc-port", "-dpp"),
+        ge=1,
+        le=65535,
+    )
     nnodes: int = field(1, "Number of nodes in the deployment.", aliases=("--nnodes", "-n"), ge=1)
     node_rank: int = field(0, "Rank of this node.", aliases=("--node-rank", "-r"), ge=0)
-    master_addr: str = field("127.0.0.1", "torch.distributed rendezvous address for tensor parallelism.", aliases=("--master-addr",), min_length=1)
-    master_port: int | None = field(None, "torch.distributed rendezvous port; null = a free port (single node only).", aliases=("--master-port",), ge=1, le=65535)
-    backend: Literal["auto", "gloo", "nccl"] = field("auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", aliases=("--distributed-backend",))
-    device: Literal["auto", "cpu", "cuda"] = field("auto", "Device the engine runs on; auto = cuda when available, else cpu.", aliases=("--device",))
+    master_addr: str = field(
+        "127.0.0.1",
+        "torch.distributed rendezvous address for tensor parallelism.",
+        aliases=("--master-addr",),
+        min_length=1,
+    )
+    master_port: int | None = field(
+        None,
+        "torch.distributed rendezvous port; null = a free port (single node only).",
+        aliases=("--master-port",),
+        ge=1,
+        le=65535,
+    )
+    backend: Literal["auto", "gloo", "nccl"] = field(
+        "auto", "torch.distributed backend; auto = nccl on CUDA, gloo on CPU.", aliases=("--distributed-backend",)
+    )
+    device: Literal["auto", "cpu", "cuda"] = field(
+        "auto", "Device the engine runs on; auto = cuda when available, else cpu.", aliases=("--device",)
+    )
     cpu_threads: int | None = field(
         None,
         "Torch threads per engine worker on CPU; null = every core pkgd may use, shared among "
@@ -215,8 +294,14 @@ class ParallelConfig(Section):
         "(decode streams them from memory every token); false = 4 KiB pages.",
         reload=E,
     )
-    enable_expert_parallel: bool = field(False, "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).", aliases=("--enable-expert-parallel", "-ep"))
-    enable_elastic_ep: bool = field(False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",))
+    enable_expert_parallel: bool = field(
+        False,
+        "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).",
+        aliases=("--enable-expert-parallel", "-ep"),
+    )
+    enable_elastic_ep: bool = field(
+        False, "Elastic expert parallelism; caps api_server_count to 1 (as vLLM).", aliases=("--enable-elastic-ep",)
+    )
     remote_engines: list[str] = field(
         default_factory=list,
         description="Engine cores run by other pkgd instances (started with frontend.headless: true), "
@@ -232,7 +317,13 @@ class ParallelConfig(Section):
     def _tcp_addresses(cls, v: list[str]) -> list[str]:
         for address in v:
             host, sep, port = address.removeprefix("tcp://").rpartition(":")
-            if not address.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            if (
+                not address.startswith("tcp://")
+                or not sep
+                or not host
+                or not port.isdigit()
+                or not 0 < int(port) < 65536
+            ):
                 raise ValueError(f"{address!r} is not an engine address of the form tcp://HOST:PORT")
         return v
 
@@ -245,16 +336,26 @@ class LBConfig(Section):
         "internal: API servers balance over all DP ranks; external: one API server per DP rank "
         "on port + rank behind your load balancer; hybrid: API servers per node over the "
         "node-local ranks. The two vLLM switches are mutually exclusive.",
-        aliases=("--data-parallel-external-lb=external", "-dpe=external", "--data-parallel-multi-port-external-lb=external",
-                 "-dpm=external", "--data-parallel-hybrid-lb=hybrid", "-dph=hybrid"),
+        aliases=(
+            "--data-parallel-external-lb=external",
+            "-dpe=external",
+            "--data-parallel-multi-port-external-lb=external",
+            "-dpm=external",
+            "--data-parallel-hybrid-lb=hybrid",
+            "-dph=hybrid",
+        ),
     )
 
 
 class CorsConfig(Section):
     """CORS headers of the API (Starlette's CORSMiddleware); empty origins = no CORS."""
 
-    allowed_origins: list[str] = field([], "Origins allowed to call the API ('*' for any).", aliases=("--allowed-origins",), reload=L)
-    allow_credentials: bool = field(False, "Allow credentials in CORS requests.", aliases=("--allow-credentials",), reload=L)
+    allowed_origins: list[str] = field(
+        [], "Origins allowed to call the API ('*' for any).", aliases=("--allowed-origins",), reload=L
+    )
+    allow_credentials: bool = field(
+        False, "Allow credentials in CORS requests.", aliases=("--allow-credentials",), reload=L
+    )
     allowed_methods: list[str] = field(["*"], "Allowed HTTP methods.", aliases=("--allowed-methods",), reload=L)
     allowed_headers: list[str] = field(["*"], "Allowed HTTP headers.", aliases=("--allowed-headers",), reload=L)
 
@@ -269,7 +370,12 @@ class FrontendLimits(Section):
     """
 
     max_messages: int = field(2048, "Most chat messages in one request.", reload=L, ge=1)
-    max_prompts: int = field(1024, "Most prompts in one /v1/completions request, or inputs in one /v1/embeddings request (a batch).", reload=L, ge=1)
+    max_prompts: int = field(
+        1024,
+        "Most prompts in one /v1/completions request, or inputs in one /v1/embeddings request (a batch).",
+        reload=L,
+        ge=1,
+    )
     max_input_chars: int = field(
         1_000_000,
         "Most characters of text in one request: its prompts or inputs, or its messages' contents, "
@@ -278,7 +384,14 @@ class FrontendLimits(Section):
         ge=1,
     )
     max_n: int = field(128, "Largest n (completions per prompt; OpenAI's limit).", reload=L, ge=1, le=1024)
-    max_logprobs: int = field(20, "Largest logprobs / top_logprobs / prompt_logprobs a request may ask for.", aliases=("--max-logprobs",), reload=A, ge=0, le=1000)
+    max_logprobs: int = field(
+        20,
+        "Largest logprobs / top_logprobs / prompt_logprobs a request may ask for.",
+        aliases=("--max-logprobs",),
+        reload=A,
+        ge=0,
+        le=1000,
+    )
     max_stop_strings: int = field(64, "Most stop strings in one request.", reload=L, ge=0)
     max_stop_string_chars: int = field(
         1024,
@@ -300,27 +413,75 @@ class FrontendLimits(Section):
 class FrontendConfig(Section):
     """The OpenAI-compatible API servers."""
 
-    host: str = field("127.0.0.1", "Address to listen on ('0.0.0.0' for all interfaces).", aliases=("--host",), reload=A, min_length=1)
-    port: int = field(8000, "TCP port to listen on; 0 = any free port (the ready log line says which).", aliases=("--port",), reload=A, ge=0, le=65535)
-    uds: str | None = field(None, "Listen on this Unix domain socket path instead of host:port.", aliases=("--uds",), reload=A)
+    host: str = field(
+        "127.0.0.1", "Address to listen on ('0.0.0.0' for all interfaces).", aliases=("--host",), reload=A, min_length=1
+    )
+    port: int = field(
+        8000,
+        "TCP port to listen on; 0 = any free port (the ready log line says which).",
+        aliases=("--port",),
+        reload=A,
+        ge=0,
+        le=65535,
+    )
+    uds: str | None = field(
+        None, "Listen on this Unix domain socket path instead of host:port.", aliases=("--uds",), reload=A
+    )
     api_server_count: int | None = field(
         None,
-        "API server processes; null = derived: 1 with the external LB, dp_local (or 1) with "
-        "the hybrid LB, else dp.",
+        "API server processes; null = derived: 1 with the external LB, dp_local (or 1) with the hybrid LB, else dp.",
         aliases=("--api-server-count", "-asc"),
         reload=A,
         ge=0,
         le=64,
     )
-    headless: bool = field(False, "Run engine cores only, no API server (another node's API servers use them).", aliases=("--headless",), reload=R)
-    api_keys: list[SecretStr] = field([], "Bearer keys clients must present; empty = no authentication. Never printed.", aliases=("--api-key",), reload=L)
+    headless: bool = field(
+        False,
+        "Run engine cores only, no API server (another node's API servers use them).",
+        aliases=("--headless",),
+        reload=R,
+    )
+    api_keys: list[SecretStr] = field(
+        [],
+        "Bearer keys clients must present; empty = no authentication. Never printed.",
+        aliases=("--api-key",),
+        reload=L,
+    )
     cors: CorsConfig = section(CorsConfig, "CORS settings.")
-    served_model_names: list[str] = field([], "Names clients may use in 'model'; empty = [model.name].", aliases=("--served-model-name",), reload=L)
-    tool_call_parser: str | None = field(None, "Registered tool-call parser for chat completions (e.g. hermes).", aliases=("--tool-call-parser",), reload=A)
-    reasoning_parser: str | None = field(None, "Registered reasoning parser splitting reasoning_content (e.g. deepseek_r1).", aliases=("--reasoning-parser",), reload=A)
-    enable_auto_tool_choice: bool = field(False, "Let the model decide when to call tools (tool_choice=auto); needs tool_call_parser.", aliases=("--enable-auto-tool-choice",), reload=A)
-    allow_runtime_lora_updating: bool = field(False, "Allow loading/unloading LoRA adapters at run time; refused with more than one API server (as vLLM).", aliases=("--allow-runtime-lora-updating",), reload=A)
-    max_request_body_bytes: int = field(4 * 1024 * 1024, "Largest request body accepted, in bytes; larger gets 413.", aliases=("--max-request-body-bytes",), reload=A, ge=1024)
+    served_model_names: list[str] = field(
+        [], "Names clients may use in 'model'; empty = [model.name].", aliases=("--served-model-name",), reload=L
+    )
+    tool_call_parser: str | None = field(
+        None,
+        "Registered tool-call parser for chat completions (e.g. hermes).",
+        aliases=("--tool-call-parser",),
+        reload=A,
+    )
+    reasoning_parser: str | None = field(
+        None,
+        "Registered reasoning parser splitting reasoning_content (e.g. deepseek_r1).",
+        aliases=("--reasoning-parser",),
+        reload=A,
+    )
+    enable_auto_tool_choice: bool = field(
+        False,
+        "Let the model decide when to call tools (tool_choice=auto); needs tool_call_parser.",
+        aliases=("--enable-auto-tool-choice",),
+        reload=A,
+    )
+    allow_runtime_lora_updating: bool = field(
+        False,
+        "Allow loading/unloading LoRA adapters at run time; refused with more than one API server (as vLLM).",
+        aliases=("--allow-runtime-lora-updating",),
+        reload=A,
+    )
+    max_request_body_bytes: int = field(
+        4 * 1024 * 1024,
+        "Largest request body accepted, in bytes; larger gets 413.",
+        aliases=("--max-request-body-bytes",),
+        reload=A,
+        ge=1024,
+    )
     limits: FrontendLimits = section(FrontendLimits, "Per-request limits checked before any work is done.")
     preprocess_threads: int = field(
         2,
@@ -337,7 +498,13 @@ class FrontendConfig(Section):
         reload=L,
         ge=1,
     )
-    keep_alive_timeout: float = field(5.0, "Seconds an idle keep-alive connection stays open between requests.", aliases=("--timeout-keep-alive",), reload=A, gt=0)
+    keep_alive_timeout: float = field(
+        5.0,
+        "Seconds an idle keep-alive connection stays open between requests.",
+        aliases=("--timeout-keep-alive",),
+        reload=A,
+        gt=0,
+    )
     header_timeout: float = field(
         10.0,
         "Seconds a client may take to send a request's headers, from its first byte (or the "
@@ -345,7 +512,9 @@ class FrontendConfig(Section):
         reload=L,
         gt=0,
     )
-    body_timeout: float = field(30.0, "Seconds a client may take to send a request body once its headers arrived; then 408.", reload=L, gt=0)
+    body_timeout: float = field(
+        30.0, "Seconds a client may take to send a request body once its headers arrived; then 408.", reload=L, gt=0
+    )
     write_timeout: float = field(
         30.0,
         "Seconds a response may wait for a client that stops reading it; then the connection is "
@@ -353,7 +522,13 @@ class FrontendConfig(Section):
         reload=L,
         gt=0,
     )
-    request_timeout: float | None = field(None, "Seconds a request may run before it is aborted with an error; null = no limit.", aliases=("--request-timeout",), reload=A, gt=0)
+    request_timeout: float | None = field(
+        None,
+        "Seconds a request may run before it is aborted with an error; null = no limit.",
+        aliases=("--request-timeout",),
+        reload=A,
+        gt=0,
+    )
     enable_tokenizer_info_endpoint: bool = field(
         False,
         "Serve GET /tokenizer_info: the tokenizer's configuration and chat template, as vLLM "
@@ -393,16 +568,29 @@ class SchedulerConfig(Section):
     """Continuous batching (vLLM v1's token-budget scheduler)."""
 
     max_num_seqs: int = field(256, "Most requests running in one step.", aliases=("--max-num-seqs",), ge=1, le=4096)
-    max_num_batched_tokens: int = field(2048, "Token budget of one step (prefill chunks + decodes).", aliases=("--max-num-batched-tokens",), ge=1)
-    enable_chunked_prefill: bool = field(True, "Split long prompts over several steps so decodes keep flowing.", aliases=("--enable-chunked-prefill",))
-    policy: Literal["fcfs", "priority"] = field("fcfs", "Order of the waiting queue: first come first served, or by request priority then arrival.", aliases=("--scheduling-policy",))
+    max_num_batched_tokens: int = field(
+        2048, "Token budget of one step (prefill chunks + decodes).", aliases=("--max-num-batched-tokens",), ge=1
+    )
+    enable_chunked_prefill: bool = field(
+        True, "Split long prompts over several steps so decodes keep flowing.", aliases=("--enable-chunked-prefill",)
+    )
+    policy: Literal["fcfs", "priority"] = field(
+        "fcfs",
+        "Order of the waiting queue: first come first served, or by request priority then arrival.",
+        aliases=("--scheduling-policy",),
+    )
 
 
 class CacheConfig(Section):
     """The paged KV cache."""
 
     block_size: int = field(16, "Tokens per KV-cache block (a power of two).", aliases=("--block-size",), ge=1, le=256)
-    num_blocks: int | None = field(None, "Exact number of KV blocks; overrides kv_cache_memory_bytes.", aliases=("--num-gpu-blocks-override",), ge=2)
+    num_blocks: int | None = field(
+        None,
+        "Exact number of KV blocks; overrides kv_cache_memory_bytes.",
+        aliases=("--num-gpu-blocks-override",),
+        ge=2,
+    )
     kv_cache_memory_bytes: int | None = field(
         None,
         "Bytes of KV cache per engine worker (4G = 4 GiB, 4g = 4e9); null = on CPU 4 GiB or half "
@@ -429,7 +617,11 @@ class CacheConfig(Section):
         "attention still computed in float32); CPU only.",
         aliases=("--kv-cache-dtype",),
     )
-    enable_prefix_caching: bool = field(True, "Reuse KV blocks of identical prompt prefixes (chained block hashes).", aliases=("--enable-prefix-caching",))
+    enable_prefix_caching: bool = field(
+        True,
+        "Reuse KV blocks of identical prompt prefixes (chained block hashes).",
+        aliases=("--enable-prefix-caching",),
+    )
 
     @field_validator("kv_cache_memory_bytes", mode="before")
     @classmethod
@@ -455,13 +647,27 @@ class SupervisorConfig(Section):
         reload=L,
         ge=0,
     )
-    restart_backoff: float = field(0.5, "First delay before restarting a crashed child, in seconds; doubles per crash.", reload=L, gt=0)
+    restart_backoff: float = field(
+        0.5, "First delay before restarting a crashed child, in seconds; doubles per crash.", reload=L, gt=0
+    )
     restart_backoff_max: float = field(30.0, "Largest restart delay, in seconds.", reload=L, gt=0)
-    max_restarts: int = field(5, "Crashes tolerated within restart_window before the supervisor gives up and exits non-zero.", reload=L, ge=0)
+    max_restarts: int = field(
+        5, "Crashes tolerated within restart_window before the supervisor gives up and exits non-zero.", reload=L, ge=0
+    )
     restart_window: float = field(60.0, "Window for max_restarts, in seconds.", reload=L, gt=0)
-    engine_ready_timeout: float = field(900.0, "Seconds an engine core may take to load before start-up fails.", reload=L, gt=0)
-    runtime_dir: str | None = field(None, "Directory of the IPC and control sockets (created 0700, never through a symlink); null = $RUNTIME_DIRECTORY (systemd), else /run/pkgd for root, else $XDG_RUNTIME_DIR/pkgd, else /tmp/pkgd-UID.", reload=R)
-    watchdog: bool = field(True, "Send WATCHDOG=1 while children are healthy when systemd sets WATCHDOG_USEC.", reload=L)
+    engine_ready_timeout: float = field(
+        900.0, "Seconds an engine core may take to load before start-up fails.", reload=L, gt=0
+    )
+    runtime_dir: str | None = field(
+        None,
+        "Directory of the IPC and control sockets (created 0700, never through a symlink); null = "
+        "$RUNTIME_DIRECTORY (systemd), else /run/pkgd for root, else $XDG_RUNTIME_DIR/pkgd, else "
+        "/tmp/pkgd-UID.",
+        reload=R,
+    )
+    watchdog: bool = field(
+        True, "Send WATCHDOG=1 while children are healthy when systemd sets WATCHDOG_USEC.", reload=L
+    )
     engine_swap: Literal["auto", "overlap", "stop_first"] = field(
         "auto",
         "How a reload replaces engine cores. overlap: start the new cores, switch the API servers "
@@ -475,9 +681,20 @@ class SupervisorConfig(Section):
 class LoggingConfig(Section):
     """structlog output."""
 
-    level: Literal["debug", "info", "warning", "error", "critical"] = field("info", "Lowest level of the lines logged (pkgd and the libraries it uses).", aliases=("--log-level",), reload=L)
-    format: Literal["auto", "json", "console"] = field("auto", "json = one JSON object per line; console = readable; auto = json under systemd or when not on a TTY.", reload=L)
-    log_requests: bool = field(False, "Log one line per request with its id, token counts and latency.", aliases=("--enable-log-requests",), reload=L)
+    level: Literal["debug", "info", "warning", "error", "critical"] = field(
+        "info", "Lowest level of the lines logged (pkgd and the libraries it uses).", aliases=("--log-level",), reload=L
+    )
+    format: Literal["auto", "json", "console"] = field(
+        "auto",
+        "json = one JSON object per line; console = readable; auto = json under systemd or when not on a TTY.",
+        reload=L,
+    )
+    log_requests: bool = field(
+        False,
+        "Log one line per request with its id, token counts and latency.",
+        aliases=("--enable-log-requests",),
+        reload=L,
+    )
     http_server_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = field(
         "warning",
         "Lowest level of the HTTP server's own lines (hypercorn: start-up, connection errors); "

@@ -114,7 +114,10 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
     if p.node_rank >= p.nnodes:
         problems.append(f"parallel.node_rank: {p.node_rank} must be below parallel.nnodes: {p.nnodes}")
     if m.runner == "generate" and m.convert == "embed":
-        problems.append("model.convert: embed conflicts with model.runner: generate (an embedding model needs model.runner: pooling or auto)")
+        problems.append(
+            "model.convert: embed conflicts with model.runner: generate (an embedding model needs "
+            "model.runner: pooling or auto)"
+        )
     if f.enable_auto_tool_choice and not f.tool_call_parser:
         problems.append("frontend.enable_auto_tool_choice: true needs frontend.tool_call_parser to be set")
     problems += _unregistered("frontend.tool_call_parser", f.tool_call_parser, "tool")

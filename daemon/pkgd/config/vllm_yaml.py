@@ -75,5 +75,6 @@ def load(path: str) -> tuple[list[ValueOp], list[str]]:
         return [], [f"{where}: expected a mapping of vLLM flag names to values, got {type(data).__name__}"]
     ops, problems = parse_flags(tokens_of(data))
     origin = f"{where}"
-    return [ValueOp(op.key, op.value, op.delete, f"{origin} ({op.origin.removeprefix('cli ')})") for op in ops], \
-        [f"{where}: {p}" for p in problems]
+    return [ValueOp(op.key, op.value, op.delete, f"{origin} ({op.origin.removeprefix('cli ')})") for op in ops], [
+        f"{where}: {p}" for p in problems
+    ]

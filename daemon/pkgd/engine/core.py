@@ -133,8 +133,14 @@ class DeviceMemory:
     used: int
 
 
-def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_memory: DeviceMemory | None = None,
-                            host_available_bytes: int | None = None, max_model_len: int | None = None) -> int:
+def determine_num_kv_blocks(
+    config: VllmConfig,
+    bytes_per_block: int,
+    *,
+    device_memory: DeviceMemory | None = None,
+    host_available_bytes: int | None = None,
+    max_model_len: int | None = None,
+) -> int:
     """KV blocks for this engine: ``cache.num_blocks`` when set, else the memory budget ÷
     ``bytes_per_block``.
 
@@ -159,7 +165,8 @@ def determine_num_kv_blocks(config: VllmConfig, bytes_per_block: int, *, device_
         budget = min(share, int(device_memory.free * CUDA_FREE_MEMORY_FRACTION))
         if budget < bytes_per_block:
             raise ValueError(
-                f"cache.gpu_memory_utilization: {cache.gpu_memory_utilization} of {device_memory.total / 2**30:.1f} GiB "
+                f"cache.gpu_memory_utilization: {cache.gpu_memory_utilization} of "
+                f"{device_memory.total / 2**30:.1f} GiB "
                 f"leaves no room for the KV cache after the model's {device_memory.used / 2**30:.1f} GiB; raise it"
             )
     else:
@@ -209,7 +216,9 @@ class EngineCore:
         Whatever the runner raises for a missing or unsupported model.
     """
 
-    def __init__(self, config: VllmConfig, *, engine_index: int = 0, runner_factory: RunnerFactory | None = None) -> None:
+    def __init__(
+        self, config: VllmConfig, *, engine_index: int = 0, runner_factory: RunnerFactory | None = None
+    ) -> None:
         self.config = config
         self.engine_index = engine_index
         self.model_files, self.model_runner = (runner_factory or load_model_runner)(config)
@@ -228,7 +237,9 @@ class EngineCore:
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
         cuda_memory = _cuda_memory(self.model_runner)
         self.num_kv_blocks = determine_num_kv_blocks(
-            config, bytes_per_block, device_memory=cuda_memory,
+            config,
+            bytes_per_block,
+            device_memory=cuda_memory,
             host_available_bytes=host.mem_available_bytes() if cuda_memory is None else None,
             max_model_len=self.max_model_len,
         )
@@ -255,7 +266,8 @@ class EngineCore:
         self.sleep_level = 0  # 0 = awake
         self.asleep: set[str] = set()  # of SLEEP_TAGS, released and not yet restored
         self.structured_output = StructuredOutputManager(
-            getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer, self.vocab_size,
+            getattr(self.model_files, "tokenizer_dir", None) or config.model.tokenizer,
+            self.vocab_size,
             tuple(getattr(info, "eos_token_ids", None) or ([] if self.eos_token_id is None else [self.eos_token_id])),
         )
         # Constrained requests whose grammar is still compiling: outside the scheduler, so
@@ -284,7 +296,10 @@ class EngineCore:
             self._validate_pooling(request)
             return
         if self.runner_type == "pooling":
-            raise ValueError("this model is served as a pooling model (model.runner: pooling): it computes embeddings and does not generate")
+            raise ValueError(
+                "this model is served as a pooling model (model.runner: pooling): it computes embeddings and "
+                "does not generate"
+            )
         assert request.sampling_params is not None  # exactly one of the two (checked above)
         request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
         # The frontend validates the prompt and max_tokens against max_model_len with the
@@ -302,12 +317,17 @@ class EngineCore:
 
     def _validate_pooling(self, request: EngineCoreRequest) -> None:
         if self.runner_type != "pooling":
-            raise ValueError("this model is served for generation (model.runner: generate); embeddings need model.runner: pooling")
+            raise ValueError(
+                "this model is served for generation (model.runner: generate); embeddings need model.runner: pooling"
+            )
         assert request.pooling_params is not None  # only called for pooling requests
-        request.pooling_params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka,
-                                      matryoshka_dimensions=self.matryoshka_dimensions)
+        request.pooling_params.verify(
+            hidden_size=self.hidden_size, matryoshka=self.matryoshka, matryoshka_dimensions=self.matryoshka_dimensions
+        )
         if len(request.prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"the prompt has {len(request.prompt_token_ids)} tokens, more than max_model_len {self.max_model_len}"
+            )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a tokenized request; raises `ValueError` (changing nothing) when it can never
@@ -413,7 +433,9 @@ class EngineCore:
             return
         if self.scheduler.has_unfinished_requests():
             n = self.scheduler.get_num_unfinished_requests()
-            raise EngineBusyError(f"{n} requests are still running on engine core {self.engine_index}; sleep when it is idle")
+            raise EngineBusyError(
+                f"{n} requests are still running on engine core {self.engine_index}; sleep when it is idle"
+            )
         self.kv_cache_manager.reset_prefix_cache()
         self.model_runner.sleep(level)
         self.sleep_level, self.asleep = level, set(SLEEP_TAGS)
@@ -439,7 +461,9 @@ class EngineCore:
 
     def _check_sleep_mode(self) -> None:
         if not self.config.model.enable_sleep_mode:
-            raise ValueError("sleep mode is off; start the engine with model.enable_sleep_mode: true (--enable-sleep-mode)")
+            raise ValueError(
+                "sleep mode is off; start the engine with model.enable_sleep_mode: true (--enable-sleep-mode)"
+            )
 
     def handshake_info(self) -> dict[str, Any]:
         """The fields of ``ipc.messages.Handshake`` for this engine."""
@@ -480,5 +504,15 @@ def _cuda_memory(runner: ModelRunnerLike) -> DeviceMemory | None:
     return DeviceMemory(free=free, total=total, used=torch.cuda.memory_reserved(device))
 
 
-__all__ = ["EngineBusyError", "EngineCore", "EngineSleepingError", "ModelRunnerLike", "RunnerFactory", "default_cpu_kv_cache_bytes",
-           "default_cpu_threads", "determine_num_kv_blocks", "engine_workers_on_node", "load_model_runner"]
+__all__ = [
+    "EngineBusyError",
+    "EngineCore",
+    "EngineSleepingError",
+    "ModelRunnerLike",
+    "RunnerFactory",
+    "default_cpu_kv_cache_bytes",
+    "default_cpu_threads",
+    "determine_num_kv_blocks",
+    "engine_workers_on_node",
+    "load_model_runner",
+]

@@ -98,11 +98,16 @@ class EngineCoreProc:
         fields = {"version": PROTOCOL_VERSION, "pid": os.getpid(), "engine_index": self.engine_index, **fields}
         return Handshake(**fields)
 
-    def run(self, signals: child.SignalState, on_reload: Callable[[], None] = lambda: None,
-            config: child.ConfigSource | None = None) -> None:
+    def run(
+        self,
+        signals: child.SignalState,
+        on_reload: Callable[[], None] = lambda: None,
+        config: child.ConfigSource | None = None,
+    ) -> None:
         """Serve until SIGTERM/SIGINT or a `Shutdown` frame; then abort what is left.
 
-        ``on_reload`` runs after SIGHUP and whenever ``config``'s pipe is readable. Raises whatever ``EngineCore.step`` raises, after telling every client
+        ``on_reload`` runs after SIGHUP and whenever ``config``'s pipe is readable.
+        Raises whatever ``EngineCore.step`` raises, after telling every client
         (their requests get an `EngineError`).
         """
         poller = zmq.Poller()
@@ -168,10 +173,14 @@ class EngineCoreProc:
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         if msg.version != PROTOCOL_VERSION:
-            self._send(identity, EngineError(
-                engine_index=self.engine_index,
-                message=f"protocol version {msg.version} is not supported; this engine core speaks version {PROTOCOL_VERSION}",
-            ))
+            self._send(
+                identity,
+                EngineError(
+                    engine_index=self.engine_index,
+                    message=f"protocol version {msg.version} is not supported; this engine core speaks version "
+                    f"{PROTOCOL_VERSION}",
+                ),
+            )
             return
         self.clients.setdefault(identity, set())
         logger.debug("client_connected", client_id=msg.client_id)
@@ -235,9 +244,10 @@ class EngineCoreProc:
         stats = self.core.stats()
         now = time.time()
         for identity, outs in by_client.items():
-            self._send(identity, EngineOutputs(
-                engine_index=self.engine_index, outputs=outs, scheduler_stats=stats, timestamp=now
-            ))
+            self._send(
+                identity,
+                EngineOutputs(engine_index=self.engine_index, outputs=outs, scheduler_stats=stats, timestamp=now),
+            )
 
     def _maybe_broadcast_stats(self) -> None:
         """Send changed stats to every client (also those without outputs this step), at
@@ -263,9 +273,10 @@ class EngineCoreProc:
             self._drop_client(identity)
 
     def _reject(self, identity: bytes, request_id: str, message: str, *, rejected: bool = True) -> None:
-        self._send(identity, EngineError(
-            engine_index=self.engine_index, message=message, request_ids=[request_id], rejected=rejected
-        ))
+        self._send(
+            identity,
+            EngineError(engine_index=self.engine_index, message=message, request_ids=[request_id], rejected=rejected),
+        )
 
     def _drop_client(self, identity: bytes) -> None:
         """The client is gone: abort its requests so they stop using the engine."""
@@ -378,7 +389,12 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
     proc = EngineCoreProc(core, sock, args.engine_index)
     hs = proc.handshake()
     ready.send(hs)
-    logger.info("engine_ready", seconds=round(time.monotonic() - t0, 2), num_kv_blocks=hs.num_kv_blocks, max_model_len=hs.max_model_len)
+    logger.info(
+        "engine_ready",
+        seconds=round(time.monotonic() - t0, 2),
+        num_kv_blocks=hs.num_kv_blocks,
+        max_model_len=hs.max_model_len,
+    )
 
     def reload() -> None:
         try:

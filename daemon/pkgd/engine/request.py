@@ -126,7 +126,9 @@ class Request:
         self.structured_output: Any = None
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest, *, max_model_len: int, skip_prefix_cache: bool = False) -> Request:
+    def from_engine_core_request(
+        cls, req: EngineCoreRequest, *, max_model_len: int, skip_prefix_cache: bool = False
+    ) -> Request:
         return cls(
             req.request_id,
             req.prompt_token_ids,

@@ -27,7 +27,8 @@ cache before any attention of that layer reads it.
 
 `update_from_output` appends the runner's sampled tokens, applies the stop rules
 (`Request.check_stop`; a constrained request also stops when its grammar is complete, after
-its matcher accepted the token: `pkgd.engine.structured_output`), frees finished requests at once (their blocks stay cached) and
+its matcher accepted the token: `pkgd.engine.structured_output`),
+frees finished requests at once (their blocks stay cached) and
 returns one `EngineCoreOutput` per request that produced tokens. A pooling request is a
 prefill that samples nothing: it is scheduled like any prompt (chunked, batched with the
 others) and finishes on the step that computes its last prompt token, with the runner's
@@ -71,8 +72,14 @@ class Scheduler:
         admission_lookahead: tokens of growth reserved per request at admission (0 = none).
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, max_model_len: int,
-                 admission_lookahead: int = ADMISSION_LOOKAHEAD_TOKENS) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        max_model_len: int,
+        admission_lookahead: int = ADMISSION_LOOKAHEAD_TOKENS,
+    ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -102,7 +109,9 @@ class Scheduler:
         request.queued_ts = time.time()
         self.waiting.add(request)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
         """End live requests now (abort): their blocks are freed at once. Unknown ids are
         ignored. Returns the requests ended."""
         ended = [self.requests[i] for i in set(request_ids) if i in self.requests]
@@ -201,7 +210,9 @@ class Scheduler:
         # Published only now: a request preempted later in the loop must not leave hashes on
         # blocks whose KV this step will not compute.
         for request in step.running:
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens + step.num_tokens[request.request_id])
+            self.kv_cache_manager.cache_blocks(
+                request, request.num_computed_tokens + step.num_tokens[request.request_id]
+            )
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -273,7 +284,9 @@ class Scheduler:
 
     # ---- after the runner ---------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Apply one step's sampled tokens; returns outputs of requests that got tokens.
 
         Requests that stopped are freed before this returns (their blocks stay cached).
@@ -327,8 +340,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
 
-    def _make_output(self, request: Request, new_ids: list[int], logprobs: list | None, *,
-                     pooling_output: bytes | None = None) -> EngineCoreOutput:
+    def _make_output(
+        self, request: Request, new_ids: list[int], logprobs: list | None, *, pooling_output: bytes | None = None
+    ) -> EngineCoreOutput:
         out = EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,

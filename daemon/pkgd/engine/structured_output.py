@@ -46,6 +46,8 @@ logger = log.get_logger(__name__)
 # Distinct constraints kept compiled. A compiled JSON-schema grammar for a 49k vocabulary
 # takes tens to hundreds of KiB, so 256 stay well under 100 MiB.
 MAX_CACHED_GRAMMARS = 256
+
+
 class StructuredOutputRequest:
     """One request's constraint: the compiled grammar (a future) and, once it is ready, the
     matcher that has accepted every output token so far."""
@@ -91,8 +93,14 @@ class StructuredOutputManager:
         max_cached: compiled grammars kept (LRU).
     """
 
-    def __init__(self, tokenizer_dir: str | os.PathLike[str] | None, vocab_size: int,
-                 stop_token_ids: tuple[int, ...], *, max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+    def __init__(
+        self,
+        tokenizer_dir: str | os.PathLike[str] | None,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        *,
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
@@ -155,13 +163,16 @@ class StructuredOutputManager:
                     tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
                 else:
                     tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-                info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
-                                                          stop_token_ids=list(self.stop_token_ids) or None)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tok, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids) or None
+                )
                 threads = max(1, (os.cpu_count() or 2) // 2)
                 # Our LRU is the cache (bounded by count, keyed by the constraint).
                 self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
                 self._xgr = xgr
-                logger.info("grammar_compiler_ready", vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids))
+                logger.info(
+                    "grammar_compiler_ready", vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
+                )
             return self._compiler
 
     def start_matcher(self, request: Request) -> None:

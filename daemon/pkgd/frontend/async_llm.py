@@ -43,10 +43,22 @@ class RequestStream:
     """Outputs of one client request, in order; an error ends it. ``processed`` is kept for a
     pooling request, whose one output bypasses the `OutputProcessor`."""
 
-    __slots__ = ("_items", "_event", "request_id", "engine_ids", "prompt_len", "t_arrival", "t_last", "num_tokens",
-                 "finished", "pooling")
+    __slots__ = (
+        "_items",
+        "_event",
+        "request_id",
+        "engine_ids",
+        "prompt_len",
+        "t_arrival",
+        "t_last",
+        "num_tokens",
+        "finished",
+        "pooling",
+    )
 
-    def __init__(self, request_id: str, engine_ids: list[str], prompt_len: int, pooling: ProcessedRequest | None = None) -> None:
+    def __init__(
+        self, request_id: str, engine_ids: list[str], prompt_len: int, pooling: ProcessedRequest | None = None
+    ) -> None:
         self._items: collections.deque[Any] = collections.deque()
         self._event = asyncio.Event()
         self.request_id = request_id
@@ -80,9 +92,16 @@ class AsyncLLM:
     ``client_factory(self)`` replaces the `EngineClient` (tests).
     """
 
-    def __init__(self, config: VllmConfig, engine_addresses: Sequence[str], *, metrics: Metrics | None = None,
-                 tokenizer: Any = None, client_id: str | None = None,
-                 client_factory: Callable[[AsyncLLM], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: VllmConfig,
+        engine_addresses: Sequence[str],
+        *,
+        metrics: Metrics | None = None,
+        tokenizer: Any = None,
+        client_id: str | None = None,
+        client_factory: Callable[[AsyncLLM], Any] | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -113,8 +132,12 @@ class AsyncLLM:
         # (nothing is wrong until engine_ready_timeout passes), and wait.
         all_cores = asyncio.ensure_future(self.client.start(timeout=min(handshake_timeout, ALL_CORES_WAIT_S)))
         if not (await asyncio.wait({all_cores}, timeout=WAIT_NOTICE_S))[0]:
-            logger.info("waiting_for_engine", loading=self.client.unavailable(), timeout_s=handshake_timeout,
-                        timeout_key="supervisor.engine_ready_timeout")
+            logger.info(
+                "waiting_for_engine",
+                loading=self.client.unavailable(),
+                timeout_s=handshake_timeout,
+                timeout_key="supervisor.engine_ready_timeout",
+            )
         await all_cores
         deadline = time.monotonic() + handshake_timeout
         while self.client.handshake is None:
@@ -127,9 +150,14 @@ class AsyncLLM:
         if self.tokenizer is None:
             self.tokenizer, self.generation_defaults = await asyncio.to_thread(load_frontend_model, self.config)
         self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=hs.max_model_len, vocab_size=hs.vocab_size,
-            eos_token_id=hs.eos_token_id, max_logprobs=self.config.frontend.limits.max_logprobs,
-            hidden_size=hs.hidden_size or None, matryoshka=hs.matryoshka, matryoshka_dimensions=hs.matryoshka_dimensions,
+            self.tokenizer,
+            max_model_len=hs.max_model_len,
+            vocab_size=hs.vocab_size,
+            eos_token_id=hs.eos_token_id,
+            max_logprobs=self.config.frontend.limits.max_logprobs,
+            hidden_size=hs.hidden_size or None,
+            matryoshka=hs.matryoshka,
+            matryoshka_dimensions=hs.matryoshka_dimensions,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -187,8 +215,13 @@ class AsyncLLM:
             raise
         if self.metrics is not None:
             params = processed.sampling_params  # None for a pooling request
-            self.metrics.track(rid, engine_ids, engine_index, prompt_len=stream.prompt_len,
-                               max_tokens=None if params is None else params.max_tokens)
+            self.metrics.track(
+                rid,
+                engine_ids,
+                engine_index,
+                prompt_len=stream.prompt_len,
+                max_tokens=None if params is None else params.max_tokens,
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -297,9 +330,14 @@ class AsyncLLM:
         """With ``logging.log_requests``, log one line for a finished request."""
         latency = time.monotonic() - stream.t_arrival
         if self.config.logging.log_requests:
-            logger.info("request_finished", request_id=stream.request_id, finish_reason=reason,
-                        prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
-                        latency_s=round(latency, 4))
+            logger.info(
+                "request_finished",
+                request_id=stream.request_id,
+                finish_reason=reason,
+                prompt_tokens=stream.prompt_len,
+                completion_tokens=stream.num_tokens,
+                latency_s=round(latency, 4),
+            )
 
 
 def _finish_reason(ro: RequestOutput) -> str:

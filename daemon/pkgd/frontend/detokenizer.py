@@ -37,7 +37,9 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt, for left context.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast | None, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast | None, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> None:
         self.output_text = ""
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
@@ -71,7 +73,9 @@ class IncrementalDetokenizer:
                 self.output_text += piece
         if not self.stop:
             return None
-        hit = find_stop_string(self.output_text, len(self.output_text) - before, self.stop, self.include_stop_str_in_output)
+        hit = find_stop_string(
+            self.output_text, len(self.output_text) - before, self.stop, self.include_stop_str_in_output
+        )
         if hit is None:
             return None
         stop_str, end = hit
@@ -92,7 +96,9 @@ class IncrementalDetokenizer:
         return self.output_text[start:end]
 
 
-def find_stop_string(text: str, new_char_count: int, stop: list[str], include_in_output: bool) -> tuple[str, int] | None:
+def find_stop_string(
+    text: str, new_char_count: int, stop: list[str], include_in_output: bool
+) -> tuple[str, int] | None:
     """The earliest stop string that ends within the last ``new_char_count`` characters.
 
     Returns ``(stop_string, cut)`` where ``text[:cut]`` is the text to keep (before the stop

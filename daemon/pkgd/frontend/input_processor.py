@@ -197,7 +197,9 @@ class InputProcessor:
         """`render_chat` then `process` (the rendered text already holds the special tokens,
         so none are added). ``chat_kwargs`` go to `render_chat`."""
         text = self.render_chat(messages, **chat_kwargs)
-        return self.process(request_id, text, params, add_special_tokens=False, arrival_time=arrival_time, priority=priority)
+        return self.process(
+            request_id, text, params, add_special_tokens=False, arrival_time=arrival_time, priority=priority
+        )
 
     def process_pooling(
         self,
@@ -219,7 +221,11 @@ class InputProcessor:
         """
         params = params if params is not None else PoolingParams()
         if self.hidden_size:
-            params.verify(hidden_size=self.hidden_size, matryoshka=self.matryoshka, matryoshka_dimensions=self.matryoshka_dimensions)
+            params.verify(
+                hidden_size=self.hidden_size,
+                matryoshka=self.matryoshka,
+                matryoshka_dimensions=self.matryoshka_dimensions,
+            )
         if isinstance(prompt, str):
             text: str | None = prompt
             token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
@@ -238,12 +244,20 @@ class InputProcessor:
             )
         arrival = time.time() if arrival_time is None else arrival_time
         engine_request = EngineCoreRequest(
-            request_id=request_id, prompt_token_ids=token_ids, pooling_params=params,
-            arrival_time=arrival, priority=priority,
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            pooling_params=params,
+            arrival_time=arrival,
+            priority=priority,
         )
         return ProcessedRequest(
-            request_id=request_id, prompt=text, prompt_token_ids=token_ids, sampling_params=None,
-            engine_requests=[engine_request], arrival_time=arrival, pooling_params=params,
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            sampling_params=None,
+            engine_requests=[engine_request],
+            arrival_time=arrival,
+            pooling_params=params,
         )
 
     def _check_tokens(self, token_ids: list[int]) -> None:
@@ -278,11 +292,17 @@ class InputProcessor:
             )
         return params
 
-    def _fan_out(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int) -> list[EngineCoreRequest]:
+    def _fan_out(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, arrival: float, priority: int
+    ) -> list[EngineCoreRequest]:
         def one(rid: str, sp: SamplingParams) -> EngineCoreRequest:
             return EngineCoreRequest(
-                request_id=rid, prompt_token_ids=token_ids, sampling_params=sp,
-                eos_token_id=self.eos_token_id, arrival_time=arrival, priority=priority,
+                request_id=rid,
+                prompt_token_ids=token_ids,
+                sampling_params=sp,
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival,
+                priority=priority,
             )
 
         if params.n == 1:

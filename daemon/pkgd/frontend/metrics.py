@@ -38,12 +38,74 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, Handshake, SchedulerStats
 
 # vLLM v1's bucket families (vllm/v1/metrics/buckets.py), in seconds or counts.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 E2E_BUCKETS = REQUEST_LATENCY_BUCKETS
 REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
@@ -111,39 +173,74 @@ class Metrics:
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.request_success = counter("vllm:request_success", "Count of successfully processed requests.", ["finished_reason"])
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("vllm:request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.request_success = counter(
+            "vllm:request_success", "Count of successfully processed requests.", ["finished_reason"]
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.request_generation = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.request_generation = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
         self.request_prefill_computed = histogram(
             "vllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
-        self.max_generation = histogram("vllm:request_max_num_generation_tokens",
-                                        "Histogram of maximum number of requested generation tokens.", tokens)
-        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS)
-        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter.", tokens)
-        self.request_preemptions = histogram("vllm:request_num_preemptions",
-                                             "Number of preemptions per request.", REQUEST_NUM_PREEMPTIONS_BUCKETS)
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens,
+        )
+        self.max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        self.request_preemptions = histogram(
+            "vllm:request_num_preemptions", "Number of preemptions per request.", REQUEST_NUM_PREEMPTIONS_BUCKETS
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._by_engine_id: dict[str, str] = {}
 
     # ---- request events (called by AsyncLLM) --------------------------------------------
 
-    def track(self, request_id: str, engine_ids: Iterable[str], engine_index: int, *, prompt_len: int,
-              max_tokens: int | None) -> None:
+    def track(
+        self, request_id: str, engine_ids: Iterable[str], engine_index: int, *, prompt_len: int, max_tokens: int | None
+    ) -> None:
         """Start timing client request ``request_id`` whose engine requests run on core
         ``engine_index``; ``max_tokens`` is the client's parameter (None when it gave none)."""
         now = time.monotonic()
@@ -261,8 +358,12 @@ class EngineStatsCollector:
     labels that come from the config (``num_gpu_blocks`` comes from each handshake).
     """
 
-    def __init__(self, model_name: str, engines: Callable[[], Mapping[int, tuple[Handshake | None, SchedulerStats]]],
-                 cache_info: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engines: Callable[[], Mapping[int, tuple[Handshake | None, SchedulerStats]]],
+        cache_info: Mapping[str, str],
+    ) -> None:
         self.model_name = model_name
         self.engines = engines
         self.cache_info = dict(cache_info)
@@ -274,8 +375,14 @@ class EngineStatsCollector:
             "kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage),
         }
         counters = {
-            "prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.", lambda s: s.prefix_cache_queries),
-            "prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", lambda s: s.prefix_cache_hits),
+            "prefix_cache_queries": (
+                "Prefix cache queries, in terms of number of queried tokens.",
+                lambda s: s.prefix_cache_queries,
+            ),
+            "prefix_cache_hits": (
+                "Prefix cache hits, in terms of number of cached tokens.",
+                lambda s: s.prefix_cache_hits,
+            ),
             "num_preemptions": ("Cumulative number of preemption from the engine.", lambda s: s.num_preemptions),
         }
         engines = sorted(self.engines().items())
@@ -289,12 +396,19 @@ class EngineStatsCollector:
             for index, (_, stats) in engines:
                 counter.add_metric([self.model_name, str(index)], get(stats))
             yield counter
-        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS)
+        steps = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS
+        )
         for index, (_, stats) in engines:
-            steps.add_metric([self.model_name, str(index)], _cumulative(stats.iteration_tokens_counts), stats.iteration_tokens_sum)
+            steps.add_metric(
+                [self.model_name, str(index)], _cumulative(stats.iteration_tokens_counts), stats.iteration_tokens_sum
+            )
         yield steps
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=[*self.cache_info, "num_gpu_blocks", "engine"])
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=[*self.cache_info, "num_gpu_blocks", "engine"],
+        )
         for index, (handshake, _) in engines:
             if handshake is not None:
                 info.add_metric([*self.cache_info.values(), str(handshake.num_kv_blocks), str(index)], 1)

@@ -56,7 +56,7 @@ def complete_token_text(tokenizer: PreTrainedTokenizerFast, token_id: int, conte
             continue
         before = _decode(tokenizer, ctx).rstrip(REPLACEMENT_CHAR)
         if full.startswith(before):
-            return full[len(before):]
+            return full[len(before) :]
     return _decode(tokenizer, [token_id]).rstrip(REPLACEMENT_CHAR)
 
 
@@ -77,8 +77,15 @@ class OutputProcessorResult:
 class RequestState:
     """The frontend's state of one engine request (one completion)."""
 
-    def __init__(self, request_id: str, index: int, processed: ProcessedRequest, params: SamplingParams,
-                 tokenizer: PreTrainedTokenizerFast | None, parent: ParentRequest | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        processed: ProcessedRequest,
+        params: SamplingParams,
+        tokenizer: PreTrainedTokenizerFast | None,
+        parent: ParentRequest | None,
+    ) -> None:
         self.request_id = request_id
         self.index = index
         self.parent = parent
@@ -120,7 +127,9 @@ class RequestState:
             context = self.prompt_token_ids[-MAX_UTF8_BYTES:] + self.token_ids
             offset = len(context) - len(self.token_ids) + start
             for j, entry in enumerate(out.new_logprobs):
-                self.logprobs.append(self._logprob_dict(entry, context[max(0, offset + j - MAX_UTF8_BYTES) : offset + j]))
+                self.logprobs.append(
+                    self._logprob_dict(entry, context[max(0, offset + j - MAX_UTF8_BYTES) : offset + j])
+                )
                 assert self.cumulative_logprob is not None  # tracked together with logprobs
                 self.cumulative_logprob += entry.logprobs[0]
         engine_stop = out.finish_reason == FinishReason.STOP
@@ -218,12 +227,16 @@ class OutputProcessor:
 
     def add_request(self, processed: ProcessedRequest) -> None:
         """Track a request's engine requests; raises `ValueError` if its id is live."""
-        if processed.request_id in self.parents or any(r.request_id in self.request_states for r in processed.engine_requests):
+        if processed.request_id in self.parents or any(
+            r.request_id in self.request_states for r in processed.engine_requests
+        ):
             raise ValueError(f"request id {processed.request_id!r} is already in use")
         parent = None
         if len(processed.engine_requests) > 1:
             assert processed.sampling_params is not None  # only sampling requests fan out (n > 1)
-            parent = ParentRequest(processed.request_id, len(processed.engine_requests), processed.sampling_params.output_kind)
+            parent = ParentRequest(
+                processed.request_id, len(processed.engine_requests), processed.sampling_params.output_kind
+            )
             self.parents[processed.request_id] = parent
         for index, req in enumerate(processed.engine_requests):
             assert req.sampling_params is not None  # pooling requests are not tracked here
@@ -231,7 +244,9 @@ class OutputProcessor:
                 req.request_id, index, processed, req.sampling_params, self.tokenizer, parent
             )
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput], *, timestamp: float | None = None) -> OutputProcessorResult:
+    def process_outputs(
+        self, outputs: Iterable[EngineCoreOutput], *, timestamp: float | None = None
+    ) -> OutputProcessorResult:
         """Apply one step's outputs; outputs for unknown (aborted) ids are ignored."""
         now = time.time() if timestamp is None else timestamp
         request_outputs: list[RequestOutput] = []

@@ -38,8 +38,18 @@ from pkgd.sampling_params import StructuredOutputsParams, build_grammar, constra
 
 # JSON-schema keywords the grammar cannot enforce: refused rather than silently ignored.
 # (Checked against xgrammar 0.2.8: these accept values the schema rejects.)
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired", "contains",
-                       "minContains", "maxContains", "uniqueItems")
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "dependentRequired",
+    "contains",
+    "minContains",
+    "maxContains",
+    "uniqueItems",
+)
 MAX_CONSTRAINT_BYTES = 256 * 1024
 _lock = threading.Lock()
 _xgr: Any = None
@@ -68,7 +78,11 @@ def load_xgrammar() -> Any:
     with _lock:
         if _xgr is not None:
             return _xgr
-        if "torch" in sys.modules or isinstance(sys.modules.get("xgrammar"), types.ModuleType) and hasattr(sys.modules["xgrammar"], "GrammarMatcher"):
+        if (
+            "torch" in sys.modules
+            or isinstance(sys.modules.get("xgrammar"), types.ModuleType)
+            and hasattr(sys.modules["xgrammar"], "GrammarMatcher")
+        ):
             import xgrammar
 
             _xgr = xgrammar
@@ -87,7 +101,9 @@ def load_xgrammar() -> Any:
         return _xgr
 
 
-def check(so: StructuredOutputsParams, field: str = "structured_outputs", *, max_bytes: int = MAX_CONSTRAINT_BYTES) -> None:
+def check(
+    so: StructuredOutputsParams, field: str = "structured_outputs", *, max_bytes: int = MAX_CONSTRAINT_BYTES
+) -> None:
     """Raise `ValueError` ("``field``: reason") when the constraint is invalid, cannot be
     enforced, admits no output, or is larger than ``max_bytes`` as text. ``field`` is the
     request field it came from."""
@@ -110,7 +126,10 @@ def check(so: StructuredOutputsParams, field: str = "structured_outputs", *, max
 def _check_size(text: str, field: str, max_bytes: int) -> None:
     size = len(text.encode())
     if size > max_bytes:
-        raise ValueError(f"{field}: the constraint is {size} bytes, more than frontend.limits.max_constraint_bytes allows ({max_bytes})")
+        raise ValueError(
+            f"{field}: the constraint is {size} bytes, more than frontend.limits.max_constraint_bytes allows "
+            f"({max_bytes})"
+        )
 
 
 def _renamed(exc: ValueError, field: str) -> str:
@@ -119,8 +138,13 @@ def _renamed(exc: ValueError, field: str) -> str:
 
 
 def _what(kind: str) -> str:
-    return {"json": "invalid JSON schema", "regex": "invalid regex", "grammar": "invalid grammar",
-            "choice": "invalid choice", "json_object": "invalid JSON object constraint"}[kind]
+    return {
+        "json": "invalid JSON schema",
+        "regex": "invalid regex",
+        "grammar": "invalid grammar",
+        "choice": "invalid choice",
+        "json_object": "invalid JSON object constraint",
+    }[kind]
 
 
 def check_json_schema(schema: Any, field: str) -> None:
@@ -129,7 +153,9 @@ def check_json_schema(schema: Any, field: str) -> None:
     import jsonschema
 
     if not isinstance(schema, dict | bool):
-        raise ValueError(f"{field}: invalid JSON schema: a schema is an object or a boolean, got {type(schema).__name__}")
+        raise ValueError(
+            f"{field}: invalid JSON schema: a schema is an object or a boolean, got {type(schema).__name__}"
+        )
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -147,7 +173,10 @@ def _walk(node: Any, field: str, path: str) -> None:
         return
     for kw in UNENFORCED_KEYWORDS:
         if kw in node and not (kw == "uniqueItems" and node[kw] is False):
-            raise ValueError(f"{field}: JSON schema keyword {kw!r} at {path} is not supported (it cannot be enforced while generating)")
+            raise ValueError(
+                f"{field}: JSON schema keyword {kw!r} at {path} is not supported (it cannot be enforced "
+                "while generating)"
+            )
     if isinstance(node.get("pattern"), str):  # xgrammar ignores what it cannot enforce in a pattern
         try:
             load_xgrammar().Grammar.from_regex(node["pattern"])
@@ -156,15 +185,22 @@ def _walk(node: Any, field: str, path: str) -> None:
     if "multipleOf" in node and node.get("type") != "integer":
         raise ValueError(f"{field}: JSON schema keyword 'multipleOf' at {path} is only supported with type 'integer'")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        raise ValueError(f"{field}: JSON schema 'allOf' with more than one schema at {path} is not supported; merge them into one")
+        raise ValueError(
+            f"{field}: JSON schema 'allOf' with more than one schema at {path} is not supported; merge them into one"
+        )
     props = node.get("properties")
     if node.get("additionalProperties") is False and isinstance(node.get("required"), list):
         missing = [r for r in node["required"] if not isinstance(props, dict) or r not in props]
         if missing:
-            raise ValueError(f"{field}: the JSON schema at {path} can never be satisfied: it requires {missing[0]!r}, "
-                             "which its properties do not allow (additionalProperties is false)")
+            raise ValueError(
+                f"{field}: the JSON schema at {path} can never be satisfied: it requires {missing[0]!r}, "
+                "which its properties do not allow (additionalProperties is false)"
+            )
     if "const" in node and "type" in node and not _has_type(node["const"], node["type"]):
-        raise ValueError(f"{field}: the JSON schema at {path} can never be satisfied: const {node['const']!r} is not of type {node['type']!r}")
+        raise ValueError(
+            f"{field}: the JSON schema at {path} can never be satisfied: const {node['const']!r} is not of "
+            f"type {node['type']!r}"
+        )
     for key, value in node.items():
         if key in ("enum", "const", "default", "examples"):
             continue
@@ -181,7 +217,11 @@ _TYPES = {"string": str, "boolean": bool, "object": dict, "array": list, "null":
 def _has_type(value: Any, types_: Any) -> bool:
     for t in types_ if isinstance(types_, list) else [types_]:
         if t in ("number", "integer"):
-            if isinstance(value, int | float) and not isinstance(value, bool) and (t == "number" or float(value).is_integer()):
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and (t == "number" or float(value).is_integer())
+            ):
                 return True
         elif t in _TYPES and isinstance(value, _TYPES[t]):
             return True
@@ -203,9 +243,17 @@ class ConstraintValidator:
             larger ones are refused (``frontend.limits.max_constraint_bytes`` in an API server).
     """
 
-    def __init__(self, *, max_workers: int = 2, max_pending: int = 64, max_cached: int = 1024,
-                 max_bytes: int = MAX_CONSTRAINT_BYTES) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pkgd-constraint")
+    def __init__(
+        self,
+        *,
+        max_workers: int = 2,
+        max_pending: int = 64,
+        max_cached: int = 1024,
+        max_bytes: int = MAX_CONSTRAINT_BYTES,
+    ) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="pkgd-constraint"
+        )
         self._pending = threading.BoundedSemaphore(max_pending)
         self._lock = threading.Lock()  # the verdict cache is shared by the checking threads
         self._verdicts: collections.OrderedDict[tuple, str | None] = collections.OrderedDict()
@@ -216,7 +264,9 @@ class ConstraintValidator:
         """Raise `ValueError` ("``field``: reason") for a bad constraint."""
         self._admit(field)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._check_admitted, so, field, self.max_bytes)
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._check_admitted, so, field, self.max_bytes
+            )
         finally:
             self._pending.release()
 

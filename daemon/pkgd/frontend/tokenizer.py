@@ -68,7 +68,9 @@ def load_tokenizer(
         elif (path / "tokenizer.json").is_file():
             tok = PreTrainedTokenizerFast.from_pretrained(str(path))
         else:
-            raise TokenizerError(f"no tokenizer at {str(path)!r}: expected a directory with tokenizer.json or a .gguf file")
+            raise TokenizerError(
+                f"no tokenizer at {str(path)!r}: expected a directory with tokenizer.json or a .gguf file"
+            )
     except TokenizerError:
         raise
     except Exception as exc:  # corrupt files surface as many exception types

@@ -143,7 +143,9 @@ class EngineClient:
         for core in self._cores:
             monitor = core.sock.get_monitor_socket(_UP | _DOWN)  # before connect: miss no event
             core.sock.connect(core.address)
-            self._tasks.append(asyncio.create_task(self._monitor(core, monitor), name=f"engine-monitor-{core.position}"))
+            self._tasks.append(
+                asyncio.create_task(self._monitor(core, monitor), name=f"engine-monitor-{core.position}")
+            )
             self._tasks.append(asyncio.create_task(self._reader(core), name=f"engine-reader-{core.position}"))
         try:
             await asyncio.wait_for(self._wait_all(), timeout)
@@ -237,7 +239,9 @@ class EngineClient:
         for position, ids in by_core.items():
             self._send(self._cores[position], AbortRequests(request_ids=ids))
 
-    async def call_utility(self, method: UtilityMethod, args: dict | None = None, *, timeout: float = 600.0) -> list[UtilityResult]:
+    async def call_utility(
+        self, method: UtilityMethod, args: dict | None = None, *, timeout: float = 600.0
+    ) -> list[UtilityResult]:
         """Call ``method`` on every available engine core at once; their answers in core order.
 
         Raises:
@@ -300,7 +304,9 @@ class EngineClient:
                 was = core.handshake
                 core.handshake = None
                 core.stats, core.inflight_at_stats = SchedulerStats(), 0
-                logger.warning("engine_disconnected", address=core.address, engine_index=was.engine_index if was else None)
+                logger.warning(
+                    "engine_disconnected", address=core.address, engine_index=was.engine_index if was else None
+                )
                 self._fail_core(core, f"engine core at {core.address} disconnected (crashed or restarting)")
             self._changed.set()
 
@@ -321,7 +327,9 @@ class EngineClient:
         outputs = msg.outputs
         for start in range(0, len(outputs), OUTPUT_CHUNK):
             stats = msg.scheduler_stats if start == 0 else None
-            self._on_outputs(core, msgspec.structs.replace(msg, outputs=outputs[start : start + OUTPUT_CHUNK], scheduler_stats=stats))
+            self._on_outputs(
+                core, msgspec.structs.replace(msg, outputs=outputs[start : start + OUTPUT_CHUNK], scheduler_stats=stats)
+            )
             await asyncio.sleep(0)
 
     def _drain(self, core: _Core) -> None:

@@ -15,8 +15,13 @@ from typing import Any
 
 from pkgd.model_files.errors import ModelSourceError
 
-_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def generation_defaults(setting: str, model_dir: Path) -> dict[str, Any]:

@@ -166,7 +166,11 @@ def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict
         cfg["mlp_bias"] = False
     if model_type == "qwen3":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+    for key, name in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("padding_token_id", "pad_token_id"),
+    ):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
             cfg[name] = int(value)
@@ -196,7 +200,9 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
 
-def _dequantized_tensors(reader: Any, config: dict[str, Any], permute: bool, gguf_path: Path, progress: Any) -> dict[str, np.ndarray]:
+def _dequantized_tensors(
+    reader: Any, config: dict[str, Any], permute: bool, gguf_path: Path, progress: Any
+) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     out: dict[str, np.ndarray] = {}
@@ -242,7 +248,12 @@ def _write_tokenizer(meta: dict[str, Any], arch: str, config: dict[str, Any], ou
     backend.save(str(out_dir / "tokenizer.json"))
     tokens = tok_dict["tokens"]
     specials = {}
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unk_token_id"), ("pad_token", "pad_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unk_token_id"),
+        ("pad_token", "pad_token_id"),
+    ):
         if key in tok_dict:
             specials[name] = tokens[int(tok_dict[key])]
     tok_config = {

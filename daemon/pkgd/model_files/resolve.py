@@ -138,7 +138,10 @@ def model_source_problems(model_cfg: ModelConfig) -> list[str]:
             problems.append(f"model.{key}: {e}")
     setting = model_cfg.generation_config
     if setting not in ("auto", "vllm") and not (Path(setting).expanduser() / "generation_config.json").is_file():
-        problems.append(f"model.generation_config: {setting!r} is neither auto, vllm nor a directory holding a generation_config.json")
+        problems.append(
+            f"model.generation_config: {setting!r} is neither auto, vllm nor a directory holding a "
+            "generation_config.json"
+        )
     return problems
 
 
@@ -166,9 +169,7 @@ def _locate_in_package(source: str) -> Path:
     except (ImportError, ValueError) as e:
         raise ModelSourceError(f"model source {source!r}: cannot look up package {top!r}: {e}") from e
     if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(
-            f"model source {source!r}: package {top!r} is not installed (or is not a package)"
-        )
+        raise ModelSourceError(f"model source {source!r}: package {top!r} is not installed (or is not a package)")
     tried = []
     for base in spec.submodule_search_locations:
         candidate = Path(base, *sub, rel)
@@ -178,17 +179,14 @@ def _locate_in_package(source: str) -> Path:
     raise ModelSourceError(f"model source {source!r}: {' or '.join(tried)} does not exist")
 
 
-def _as_hf_dir(
-    path: Path, source: str, cache_dir: Path, *, need_weights: bool = True
-) -> tuple[Path, Path | None]:
+def _as_hf_dir(path: Path, source: str, cache_dir: Path, *, need_weights: bool = True) -> tuple[Path, Path | None]:
     if path.is_dir():
         _check_hf_dir(path, source, need_weights)
         return path, None
     if path.name.lower().endswith(".gguf"):
         return converted_dir(path, cache_dir), path
     raise ModelSourceError(
-        f"model source {source!r}: {path} is neither a directory with config.json and "
-        "*.safetensors nor a .gguf file"
+        f"model source {source!r}: {path} is neither a directory with config.json and *.safetensors nor a .gguf file"
     )
 
 
@@ -284,8 +282,9 @@ def ensure_float_weights(files: ModelFiles) -> None:
             from pkgd import phases
             from pkgd.model_files.gguf_convert import write_float_weights  # heavy: numpy, gguf
 
-            with phases.phase("dequantize_gguf", f"dequantizing {files.gguf_path.name}", unit="tensor",
-                              file=str(files.gguf_path)) as p:
+            with phases.phase(
+                "dequantize_gguf", f"dequantizing {files.gguf_path.name}", unit="tensor", file=str(files.gguf_path)
+            ) as p:
                 write_float_weights(files.gguf_path, tmp, progress=p)
             os.replace(tmp, final)
         except OSError as e:

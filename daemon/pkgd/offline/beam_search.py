@@ -71,7 +71,9 @@ def beam_search(
     ``decode``.
     """
     if params.beam_width < 1 or params.max_tokens < 1:
-        raise ValueError(f"beam_width and max_tokens must be at least 1, got {params.beam_width} and {params.max_tokens}")
+        raise ValueError(
+            f"beam_width and max_tokens must be at least 1, got {params.beam_width} and {params.max_tokens}"
+        )
     if params.stop and decode is None:
         raise ValueError("stop strings need a tokenizer to decode the beams")
     prompt_lens = [len(p) for p in prompts]
@@ -105,7 +107,9 @@ def beam_search(
     for done, beams in zip(completed, live, strict=True):
         for beam in beams:
             beam.finish_reason = "length"
-        ranked = sorted(done + beams, key=lambda b: beam_search_score(b, eos_token_id, params.length_penalty), reverse=True)
+        ranked = sorted(
+            done + beams, key=lambda b: beam_search_score(b, eos_token_id, params.length_penalty), reverse=True
+        )
         outputs.append(BeamSearchOutput(ranked[:width]))
     if decode is not None:
         for out in outputs:
@@ -115,12 +119,14 @@ def beam_search(
     return outputs
 
 
-def _hit_stop(seq: BeamSearchSequence, prompt_len: int, params: BeamSearchParams, decode: Callable[[list[int]], str]) -> bool:
+def _hit_stop(
+    seq: BeamSearchSequence, prompt_len: int, params: BeamSearchParams, decode: Callable[[list[int]], str]
+) -> bool:
     """Finish ``seq`` when its generated text holds a stop string: set its ``text`` (prompt
     text, then the generated text cut at the stop string) and the reasons."""
     prompt_text = decode(seq.tokens[:prompt_len])
     full = decode(seq.tokens)
-    generated = full[len(prompt_text):] if full.startswith(prompt_text) else decode(seq.tokens[prompt_len:])
+    generated = full[len(prompt_text) :] if full.startswith(prompt_text) else decode(seq.tokens[prompt_len:])
     hit = find_stop_string(generated, len(generated), params.stop, params.include_stop_str_in_output)
     if hit is None:
         return False

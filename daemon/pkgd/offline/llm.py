@@ -61,8 +61,14 @@ class LLM:
         ValueError: an invalid value (dotted path and reason), or a KV cache too small.
     """
 
-    def __init__(self, model: str | None = None, *, config: VllmConfig | None = None,
-                 runner_factory: RunnerFactory | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: VllmConfig | None = None,
+        runner_factory: RunnerFactory | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.config = build_llm_config(model, config=config, **kwargs)
         host.set_torch_huge_pages(self.config.parallel.cpu_huge_pages)  # if torch has not allocated yet
         log.ensure_configured(role="offline")  # start-up lines (model_phase …) on stderr
@@ -150,9 +156,13 @@ class LLM:
             [messages] if messages and isinstance(messages[0], dict) else list(messages),
         )
         params = self._params_per_prompt(sampling_params, len(conversations))
-        kw: dict[str, Any] = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                  continue_final_message=continue_final_message, tools=tools,
-                  chat_template_kwargs=chat_template_kwargs)
+        kw: dict[str, Any] = dict(
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         processed = []
         for i, (conv, sp) in enumerate(zip(conversations, params, strict=True)):
             try:
@@ -163,7 +173,9 @@ class LLM:
                 raise ValueError(f"conversation {i}: {exc}") from None
         return self.run_processed(processed, use_tqdm)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
         """Beam search per prompt (see `pkgd.offline.beam_search`); sequences best first,
         with ``text`` decoded from prompt and generated tokens, as vLLM returns them."""
         token_prompts = []
@@ -173,11 +185,20 @@ class LLM:
             token_prompts.append(self.input_processor.process("beam", prompt, probe).prompt_token_ids)
 
         def next_token_logprobs(seqs: list[list[int]], k: int) -> list[dict[int, Logprob]]:
-            sp = SamplingParams(max_tokens=1, logprobs=k, temperature=params.temperature,
-                                ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
-            proc = InputProcessor(self.tokenizer, max_model_len=self.engine.max_model_len,
-                                  vocab_size=self.engine.vocab_size, eos_token_id=self.engine.eos_token_id,
-                                  max_logprobs=max(k, 1))
+            sp = SamplingParams(
+                max_tokens=1,
+                logprobs=k,
+                temperature=params.temperature,
+                ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            proc = InputProcessor(
+                self.tokenizer,
+                max_model_len=self.engine.max_model_len,
+                vocab_size=self.engine.vocab_size,
+                eos_token_id=self.engine.eos_token_id,
+                max_logprobs=max(k, 1),
+            )
             outs = self.run_processed([proc.process(self.next_request_id(), s, sp) for s in seqs], use_tqdm=False)
             firsts = []
             for o in outs:
@@ -188,8 +209,14 @@ class LLM:
 
         tok = self.tokenizer
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
-        return beam_search(token_prompts, params, next_token_logprobs, eos_token_id=self.engine.eos_token_id,
-                           max_model_len=self.engine.max_model_len, decode=decode)
+        return beam_search(
+            token_prompts,
+            params,
+            next_token_logprobs,
+            eos_token_id=self.engine.eos_token_id,
+            max_model_len=self.engine.max_model_len,
+            decode=decode,
+        )
 
     # ---- pooling (model.runner: pooling) ----------------------------------------------------
 
@@ -209,7 +236,9 @@ class LLM:
         with ``model.runner: pooling``.
         """
         if self.engine.runner_type != "pooling":
-            raise ValueError("LLM.encode/embed need a pooling model: LLM(..., runner='pooling') (vLLM's --runner pooling)")
+            raise ValueError(
+                "LLM.encode/embed need a pooling model: LLM(..., runner='pooling') (vLLM's --runner pooling)"
+            )
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -218,7 +247,9 @@ class LLM:
             if len(params) != len(prompt_list):
                 raise ValueError(f"{len(params)} pooling params for {len(prompt_list)} prompts")
         processed = [
-            self.input_processor.process_pooling(self.next_request_id(), _prompt_of(p), pp, truncate_prompt_tokens=truncate_prompt_tokens)
+            self.input_processor.process_pooling(
+                self.next_request_id(), _prompt_of(p), pp, truncate_prompt_tokens=truncate_prompt_tokens
+            )
             for p, pp in zip(prompt_list, params, strict=True)
         ]
         return self._run_pooling(processed, use_tqdm)

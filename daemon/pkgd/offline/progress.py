@@ -31,8 +31,12 @@ class ProgressBar:
         self._start = time.perf_counter()
         self._in = 0
         self._out = 0
-        kwargs: dict[str, Any] = dict(total=total, desc="Processed prompts", dynamic_ncols=True,
-                                      postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        kwargs: dict[str, Any] = dict(
+            total=total,
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
+        )
         if callable(use_tqdm):
             self._bar = use_tqdm(**kwargs)
         elif use_tqdm and total > 1:

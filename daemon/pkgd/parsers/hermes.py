@@ -33,7 +33,10 @@ def parse_call(block: str) -> dict[str, Any] | None:
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)},
+        "function": {
+            "name": obj["name"],
+            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        },
     }
 
 

@@ -96,12 +96,17 @@ def collapse_to_huge_pages(spans: list[tuple[int, int]]) -> int:
     done = 0
     for start, end in merged:
         for page in range(-(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, end - HUGE_PAGE_BYTES + 1, HUGE_PAGE_BYTES):
-            if madvise(page, HUGE_PAGE_BYTES, _MADV_HUGEPAGE) == 0 and madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0:
+            if (
+                madvise(page, HUGE_PAGE_BYTES, _MADV_HUGEPAGE) == 0
+                and madvise(page, HUGE_PAGE_BYTES, _MADV_COLLAPSE) == 0
+            ):
                 done += HUGE_PAGE_BYTES
     return done
 
 
-def lazy_zeroed_buffers(sizes: list[int], *, align: int = HUGE_PAGE_BYTES, huge_pages: bool = True) -> list[torch.Tensor]:
+def lazy_zeroed_buffers(
+    sizes: list[int], *, align: int = HUGE_PAGE_BYTES, huge_pages: bool = True
+) -> list[torch.Tensor]:
     """Zero-filled ``uint8`` CPU tensors of the given byte sizes that take no memory until written.
 
     One private anonymous ``mmap`` holds them all, each starting on an ``align`` boundary (2 MiB:

@@ -99,14 +99,21 @@ class AttentionMetadata:
         form runs: a step the C kernel serves never builds them), then shared by every layer."""
         if self._decode_plan is None:
             nd = self.num_decodes
-            self._decode_plan = plan_decode(self.block_tables[:nd], self.seq_lens[:nd].tolist(), self.block_size, self.kv_bytes_per_token)
+            self._decode_plan = plan_decode(
+                self.block_tables[:nd], self.seq_lens[:nd].tolist(), self.block_size, self.kv_bytes_per_token
+            )
         return self._decode_plan
 
     def prefill_plan(self) -> list[PrefillSeq]:
         """The CPU per-sequence prefill gathers and masks of this step, built on the first call."""
         if self._prefill_plan is None:
             nd = self.num_decodes
-            self._prefill_plan = plan_prefill(self.block_tables[nd:], self.prefill_query_start_loc.tolist(), self.seq_lens[nd:].tolist(), self.block_size)
+            self._prefill_plan = plan_prefill(
+                self.block_tables[nd:],
+                self.prefill_query_start_loc.tolist(),
+                self.seq_lens[nd:].tolist(),
+                self.block_size,
+            )
         return self._prefill_plan
 
 

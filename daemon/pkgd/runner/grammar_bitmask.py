@@ -31,4 +31,6 @@ def apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], scheduler_ou
     index = [i for i, _ in targets]
     aligned[index] = packed[[r for _, r in targets]]
     vocab = min(logits.shape[1], packed.shape[1] * 32)
-    xgr.apply_token_bitmask_inplace(logits, aligned.to(logits.device, non_blocking=True), vocab_size=vocab, indices=index)
+    xgr.apply_token_bitmask_inplace(
+        logits, aligned.to(logits.device, non_blocking=True), vocab_size=vocab, indices=index
+    )

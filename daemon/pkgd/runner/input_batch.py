@@ -129,9 +129,13 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
         start = st.num_computed_tokens
         end = start + n
         if end > len(st.token_ids):
-            raise ValueError(f"request {req_id!r}: {n} tokens scheduled from {start}, but only {len(st.token_ids)} are known")
+            raise ValueError(
+                f"request {req_id!r}: {n} tokens scheduled from {start}, but only {len(st.token_ids)} are known"
+            )
         if -(-end // block_size) > len(st.block_ids):
-            raise ValueError(f"request {req_id!r}: {end} tokens need {-(-end // block_size)} blocks, table has {len(st.block_ids)}")
+            raise ValueError(
+                f"request {req_id!r}: {end} tokens need {-(-end // block_size)} blocks, table has {len(st.block_ids)}"
+            )
         offset = len(ids)
         ids.extend(st.token_ids[start:end])
         pos = np.arange(start, end, dtype=np.int64)
@@ -150,7 +154,9 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
             _add_prompt_logprobs(batch, st, start, end, offset)
     batch.input_ids = torch.tensor(ids, dtype=torch.int64)
     batch.positions = torch.from_numpy(np.concatenate(pos_parts)) if pos_parts else torch.empty(0, dtype=torch.int64)
-    batch.slot_mapping = torch.from_numpy(np.concatenate(slot_parts)) if slot_parts else torch.empty(0, dtype=torch.int64)
+    batch.slot_mapping = (
+        torch.from_numpy(np.concatenate(slot_parts)) if slot_parts else torch.empty(0, dtype=torch.int64)
+    )
     return batch
 
 

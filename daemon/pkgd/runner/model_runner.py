@@ -142,23 +142,45 @@ class ModelRunner:
                 self.cpu_kernels = self._load_cpu_kernels(config)
         self.runner_type = config.model.runner_type
         self.quantization, self._gguf = choose_quantization(
-            config.model.quantization, model_files.gguf_path, self.arch, device=self.device, tp_size=world_size,
-            kernels=self.cpu_kernels, dtype=config.model.dtype, pooling=self.runner_type == "pooling")
-        logger.info("quantization_choice", quantized=self.quantization.quantized, reason=self.quantization.reason,
-                    tensor_types=self.quantization.tensor_types)
+            config.model.quantization,
+            model_files.gguf_path,
+            self.arch,
+            device=self.device,
+            tp_size=world_size,
+            kernels=self.cpu_kernels,
+            dtype=config.model.dtype,
+            pooling=self.runner_type == "pooling",
+        )
+        logger.info(
+            "quantization_choice",
+            quantized=self.quantization.quantized,
+            reason=self.quantization.reason,
+            tensor_types=self.quantization.tensor_types,
+        )
         self.dtype_choice = self._choose_dtype()
         self.dtype = self.dtype_choice.dtype
         pooler_cfg = config.model.pooler
-        self.pooler = Pooler(resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize)
-        with phases.phase("load_weights", "loading weights", unit="tensor", bar=bar, dtype=str(self.dtype).removeprefix("torch."),
-                          quantized=self.quantization.quantized) as p:
+        self.pooler = Pooler(
+            resolve_pooling_type(pooler_cfg.pooling_type, model_files.model_dir), normalize=pooler_cfg.normalize
+        )
+        with phases.phase(
+            "load_weights",
+            "loading weights",
+            unit="tensor",
+            bar=bar,
+            dtype=str(self.dtype).removeprefix("torch."),
+            quantized=self.quantization.quantized,
+        ) as p:
             # a model class of pkgd.runner.models (compute_logits, cpu_decode ...); None after sleep(2)
             self.model: Any = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
         if self.cpu_kernels is not None:
-            logger.info("cpu_kernels_loaded", library=str(self.cpu_kernels.path),
-                        one_call_decode=getattr(self.model, "cpu_decode", None) is not None)
+            logger.info(
+                "cpu_kernels_loaded",
+                library=str(self.cpu_kernels.path),
+                one_call_decode=getattr(self.model, "cpu_decode", None) is not None,
+            )
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
         self.model_info = self._model_info()
@@ -179,8 +201,16 @@ class ModelRunner:
             gguf, self._gguf = self._gguf or GGUFWeights(path, self.arch), None
             return load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=progress)
         ensure_float_weights(self.model_files)
-        return load_model(self.arch, self.model_files.model_dir, dtype=self.dtype, device=self.device, tp=self.tp,
-                          progress=progress, kernels=self.cpu_kernels, pooling=self.runner_type == "pooling")
+        return load_model(
+            self.arch,
+            self.model_files.model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            tp=self.tp,
+            progress=progress,
+            kernels=self.cpu_kernels,
+            pooling=self.runner_type == "pooling",
+        )
 
     def _choose_dtype(self) -> DtypeChoice:
         """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
@@ -190,8 +220,13 @@ class ModelRunner:
         if self.quantization.quantized:  # kept only for model.dtype auto or float32 (choose_quantization)
             choice = DtypeChoice(torch.float32, self.config.model.dtype, "quantized weights take float32 activations")
         else:
-            choice = choose_dtype(self.config.model.dtype, self.arch.checkpoint_dtype, self.device.type,
-                                  shapes=linear_shapes(self.arch, self.tp.size) if first else (), kernels=self.cpu_kernels)
+            choice = choose_dtype(
+                self.config.model.dtype,
+                self.arch.checkpoint_dtype,
+                self.device.type,
+                shapes=linear_shapes(self.arch, self.tp.size) if first else (),
+                kernels=self.cpu_kernels,
+            )
         if self.tp.size > 1:
             codes = list(_DTYPE_CODES)
             agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]
@@ -245,7 +280,9 @@ class ModelRunner:
             pooling_type=self.pooler.pooling_type,
             matryoshka=matryoshka,
             matryoshka_dimensions=tuple(dims) if dims else None,
-            quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()})) if quantized else "none",
+            quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()}))
+            if quantized
+            else "none",
             weight_bytes=weight_bytes,
         )
 
@@ -268,8 +305,15 @@ class ModelRunner:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
         layers = self.arch.num_hidden_layers
-        with phases.phase("kv_cache", "allocating KV cache", total=layers, unit="layer", bar=self.tp.rank == 0,
-                          num_blocks=num_blocks, bytes=num_blocks * self.kv_cache_bytes_per_block(block_size)) as p:
+        with phases.phase(
+            "kv_cache",
+            "allocating KV cache",
+            total=layers,
+            unit="layer",
+            bar=self.tp.rank == 0,
+            num_blocks=num_blocks,
+            bytes=num_blocks * self.kv_cache_bytes_per_block(block_size),
+        ) as p:
             self.kv_caches = []
             if self.device.type == "cpu":
                 nbytes = num_blocks * self.kv_cache_bytes_per_block(block_size) // (2 * layers)
@@ -279,8 +323,12 @@ class ModelRunner:
                 p.advance(layers)
             else:
                 for _ in range(layers):
-                    self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
+                    self.kv_caches.append(
+                        (
+                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                        )
+                    )
                     p.advance()
         self.block_size, self.num_blocks = block_size, num_blocks
 
@@ -329,8 +377,13 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         done = collapse_to_huge_pages(spans)
-        logger.info("huge_pages", memory=what, bytes=done, of_bytes=sum(n for _, n in spans),
-                    seconds=round(time.perf_counter() - t0, 3))
+        logger.info(
+            "huge_pages",
+            memory=what,
+            bytes=done,
+            of_bytes=sum(n for _, n in spans),
+            seconds=round(time.perf_counter() - t0, 3),
+        )
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -359,7 +412,9 @@ class ModelRunner:
         )
         if any(st.sampling_params is not None and st.sampling_params.logprobs is not None for st in batch.states):
             out.logprobs = [
-                logprobs.get(st.req_id, []) if st.sampling_params is not None and st.sampling_params.logprobs is not None else None
+                logprobs.get(st.req_id, [])
+                if st.sampling_params is not None and st.sampling_params.logprobs is not None
+                else None
                 for st in batch.states
             ]
         if batch.prompt_logprobs:
@@ -376,18 +431,28 @@ class ModelRunner:
             block_table_rows=batch.block_table_rows,
             slot_mapping=batch.slot_mapping,
             block_size=self.block_size,
-            kv_bytes_per_token=2 * self.num_kv_heads_local * a.head_dim * max(self.kv_caches[0][0].element_size(), self.dtype.itemsize),
+            kv_bytes_per_token=2
+            * self.num_kv_heads_local
+            * a.head_dim
+            * max(self.kv_caches[0][0].element_size(), self.dtype.itemsize),
             device=self.device,
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
-    def _sample(self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput) -> None:
+    def _sample(
+        self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput
+    ) -> None:
         rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
         logits = logits.cpu()
         # sample_states hold sampling requests only (pooling requests are never sampled)
-        spec = [SamplingRow(cast(SamplingParams, st.sampling_params), st.prompt_token_ids, st.output_token_ids, st.generator) for st in batch.sample_states]
+        spec = [
+            SamplingRow(
+                cast(SamplingParams, st.sampling_params), st.prompt_token_ids, st.output_token_ids, st.generator
+            )
+            for st in batch.sample_states
+        ]
         result = self.sampler(logits, spec)
         tokens = result.token_ids.tolist()
         for st, tok, lp in zip(batch.sample_states, tokens, result.logprobs):

@@ -135,7 +135,9 @@ class Sampler:
         top_k = [max(r.params.top_k, 0) for r in rr]
         top_p = [r.params.top_p for r in rr]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            sub = pk.top_k_top_p_mask(sub, torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p, dtype=torch.float32))
+            sub = pk.top_k_top_p_mask(
+                sub, torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p, dtype=torch.float32)
+            )
         probs = sub.softmax(dim=-1)
         q = self._exponentials(probs, rr)
         tokens[r_idx] = probs.div_(q).argmax(dim=-1)
@@ -203,6 +205,8 @@ def batch_token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: list[
         top_ids, top_lps = top.indices.tolist(), top.values.tolist()
     chosen_l, token_l = chosen.view(-1).tolist(), tokens.view(-1).tolist()
     return [
-        TokenLogprobs(token_ids=[token_l[m]] + top_ids[m][: ks[m]], logprobs=[chosen_l[m]] + top_lps[m][: ks[m]], rank=ranks[m])
+        TokenLogprobs(
+            token_ids=[token_l[m]] + top_ids[m][: ks[m]], logprobs=[chosen_l[m]] + top_lps[m][: ks[m]], rank=ranks[m]
+        )
         for m in range(len(ks))
     ]

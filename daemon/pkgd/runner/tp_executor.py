@@ -98,7 +98,9 @@ class TPExecutor:
     `ModelRunner` raises for rank 0.
     """
 
-    def __init__(self, config: VllmConfig, model_files: ModelFiles, *, threads: int = 1, device: torch.device | None = None) -> None:
+    def __init__(
+        self, config: VllmConfig, model_files: ModelFiles, *, threads: int = 1, device: torch.device | None = None
+    ) -> None:
         p = config.parallel
         self.world_size = p.tp
         check_tp_size(load_arch_config(model_files.model_dir), p.tp)  # fail before spawning
@@ -122,7 +124,9 @@ class TPExecutor:
             backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
             if p.backend != "auto":
                 backend = p.backend
-            dist.init_process_group(backend, init_method=spec["init_method"], rank=0, world_size=self.world_size, timeout=TP_TIMEOUT)
+            dist.init_process_group(
+                backend, init_method=spec["init_method"], rank=0, world_size=self.world_size, timeout=TP_TIMEOUT
+            )
             self.runner = ModelRunner(config, model_files, device=device, rank=0, world_size=self.world_size)
             dist.barrier()  # every rank loaded
         except BaseException:

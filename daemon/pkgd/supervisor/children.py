@@ -81,7 +81,9 @@ class Child:
     when the supervisor stops the child on purpose, so its exit is not a crash.
     """
 
-    def __init__(self, spec: ChildSpec, popen: subprocess.Popen[bytes], ready_fd: int, restarts: int, config_fd: int) -> None:
+    def __init__(
+        self, spec: ChildSpec, popen: subprocess.Popen[bytes], ready_fd: int, restarts: int, config_fd: int
+    ) -> None:
         self.spec = spec
         self.generation: object = None  # the `Generation` it serves (set by the fleet)
         self.popen = popen
@@ -230,7 +232,9 @@ class Child:
         self.state = "exited"
         if not self.ready.done():
             self.ready.set_exception(
-                ChildStartError(f"{self.name} (pid {self.pid}) exited with {describe_exit(self.returncode)} before it was ready")
+                ChildStartError(
+                    f"{self.name} (pid {self.pid}) exited with {describe_exit(self.returncode)} before it was ready"
+                )
             )
         self.exited.set_result(self.returncode)
         if self.on_exit is not None:

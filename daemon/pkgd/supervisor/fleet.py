@@ -74,7 +74,9 @@ class Generation:
 class Fleet:
     """The current generation plus the mechanics to start, stop and restart children."""
 
-    def __init__(self, policy: RestartPolicy, on_give_up: Callable[[str], None], on_exit: Callable[[Child], None] | None = None) -> None:
+    def __init__(
+        self, policy: RestartPolicy, on_give_up: Callable[[str], None], on_exit: Callable[[Child], None] | None = None
+    ) -> None:
         self.policy = policy
         self.on_give_up = on_give_up
         self.on_exit = on_exit
@@ -147,7 +149,9 @@ class Fleet:
         child.generation = generation
         child.on_exit = self._exited
         self._alive.add(child)
-        logger.info("child_started", child=child.name, generation=spec.generation, child_pid=child.pid, address=spec.address)
+        logger.info(
+            "child_started", child=child.name, generation=spec.generation, child_pid=child.pid, address=spec.address
+        )
         return child
 
     async def wait_ready(self, children: Iterable[Child], timeout: float) -> None:
@@ -238,14 +242,27 @@ class Fleet:
         if self.on_exit is not None:
             self.on_exit(child)
         gen = child.generation
-        if child.retiring or not self.restarts_enabled or gen is not self.current or _slot(gen, child).get(child.spec.index) is not child:
+        if (
+            child.retiring
+            or not self.restarts_enabled
+            or gen is not self.current
+            or _slot(gen, child).get(child.spec.index) is not child
+        ):
             return
         assert child.returncode is not None
-        logger.warning("child_died", child=child.name, child_pid=child.pid, how=describe_exit(child.returncode), uptime_s=round(child.uptime(), 1))
+        logger.warning(
+            "child_died",
+            child=child.name,
+            child_pid=child.pid,
+            how=describe_exit(child.returncode),
+            uptime_s=round(child.uptime(), 1),
+        )
         delay = self.policy.record_crash(time.monotonic())
         if delay is None:
             cfg = self.policy.config
-            self.on_give_up(f"{cfg.max_restarts + 1} crashes within {cfg.restart_window:g} s (supervisor.max_restarts); giving up")
+            self.on_give_up(
+                f"{cfg.max_restarts + 1} crashes within {cfg.restart_window:g} s (supervisor.max_restarts); giving up"
+            )
             return
         logger.info("child_restart_scheduled", child=child.name, delay_s=delay)
         self._restarts[child] = asyncio.ensure_future(self._restart(child, delay))

@@ -31,8 +31,10 @@ def ready_headline(config: VllmConfig, urls: Sequence[str], engines: Sequence[An
     cores = count(len(engines), "engine core")
     if not urls:  # headless: engine cores only, for another pkgd's API servers
         where = ", ".join(c.spec.address for c in engines)
-        return (f"pkgd ready: {cores} of {model} on {where} (headless) — the API servers of another pkgd "
-                "reach them through parallel.remote_engines")
+        return (
+            f"pkgd ready: {cores} of {model} on {where} (headless) — the API servers of another pkgd "
+            "reach them through parallel.remote_engines"
+        )
     servers = count(config.serve_plan().api_server_count, "API server")
     url = urls[0]
     auth = "-H 'Authorization: Bearer <key>' " if config.frontend.api_keys else ""

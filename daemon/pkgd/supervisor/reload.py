@@ -106,7 +106,13 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
     cls, changed = plan.reload_class, list(plan.changed)
     if cls is ReloadClass.RESTART:
         fields = ", ".join(c.key for c in plan.changes if c.reload is ReloadClass.RESTART)
-        return _outcome("rejected", started, cls, changed, [f"{fields}: cannot change by reload; restart pkgd (systemctl restart pkgd)"])
+        return _outcome(
+            "rejected",
+            started,
+            cls,
+            changed,
+            [f"{fields}: cannot change by reload; restart pkgd (systemctl restart pkgd)"],
+        )
     apply = {ReloadClass.LIVE: _apply_live, ReloadClass.API: _apply_api, ReloadClass.ENGINE: _apply_engine}[cls]
     try:
         await apply(sup, new)
@@ -116,7 +122,13 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
     return _outcome("applied", started, cls, changed)
 
 
-def _outcome(result: str, started: float, cls: ReloadClass | None = None, changed: list[str] | None = None, problems: list[str] | None = None) -> dict[str, Any]:
+def _outcome(
+    result: str,
+    started: float,
+    cls: ReloadClass | None = None,
+    changed: list[str] | None = None,
+    problems: list[str] | None = None,
+) -> dict[str, Any]:
     return {
         "ok": result in ("applied", "unchanged"),
         "result": result,
@@ -230,8 +242,14 @@ def _listeners_for(sup: Supervisor, new: VllmConfig, plan: ServePlan) -> tuple[l
     if any(lst.from_systemd for lst in sup.listeners):
         if specs != [lst.spec for lst in sup.listeners]:
             if len(specs) != len(sup.listeners):
-                raise BindError(f"this change needs {len(specs)} listening socket(s) but systemd passed {len(sup.listeners)}; restart pkgd with pkgd.socket changed")
-            logger.warning("frontend_address_ignored", reason="listening sockets come from systemd (pkgd.socket); change them there")
+                raise BindError(
+                    f"this change needs {len(specs)} listening socket(s) but systemd passed "
+                    f"{len(sup.listeners)}; restart pkgd with pkgd.socket changed"
+                )
+            logger.warning(
+                "frontend_address_ignored",
+                reason="listening sockets come from systemd (pkgd.socket); change them there",
+            )
         return sup.listeners, []
     held = {lst.spec: lst for lst in sup.listeners}
     out: list[Listener] = []

@@ -116,9 +116,13 @@ class RuntimeDir:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR) and self.path.is_symlink():
-                raise RuntimeDirError(f"{where} is a symbolic link; refusing to use it (remove it, or choose another directory)") from exc
+                raise RuntimeDirError(
+                    f"{where} is a symbolic link; refusing to use it (remove it, or choose another directory)"
+                ) from exc
             if exc.errno == errno.ENOTDIR:
-                raise RuntimeDirError(f"{where} exists and is not a directory; remove it or choose another directory") from exc
+                raise RuntimeDirError(
+                    f"{where} exists and is not a directory; remove it or choose another directory"
+                ) from exc
             raise RuntimeDirError(f"{where}: cannot create or open it: {exc.strerror}") from exc
         try:
             st = os.fstat(fd)
@@ -134,7 +138,10 @@ class RuntimeDir:
                     "trusted; remove it (pkgd creates it 0700) or chmod 700 it"
                 )
             if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX:
-                raise RuntimeDirError(f"{where}: its parent {self.path.parent} is writable by anyone and not sticky; choose another directory")
+                raise RuntimeDirError(
+                    f"{where}: its parent {self.path.parent} is writable by anyone and not sticky; choose "
+                    "another directory"
+                )
             if mode & 0o077:
                 os.fchmod(fd, 0o700)  # through the descriptor: no path to race
         except BaseException:
@@ -171,7 +178,9 @@ class RuntimeDir:
             name = entry.name
             if name.startswith("metrics-") and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(name, ignore_errors=True, dir_fd=fd)
-            elif (name.startswith("engine-") and name.endswith(".sock")) or name in STALE_FILES or name == CONTROL_SOCKET:
+            elif (
+                (name.startswith("engine-") and name.endswith(".sock")) or name in STALE_FILES or name == CONTROL_SOCKET
+            ):
                 try:
                     os.unlink(name, dir_fd=fd)
                 except FileNotFoundError:

@@ -110,7 +110,10 @@ def _bind_message(spec: ListenSpec, exc: OSError) -> str:
     where = f"{spec.host}:{spec.port}"
     key = "frontend.port" if spec.rank is None else f"frontend.port (+ DP rank {spec.rank})"
     if exc.errno == errno.EADDRINUSE:
-        return f"{key}: {where} is already in use by another process; choose another port (0 = any free port) or stop that process"
+        return (
+            f"{key}: {where} is already in use by another process; choose another port (0 = any free port) or "
+            "stop that process"
+        )
     if exc.errno == errno.EACCES:
         return f"{key}: permission denied binding {where} (ports below 1024 need CAP_NET_BIND_SERVICE)"
     if exc.errno == errno.EADDRNOTAVAIL:

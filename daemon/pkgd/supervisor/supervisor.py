@@ -162,8 +162,12 @@ class Supervisor:
     async def start_generation(self, gen: Generation, plan: ServePlan, listeners: list[Listener]) -> None:
         """Start ``gen``'s children and wait until they are ready (`Fleet.start`): new engine
         cores unless it carries some, and API servers wired to its cores."""
-        cores = [] if gen.engines else engine_specs(gen.config, plan, self.runtime, gen.id, self.entry, self.engine_env())
-        addresses = {spec.index: spec.address for spec in cores} or {rank: c.spec.address for rank, c in gen.engines.items()}
+        cores = (
+            [] if gen.engines else engine_specs(gen.config, plan, self.runtime, gen.id, self.entry, self.engine_env())
+        )
+        addresses = {spec.index: spec.address for spec in cores} or {
+            rank: c.spec.address for rank, c in gen.engines.items()
+        }
         apis = api_specs(gen.config, plan, self.runtime, listeners, addresses, gen.id, self.entry, self.api_env())
         await self.fleet.start(gen, cores, apis)
 
@@ -216,7 +220,9 @@ class Supervisor:
         self.health.reset()
         self.last_reload = {**outcome, "at": time.time()}
         if outcome["ok"]:
-            logger.info("reload_" + outcome["result"], **{k: outcome[k] for k in ("reload_class", "changed", "duration_s")})
+            logger.info(
+                "reload_" + outcome["result"], **{k: outcome[k] for k in ("reload_class", "changed", "duration_s")}
+            )
         else:
             for problem in outcome["problems"]:
                 logger.error("reload_" + outcome["result"], problem=problem)
@@ -284,12 +290,25 @@ class Supervisor:
         engines = [c.spec.address for c in self.fleet.engines.values()]
         if log.is_console():  # a person is watching: the URL first, in words (JSON logs stay as they are)
             print(ready_headline(self.config, urls, list(self.fleet.engines.values())), file=sys.stderr, flush=True)
-        logger.info("ready", url=urls[0] if urls else None, urls=urls, mode=self.plan.mode, engines=engines, api_servers=len(self.fleet.apis), config_hash=self.config.digest())
+        logger.info(
+            "ready",
+            url=urls[0] if urls else None,
+            urls=urls,
+            mode=self.plan.mode,
+            engines=engines,
+            api_servers=len(self.fleet.apis),
+            config_hash=self.config.digest(),
+        )
         self.notifier.ready(self._status_line())
 
     def _status_line(self) -> str:
-        where = ", ".join(lst.url for lst in self.listeners) or "engine cores " + ", ".join(c.spec.address for c in self.fleet.engines.values())
-        text = f"{self.plan.mode}: {len(self.fleet.engines)} engine core(s), {len(self.fleet.apis)} API server(s) on {where}"
+        where = ", ".join(lst.url for lst in self.listeners) or "engine cores " + ", ".join(
+            c.spec.address for c in self.fleet.engines.values()
+        )
+        text = (
+            f"{self.plan.mode}: {len(self.fleet.engines)} engine core(s), {len(self.fleet.apis)} API server(s) "
+            f"on {where}"
+        )
         if self.health.summary():
             text += f"; {self.health.summary()}"
         down = [f"{c['role']}-{c['index']}" for c in self.fleet.describe() if c["state"] != "ready"]

@@ -57,7 +57,12 @@ def engine_address(config: VllmConfig, plan: ServePlan, runtime: RuntimeDir, gen
 
 
 def engine_specs(
-    config: VllmConfig, plan: ServePlan, runtime: RuntimeDir, generation: int, entry: Entrypoints, env: Mapping[str, str]
+    config: VllmConfig,
+    plan: ServePlan,
+    runtime: RuntimeDir,
+    generation: int,
+    entry: Entrypoints,
+    env: Mapping[str, str],
 ) -> list[ChildSpec]:
     """One engine core per local DP rank."""
     specs = []
@@ -104,5 +109,7 @@ def api_specs(
             ]  # fmt: skip
             for address in addresses:
                 argv += ["--engine-address", address]
-            specs.append(ChildSpec("api-server", index, generation, tuple(argv), env, (listener.fileno(),), listener.url))
+            specs.append(
+                ChildSpec("api-server", index, generation, tuple(argv), env, (listener.fileno(),), listener.url)
+            )
     return specs

@@ -103,7 +103,9 @@ class CpuKernels:
             ValueError: an unknown name, or ``dpbf16`` on a CPU without AVX512-BF16.
         """
         if impl not in BF16_IMPLS or (impl == "dpbf16" and not self.bf16_native):
-            raise ValueError(f"bf16 impl {impl!r} is not available here (have: {'dpbf16, ' if self.bf16_native else ''}widen)")
+            raise ValueError(
+                f"bf16 impl {impl!r} is not available here (have: {'dpbf16, ' if self.bf16_native else ''}widen)"
+            )
         self.bf16_impl = impl
 
     def load_library(self, spec: LibrarySpec) -> ctypes.CDLL:
@@ -146,7 +148,13 @@ class CpuKernels:
         """Whether `quant_gather` takes these: a contiguous quantized weight, 1-D int64 ``ids`` on CPU."""
         from pkgd_kernels.quant_layout import QuantWeight
 
-        return isinstance(weight, QuantWeight) and weight.data.is_contiguous() and ids.dtype == torch.int64 and ids.dim() == 1 and not ids.is_cuda
+        return (
+            isinstance(weight, QuantWeight)
+            and weight.data.is_contiguous()
+            and ids.dtype == torch.int64
+            and ids.dim() == 1
+            and not ids.is_cuda
+        )
 
     # ---- which tensors each C form takes ----------------------------------------------------
 
@@ -158,7 +166,12 @@ class CpuKernels:
         if x.dim() != 2 or x.stride(1) != 1 or x.is_cuda or not weight.is_contiguous():
             return False
         if weight.dtype == torch.float32:
-            return x.dtype == torch.float32 and weight.dim() == 3 and weight.shape[2] == 64 and x.shape[1] == weight.shape[1]
+            return (
+                x.dtype == torch.float32
+                and weight.dim() == 3
+                and weight.shape[2] == 64
+                and x.shape[1] == weight.shape[1]
+            )
         return (
             weight.dtype == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 4
             and weight.shape[2:] == (32, 2) and x.shape[1] == 2 * weight.shape[1]
@@ -168,7 +181,13 @@ class CpuKernels:
     def takes_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` / `fused_add_rms_norm` take these: float32 ``x [T, H]`` with unit
         column stride, float32 ``weight``."""
-        return x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and not x.is_cuda
+        return (
+            x.dtype == torch.float32
+            and weight.dtype == torch.float32
+            and x.dim() == 2
+            and x.stride(1) == 1
+            and not x.is_cuda
+        )
 
     @staticmethod
     def takes_paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -195,8 +214,10 @@ class CpuKernels:
             MemoryError: no memory for the bf16 copy of ``x``.
         """
         if not self.takes_gemv_packed(x, weight):
-            raise ValueError("gemv_packed: x [M, K] with unit column stride and a contiguous packed weight, "
-                             "float32 [N/64, K, 64] (float32 x) or bfloat16 [N/32, K/2, 32, 2]")
+            raise ValueError(
+                "gemv_packed: x [M, K] with unit column stride and a contiguous packed weight, "
+                "float32 [N/64, K, 64] (float32 x) or bfloat16 [N/32, K/2, 32, 2]"
+            )
         b = None if bias is None else bias.to(torch.float32).contiguous()
         bp = None if b is None else b.data_ptr()
         if weight.dtype == torch.float32:
@@ -207,8 +228,17 @@ class CpuKernels:
         n, k = weight.shape[0] * 32, weight.shape[1] * 2
         x32 = x if x.dtype == torch.float32 else x.float()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if self._gemv_bf16(x32.data_ptr(), x32.stride(0), weight.data_ptr(), bp, y.data_ptr(), x.shape[0], n, k,
-                           BF16_IMPLS[self.bf16_impl]):
+        if self._gemv_bf16(
+            x32.data_ptr(),
+            x32.stride(0),
+            weight.data_ptr(),
+            bp,
+            y.data_ptr(),
+            x.shape[0],
+            n,
+            k,
+            BF16_IMPLS[self.bf16_impl],
+        ):
             raise MemoryError("gemv_packed: out of memory for the bf16 copy of x")
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -224,8 +254,10 @@ class CpuKernels:
         f32 = weight.dtype == torch.float32 and weight.dim() == 3 and weight.shape[2] == 64
         bf16 = weight.dtype == torch.bfloat16 and weight.dim() == 4 and weight.shape[2:] == (32, 2)
         if ids.dtype != torch.int64 or ids.dim() != 1 or not (f32 or bf16) or not weight.is_contiguous():
-            raise ValueError("gather_packed: ids must be a 1-D int64 tensor, weight a contiguous float32 [N/64, K, 64] "
-                             "or bfloat16 [N/32, K/2, 32, 2]")
+            raise ValueError(
+                "gather_packed: ids must be a 1-D int64 tensor, weight a contiguous float32 [N/64, K, 64] "
+                "or bfloat16 [N/32, K/2, 32, 2]"
+            )
         n, k = (weight.shape[0] * 64, weight.shape[1]) if f32 else (weight.shape[0] * 32, weight.shape[1] * 2)
         ids = ids.contiguous()
         out = torch.empty(ids.shape[0], k, dtype=weight.dtype)
@@ -258,8 +290,11 @@ class CpuKernels:
 
     def _rms_norm(self, x, residual, weight, eps):
         h = x.shape[-1] if x.dim() == 2 else 0
-        if (not self.takes_rms_norm(x, weight) or weight.shape != (h,)
-                or (residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32))):
+        if (
+            not self.takes_rms_norm(x, weight)
+            or weight.shape != (h,)
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32))
+        ):
             raise ValueError("rms_norm: float32 x [T, H] with unit column stride, weight [H], residual like x")
         t = x.shape[0]
         out = torch.empty(t, h, dtype=torch.float32)
@@ -268,8 +303,17 @@ class CpuKernels:
             res_in = residual.contiguous()
             res_out = torch.empty(t, h, dtype=torch.float32)
         w = weight.contiguous()
-        self._rms(out.data_ptr(), None if res_out is None else res_out.data_ptr(), x.data_ptr(), x.stride(0),
-                  None if res_in is None else res_in.data_ptr(), w.data_ptr(), t, h, eps)
+        self._rms(
+            out.data_ptr(),
+            None if res_out is None else res_out.data_ptr(),
+            x.data_ptr(),
+            x.stride(0),
+            None if res_in is None else res_in.data_ptr(),
+            w.data_ptr(),
+            t,
+            h,
+            eps,
+        )
         return out, res_out
 
     def paged_attention_decode(

@@ -5,7 +5,8 @@ A library is described by a `LibrarySpec`: a name, one C source (which may inclu
 the ctypes structs they pass. Build: ``$CC`` (default ``gcc``; may carry arguments, e.g. ``ccache
 gcc``) with ``-O3 -march=native -fopenmp`` into ``<cache_dir>/<name>-<hash>.so``; the hash
 covers the source, the headers beside ``kernels.h`` (any may be included), the flags and this
-CPU's feature flags, so a cache moved to another host is rebuilt rather than crashing, and a cache filled in advance needs no compiler.
+CPU's feature flags, so a cache moved to another host is rebuilt rather than crashing,
+and a cache filled in advance needs no compiler.
 Beside the library, ``<name>-<hash>.so.sha256`` holds its digest, checked before loading (a
 truncated library can crash the loader with SIGBUS). The file is written under a temporary name
 and renamed, so concurrent first starts (several engine cores) never load a half-written

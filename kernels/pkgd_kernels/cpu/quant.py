@@ -97,7 +97,9 @@ class QuantKernels:
             ValueError: an unknown path, or one this CPU lacks.
         """
         if impl not in self.available_impls():
-            raise ValueError(f"quantized kernel path {impl!r} is not one this CPU runs: {', '.join(self.available_impls())}")
+            raise ValueError(
+                f"quantized kernel path {impl!r} is not one this CPU runs: {', '.join(self.available_impls())}"
+            )
         self.impl = impl
 
     def quant_linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -115,8 +117,15 @@ class QuantKernels:
         if bias is not None:
             b = torch.zeros(rows, dtype=torch.float32)
             b[: weight.n] = bias
-        rc = self._linear(ctypes.byref(descriptor(weight)), x.data_ptr(), x.stride(0), None if b is None else b.data_ptr(),
-                          y.data_ptr(), m, IMPLS[self.impl])
+        rc = self._linear(
+            ctypes.byref(descriptor(weight)),
+            x.data_ptr(),
+            x.stride(0),
+            None if b is None else b.data_ptr(),
+            y.data_ptr(),
+            m,
+            IMPLS[self.impl],
+        )
         if rc == -2:
             raise ValueError("quant_linear: the library refuses this weight's layout")
         if rc:

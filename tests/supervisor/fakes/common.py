@@ -41,7 +41,7 @@ def fake_options(text: str | None, prefix: str) -> dict[str, str]:
     if not text or not text.startswith(prefix):
         return {}
     opts = {}
-    for item in text[len(prefix):].split(","):
+    for item in text[len(prefix) :].split(","):
         key, _, value = item.partition("=")
         if key:
             opts[key] = value

@@ -63,7 +63,9 @@ class Engines:
         rid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        req = messages.EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=1))
+        req = messages.EngineCoreRequest(
+            request_id=rid, prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=1)
+        )
         await self.socks[next(self.next)].send(messages.encode(messages.AddRequest(request=req)))
         return await asyncio.wait_for(fut, timeout)
 
@@ -122,8 +124,16 @@ async def amain(args) -> int:
         if path == "/health":
             await respond(send, 503 if state["draining"] else 200, {"pid": os.getpid()})
         elif path == "/whoami":
-            await respond(send, 200, {"pid": os.getpid(), "server_index": args.server_index,
-                                      "engines": args.engine_address, "model_name": state["cfg"].model.name})
+            await respond(
+                send,
+                200,
+                {
+                    "pid": os.getpid(),
+                    "server_index": args.server_index,
+                    "engines": args.engine_address,
+                    "model_name": state["cfg"].model.name,
+                },
+            )
         elif path == "/generate":
             try:
                 index, pid = await engines.generate()

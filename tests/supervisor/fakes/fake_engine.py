@@ -56,9 +56,17 @@ def main() -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(args.address)
     name = cfg.model.name or "fake"
-    hs = messages.Handshake(version=messages.PROTOCOL_VERSION, engine_index=args.engine_index, pid=os.getpid(),
-                            model_name=name, max_model_len=2048, vocab_size=100, eos_token_id=None,
-                            num_kv_blocks=16, block_size=16)
+    hs = messages.Handshake(
+        version=messages.PROTOCOL_VERSION,
+        engine_index=args.engine_index,
+        pid=os.getpid(),
+        model_name=name,
+        max_model_len=2048,
+        vocab_size=100,
+        eos_token_id=None,
+        num_kv_blocks=16,
+        block_size=16,
+    )
     report(args.ready_fd, hs)
     crash_at = time.monotonic() + float(opts["crash_after"]) if "crash_after" in opts else None
     while not stop:
@@ -71,10 +79,14 @@ def main() -> int:
         if isinstance(msg, messages.Hello):
             sock.send_multipart([ident, messages.encode(hs)])
         elif isinstance(msg, messages.AddRequest):
-            out = messages.EngineCoreOutput(request_id=msg.request.request_id,
-                                            new_token_ids=[args.engine_index, os.getpid()],
-                                            finish_reason=messages.FinishReason.LENGTH)
-            sock.send_multipart([ident, messages.encode(messages.EngineOutputs(engine_index=args.engine_index, outputs=[out]))])
+            out = messages.EngineCoreOutput(
+                request_id=msg.request.request_id,
+                new_token_ids=[args.engine_index, os.getpid()],
+                finish_reason=messages.FinishReason.LENGTH,
+            )
+            sock.send_multipart(
+                [ident, messages.encode(messages.EngineOutputs(engine_index=args.engine_index, outputs=[out]))]
+            )
     sock.close(linger=0)
     ctx.term()
     return 0

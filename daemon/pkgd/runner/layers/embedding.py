@@ -30,7 +30,15 @@ class VocabParallelEmbedding(nn.Module):
     ``tied_rows`` is given (a tied LM head's `ParallelLMHead.embedding_rows`), rows come
     from it instead."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, tied_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+        tied_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
@@ -62,7 +70,10 @@ class VocabParallelEmbedding(nn.Module):
         if self.weight is None:
             raise ValueError("embedding is tied to the LM head; load the LM head instead")
         if rows.shape != self.weight.shape:
-            raise ValueError(f"embedding: checkpoint shape {tuple(weight.shape)} does not match ({self.vocab_size}, {self.weight.shape[1]})")
+            raise ValueError(
+                f"embedding: checkpoint shape {tuple(weight.shape)} does not match ({self.vocab_size}, "
+                f"{self.weight.shape[1]})"
+            )
         self.weight.copy_(rows)
 
 
@@ -71,7 +82,16 @@ class ParallelLMHead(nn.Module):
     its oneDNN packing after `process_weights_after_loading` on CPU (module docstring).
     ``kernels``: the model's `pkgd_kernels.cpu.CpuKernels` (or None)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, tied: bool = False, kernels=None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+        tied: bool = False,
+        kernels=None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.kernels = kernels

@@ -26,7 +26,8 @@ Up to `GEMV_MAX_BATCH` rows (decode of a few sequences, memory-bound) the forwar
 calls ``pkgd_kernels.gemv_packed`` on the same packed buffer, through its C form (the layer's
 ``kernels``, a `pkgd_kernels.cpu.CpuKernels`, when the runner loaded them): oneDNN's layout
 here is ``[out/64][in][64]``, which `packed_view` checks against oneDNN's own product once
-per weight before exposing the buffer as a ``[out/64, in, 64]`` tensor. Measured here (2 threads, weights beyond the caches, GB/s read, oneDNN -> C):
+per weight before exposing the buffer as a ``[out/64, in, 64]`` tensor.
+Measured here (2 threads, weights beyond the caches, GB/s read, oneDNN -> C):
 M=1 15-22 -> 23-29, M=4 17-25 -> 26-32, M=8 15-23 -> 20-25, M=16 about equal.
 """
 
@@ -208,7 +209,16 @@ class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_local @ W_local^T) (+ b)``; input ``[T, in/tp]``, output ``[T, out]``.
     ``weight`` is ``[out, in/tp]`` (see the module docstring for why)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        tp: TPGroup = SINGLE,
+        dtype: torch.dtype = torch.float32,
+        kernels=None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.kernels = kernels

@@ -50,14 +50,19 @@ class _Packed(nn.Module):
     def packed(self) -> QuantWeight:
         """The packed weight. Raises ValueError before every part is loaded."""
         if self.qweight is None:
-            raise ValueError(f"quantized weight incomplete: parts {sorted(self._parts)} of {len(self.part_sizes)} loaded")
+            raise ValueError(
+                f"quantized weight incomplete: parts {sorted(self._parts)} of {len(self.part_sizes)} loaded"
+            )
         return self.qweight
 
     def _take(self, index: int, raw: torch.Tensor, what: str) -> None:
         if self.qweight is not None:
             raise RuntimeError(f"{what}: weights are already packed")
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[0] != self.part_sizes[index]:
-            raise ValueError(f"{what}: expected the GGUF rows uint8 [{self.part_sizes[index]}, row bytes], got {raw.dtype} {tuple(raw.shape)}")
+            raise ValueError(
+                f"{what}: expected the GGUF rows uint8 [{self.part_sizes[index]}, row bytes], got "
+                f"{raw.dtype} {tuple(raw.shape)}"
+            )
         self._parts[index] = raw
         if len(self._parts) == len(self.part_sizes):
             parts = [(self.part_qtypes[i], self._parts[i]) for i in range(len(self.part_sizes))]
@@ -78,10 +83,20 @@ class QuantizedLinear(_Packed):
     each part; ``part_qtypes``: their GGML types. Input ``[T, in]``, output ``[T, out]`` in the
     input's dtype (computed in float32)."""
 
-    def __init__(self, in_features: int, part_sizes: list[int], part_qtypes: list[int], *, bias: bool,
-                 dtype: torch.dtype = torch.float32, kernels=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: list[int],
+        part_qtypes: list[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype = torch.float32,
+        kernels=None,
+    ) -> None:
         super().__init__(in_features, part_sizes, part_qtypes, kernels)
-        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=torch.float32), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(self.out_features, dtype=torch.float32), requires_grad=False) if bias else None
+        )
         self.gemv_weight = None  # no float packing (the fused decode step reads `qweight`)
 
     @classmethod
@@ -103,7 +118,10 @@ class QuantizedLinear(_Packed):
                 raise ValueError("checkpoint has a bias for a layer built without one")
             start = sum(self.part_sizes[:index])
             if tensor.shape != (self.part_sizes[index],):
-                raise ValueError(f"part {index} bias: checkpoint shape {tuple(tensor.shape)} does not match ({self.part_sizes[index]},)")
+                raise ValueError(
+                    f"part {index} bias: checkpoint shape {tuple(tensor.shape)} does not match "
+                    f"({self.part_sizes[index]},)"
+                )
             self.bias[start : start + self.part_sizes[index]].copy_(tensor)
             return
         self._take(index, tensor, f"part {index} weight")

@@ -34,7 +34,9 @@ class RotaryEmbedding(nn.Module):
 
     cos_sin_cache: torch.Tensor  # a registered buffer
 
-    def __init__(self, rot_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, is_neox: bool = True) -> None:
+    def __init__(
+        self, rot_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, is_neox: bool = True
+    ) -> None:
         super().__init__()
         self.rot_dim = rot_dim
         self.is_neox = is_neox
@@ -50,7 +52,9 @@ def to_interleaved(w: torch.Tensor, num_heads: int, head_dim: int, rot_dim: int)
     rows, ``[a_0..a_{r/2-1}, b_0..b_{r/2-1}] -> [a_0, b_0, a_1, b_1, ...]``; the rest unchanged."""
     rest = w.shape[1:]
     heads = w.reshape(num_heads, head_dim, *rest)
-    rot = heads[:, :rot_dim].reshape(num_heads, 2, rot_dim // 2, *rest).transpose(1, 2).reshape(num_heads, rot_dim, *rest)
+    rot = (
+        heads[:, :rot_dim].reshape(num_heads, 2, rot_dim // 2, *rest).transpose(1, 2).reshape(num_heads, rot_dim, *rest)
+    )
     return torch.cat((rot, heads[:, rot_dim:]), dim=1).reshape(w.shape)
 
 

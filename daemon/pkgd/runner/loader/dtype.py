@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CHECKPOINT_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "bf16")
 """The CPU features a `DtypeChoice` reports (those present)."""
@@ -81,8 +88,13 @@ class DtypeChoice:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: ``dtype``, ``requested``, ``reason``, ``features``, ``figures``."""
-        return {"dtype": str(self.dtype).removeprefix("torch."), "requested": self.requested, "reason": self.reason,
-                "features": list(self.features), "figures": dict(self.figures)}
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "requested": self.requested,
+            "reason": self.reason,
+            "features": list(self.features),
+            "figures": dict(self.figures),
+        }
 
 
 def linear_shapes(arch: Any, tp_size: int = 1) -> list[Shape]:
@@ -94,7 +106,9 @@ def linear_shapes(arch: Any, tp_size: int = 1) -> list[Shape]:
     return [(q + 2 * kv, h), (h, q), (2 * i // tp_size, h), (h, i // tp_size)]
 
 
-def measure_bf16_speedup(shapes: Sequence[Shape], kernels: Any = None, *, repeat: int = 5, threads: int = 1) -> dict[str, float]:
+def measure_bf16_speedup(
+    shapes: Sequence[Shape], kernels: Any = None, *, repeat: int = 5, threads: int = 1
+) -> dict[str, float]:
     """Time one layer's linears in float32 and bfloat16 as the model would run them: oneDNN's
     packed GEMM at each of `BATCH_SIZES` rows, and one row through the C GEMV of ``kernels``
     (a `pkgd_kernels.cpu.CpuKernels`) where it reads the packing, else oneDNN. Each call is
@@ -154,7 +168,7 @@ def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int) -> dict[str, fl
             for call in pair:
                 call()
             for rep in range(repeat):
-                for i in ((0, 1) if rep % 2 == 0 else (1, 0)):
+                for i in (0, 1) if rep % 2 == 0 else (1, 0):
                     t0 = time.perf_counter()
                     pair[i]()
                     best[i] = min(best[i], time.perf_counter() - t0)

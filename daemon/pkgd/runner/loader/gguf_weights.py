@@ -120,9 +120,17 @@ def _type_name(qt: int) -> str:
         return f"type {qt}"
 
 
-def choose_quantization(requested: str, gguf_path: Path | None, cfg: ArchConfig, *, device: torch.device,
-                        tp_size: int, kernels: Any, dtype: str = "auto",
-                        pooling: bool = False) -> tuple[QuantizationChoice, GGUFWeights | None]:
+def choose_quantization(
+    requested: str,
+    gguf_path: Path | None,
+    cfg: ArchConfig,
+    *,
+    device: torch.device,
+    tp_size: int,
+    kernels: Any,
+    dtype: str = "auto",
+    pooling: bool = False,
+) -> tuple[QuantizationChoice, GGUFWeights | None]:
     """Whether to keep ``gguf_path``'s weights quantized (module docstring), and the opened
     file when so. ``dtype``: ``model.dtype`` (the kernels take float32 activations, so a 16-bit
     one asked for dequantizes); ``pooling``: ``model.runner`` is pooling (float weights).
@@ -201,13 +209,21 @@ def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = QuantizedLinear.replacing(attn.qkv_proj, [weights.qtype(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        attn.qkv_proj = QuantizedLinear.replacing(
+            attn.qkv_proj, [weights.qtype(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        )
         attn.o_proj = QuantizedLinear.replacing(attn.o_proj, [weights.qtype(p + "self_attn.o_proj.weight")])
-        mlp.gate_up_proj = QuantizedLinear.replacing(mlp.gate_up_proj, [weights.qtype(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+        mlp.gate_up_proj = QuantizedLinear.replacing(
+            mlp.gate_up_proj, [weights.qtype(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+        )
         mlp.down_proj = QuantizedLinear.replacing(mlp.down_proj, [weights.qtype(p + "mlp.down_proj.weight")])
     table = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    model.lm_head = QuantizedLMHead(cfg.vocab_size, cfg.hidden_size, weights.qtype(table), tied=cfg.tie_word_embeddings, kernels=kernels)
+    model.lm_head = QuantizedLMHead(
+        cfg.vocab_size, cfg.hidden_size, weights.qtype(table), tied=cfg.tie_word_embeddings, kernels=kernels
+    )
     if cfg.tie_word_embeddings:
         model.embed_tokens.tied_rows = model.lm_head.embedding_rows
     else:
-        model.embed_tokens = QuantizedEmbedding(cfg.vocab_size, cfg.hidden_size, weights.qtype("model.embed_tokens.weight"), kernels=kernels)
+        model.embed_tokens = QuantizedEmbedding(
+            cfg.vocab_size, cfg.hidden_size, weights.qtype("model.embed_tokens.weight"), kernels=kernels
+        )

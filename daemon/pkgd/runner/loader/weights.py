@@ -19,8 +19,16 @@ from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -98,7 +106,9 @@ def _read_tensor(f, name: str, info: dict, base: int, size: int, path: Path) -> 
     t = torch.empty(shape, dtype=dtype)
     nbytes = t.numel() * t.element_size()
     if end - start != nbytes or base + end > size:
-        raise ModelSourceError(f"{path}: tensor {name!r} data does not match its shape or lies past the end of the file")
+        raise ModelSourceError(
+            f"{path}: tensor {name!r} data does not match its shape or lies past the end of the file"
+        )
     f.seek(base + start)
     if nbytes and f.readinto(t.view(-1).view(torch.uint8).numpy().data) != nbytes:
         raise ModelSourceError(f"{path}: tensor {name!r} is truncated")
@@ -115,8 +125,17 @@ def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple
         yield name, tensor
 
 
-def load_model(cfg: ArchConfig, model_dir: Path, *, dtype: torch.dtype, device: torch.device, tp: TPGroup = SINGLE,
-               progress: Any = None, kernels=None, pooling: bool = False) -> nn.Module:
+def load_model(
+    cfg: ArchConfig,
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup = SINGLE,
+    progress: Any = None,
+    kernels=None,
+    pooling: bool = False,
+) -> nn.Module:
     """Build ``cfg.architecture`` on ``device`` in ``dtype`` and load its weights.
     ``kernels``: the `pkgd_kernels.cpu.CpuKernels` the model's ops may use (CPU), or None.
 

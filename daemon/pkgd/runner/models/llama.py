@@ -86,12 +86,16 @@ class LlamaAttention(nn.Module):
             kernels=kernels,
         )
         o_bias = cfg.attention_bias and self.o_proj_bias_follows_attention_bias
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype, kernels=kernels)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d, cfg.hidden_size, bias=o_bias, tp=tp, dtype=dtype, kernels=kernels
+        )
         if self.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, kernels)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rope: RopeStep, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
         t, d = h.shape[0], self.head_dim
         qkv = self.qkv_proj(h)
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
@@ -111,7 +115,9 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [i, i], bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [i, i], bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels
+        )
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -147,19 +153,25 @@ class LlamaForCausalLM(nn.Module):
     # False for a pooling model (the loader sets it): a checkpoint without lm_head.weight loads.
     requires_lm_head = True
 
-    def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
+    def __init__(
+        self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.dtype = dtype
         self.kernels = kernels
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied=cfg.tie_word_embeddings, kernels=kernels)
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied=cfg.tie_word_embeddings, kernels=kernels
+        )
         tied = self.lm_head.embedding_rows if cfg.tie_word_embeddings else None
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied_rows=tied)
         self.layers = nn.ModuleList(self.layer_cls(cfg, tp, dtype, kernels) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Q/K rows are loaded in the adjacent-pair layout (`to_interleaved`): GPT-J-style RoPE.
-        self.rotary_emb = RotaryEmbedding(cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False
+        )
         self.cpu_decode: CpuDecodeStep | None = None
 
     def process_weights_after_loading(self) -> None:
@@ -167,7 +179,9 @@ class LlamaForCausalLM(nn.Module):
         (`pkgd.runner.models.cpu_decode`) when the model qualifies."""
         self.cpu_decode = CpuDecodeStep.build(self)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.cpu_decode is not None:  # built on CPU only
             out = self.cpu_decode(h, positions, kv_caches, meta)
@@ -175,7 +189,9 @@ class LlamaForCausalLM(nn.Module):
                 return out
         return self.forward_layers(h, positions, kv_caches, meta)
 
-    def forward_layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward_layers(
+        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Embeddings ``h [T, H]`` -> hidden states ``[T, H]`` after the final norm, layer by
         layer (writing this step's K/V into ``kv_caches``): the reference of the one-call
         decode step."""

@@ -57,7 +57,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class DecoderLayerPointers(ctypes.Structure):
     """Addresses of one decoder layer's tensors (C struct ``pkgd_decoder_layer``): linear
     weights in oneDNN's packing of the dims' ``weight_dtype`` (float32 ``[out/64][in][64]``, bf16
-    ``[out/32][in/2][32][2]``) or quantized (a ``pkgd_qweight`` each), float32 norms and biases, Q/K rows and QK-norm weights in the
+    ``[out/32][in/2][32][2]``) or quantized (a ``pkgd_qweight`` each), float32 norms and biases,
+    Q/K rows and QK-norm weights in the
     adjacent-pair RoPE layout, caches ``[num_blocks, block_size, Hkv, D]`` of the dims'
     ``kv_dtype``; 0 (NULL) for a tensor the model does not have."""
 
@@ -72,7 +73,8 @@ class DecoderDims(ctypes.Structure):
     """Sizes of a Llama-family model (C struct ``pkgd_decoder_dims``): counts in
     heads/features/tokens, ``scale`` the attention's ``1/sqrt(head_dim)``, ``weight_dtype`` (0
     float32, 1 bf16, 2 quantized), ``kv_dtype`` (0 float32, 1 float16, 2 bf16), ``bf16_impl`` (0
-    widen, 1 vdpbf16ps), ``quant_impl`` (`pkgd_kernels.cpu.quant.IMPLS`), ``cos_sin_cache`` float32 ``[max_position, rot_dim]`` (cos | sin)."""
+    widen, 1 vdpbf16ps), ``quant_impl`` (`pkgd_kernels.cpu.quant.IMPLS`),
+    ``cos_sin_cache`` float32 ``[max_position, rot_dim]`` (cos | sin)."""
 
     _c_name_ = "pkgd_decoder_dims"
     _fields_ = [
@@ -132,9 +134,15 @@ class LlamaDecodeKernel:
             MemoryError: the kernel could not allocate its scratch.
         """
         s = embeddings.shape[0]
-        if (embeddings.dtype != torch.float32 or embeddings.shape != (s, dims.hidden) or len(layers) != dims.num_layers
-                or any(t.shape[0] != s for t in (positions, slot_mapping, block_tables, seq_lens))):
-            raise ValueError("decode_forward: float32 embeddings [S, hidden] and one position/slot/table row/length per sequence")
+        if (
+            embeddings.dtype != torch.float32
+            or embeddings.shape != (s, dims.hidden)
+            or len(layers) != dims.num_layers
+            or any(t.shape[0] != s for t in (positions, slot_mapping, block_tables, seq_lens))
+        ):
+            raise ValueError(
+                "decode_forward: float32 embeddings [S, hidden] and one position/slot/table row/length per sequence"
+            )
         emb = embeddings.contiguous()
         pos = positions.to(torch.int64).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
@@ -225,7 +233,11 @@ class CpuDecodeStep:
         attn = model.layers[0].self_attn
         if attn.head_dim % 16 or attn.num_heads > 256 or attn.num_heads % attn.num_kv_heads:
             return None
-        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        linears = [
+            m
+            for layer in model.layers
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
         if all(isinstance(m, QuantizedLinear) for m in linears):
             if any(m.qweight is None or m.qweight.rows != m.out_features for m in linears):
                 return None
@@ -270,7 +282,13 @@ class CpuDecodeStep:
         dtype = kv_caches[0][0].dtype if kv_caches else None
         for k, v in kv_caches:
             for c in (k, v):
-                if c.dtype != dtype or dtype not in _KV_DTYPES or not c.is_contiguous() or tuple(c.shape[1:]) != want or c.is_cuda:
+                if (
+                    c.dtype != dtype
+                    or dtype not in _KV_DTYPES
+                    or not c.is_contiguous()
+                    or tuple(c.shape[1:]) != want
+                    or c.is_cuda
+                ):
                     self._caches_key = None
                     return False
         assert dtype is not None  # a model has layers, so caches

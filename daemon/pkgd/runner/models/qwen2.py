@@ -23,7 +23,11 @@ class Qwen2DecoderLayer(LlamaDecoderLayer):
 class Qwen2ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen2DecoderLayer
 
-    def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
+    def __init__(
+        self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None
+    ) -> None:
         if cfg.raw.get("use_sliding_window"):
             raise ValueError("Qwen2 with use_sliding_window: true is not supported (sliding-window attention)")
-        super().__init__(dataclasses.replace(cfg, attention_bias=True, mlp_bias=False), tp=tp, dtype=dtype, kernels=kernels)
+        super().__init__(
+            dataclasses.replace(cfg, attention_bias=True, mlp_bias=False), tp=tp, dtype=dtype, kernels=kernels
+        )

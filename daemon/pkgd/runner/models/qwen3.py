@@ -23,7 +23,9 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
 
-    def __init__(self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None) -> None:
+    def __init__(
+        self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None
+    ) -> None:
         if cfg.raw.get("use_sliding_window"):
             raise ValueError("Qwen3 with use_sliding_window: true is not supported (sliding-window attention)")
         super().__init__(dataclasses.replace(cfg, mlp_bias=False), tp=tp, dtype=dtype, kernels=kernels)
