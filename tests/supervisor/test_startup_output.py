@@ -30,7 +30,8 @@ pytestmark = [
     pytest.mark.skipif(not importlib.util.find_spec("pkgd.engine.core_proc"), reason="needs the real children"),
 ]
 
-PHASES = ("convert_gguf", "cpu_kernels", "load_weights", "kv_cache")
+# a cold start of the default model (its GGUF dequantized once: model.quantization none)
+PHASES = ("convert_gguf", "dequantize_gguf", "cpu_kernels", "load_weights", "kv_cache")
 CONFIG = {
     "frontend": {"port": 0},
     "cache": {"kv_cache_memory_bytes": 32 << 20},
