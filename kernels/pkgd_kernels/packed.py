@@ -7,8 +7,9 @@ copy. oneDNN's packings here, which the runner checks against oneDNN's own produ
 hands a view of the buffer to these ops:
 
 * float32: ``[N/64, K, 64]``, element ``(n, k)`` at ``[n // 64, k, n % 64]``;
-* bfloat16: ``[N/32, K/2, 32, 2]``, element ``(n, k)`` at ``[n // 32, k // 2, n % 32, k % 2]``
-  (pairs of K adjacent: the operand layout of AVX512-BF16's ``vdpbf16ps``).
+* bfloat16: ``[N/B, K/2, B, 2]``, element ``(n, k)`` at ``[n // B, k // 2, n % B, k % 2]``
+  (pairs of K adjacent: the operand layout of AVX512-BF16's ``vdpbf16ps``), with oneDNN's block
+  width B chosen per CPU (32 on the AMX hosts seen, 64 on an AVX512-BF16 one without AMX).
 
 Ops:
 
@@ -39,8 +40,10 @@ def _check_weight(op: str, weight: torch.Tensor) -> tuple[int, int]:
     if weight.dtype == torch.float32:
         check_shape(op, "weight", weight, [None, None, 64])
         return weight.shape[0] * 64, weight.shape[1]
-    check_shape(op, "weight", weight, [None, None, 32, 2])
-    return weight.shape[0] * 32, weight.shape[1] * 2
+    check_shape(op, "weight", weight, [None, None, None, 2])
+    if weight.shape[2] not in (32, 64):
+        raise ValueError(f"{op}: a bfloat16 weight is [N/B, K/2, B, 2] with B 32 or 64, got {tuple(weight.shape)}")
+    return weight.shape[0] * weight.shape[2], weight.shape[1] * 2
 
 
 def _check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
@@ -58,7 +61,7 @@ def gemv_packed_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Args:
         x: ``[M, K]``, any strides; float32 (float32 weights), float32 or bfloat16 (bf16 ones).
         weight: float32 ``[N/64, K, 64]`` (``W[n, k] = weight[n // 64, k, n % 64]``) or
-            bfloat16 ``[N/32, K/2, 32, 2]`` (``W[n, k] = weight[n // 32, k // 2, n % 32, k % 2]``).
+            bfloat16 ``[N/B, K/2, B, 2]``, B 32 or 64 (``W[n, k] = weight[n // B, k // 2, n % B, k % 2]``).
         bias: ``[N]`` or None.
 
     Returns:
@@ -115,7 +118,8 @@ def gather_packed_ref(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         raise IndexError(f"{_GATHER}: token id out of range [0, {n})")
     if weight.dtype == torch.float32:
         return weight[ids // 64, :, ids % 64]
-    return weight[ids // 32, :, ids % 32].reshape(ids.shape[0], -1)
+    bb = weight.shape[2]
+    return weight[ids // bb, :, ids % bb].reshape(ids.shape[0], -1)
 
 
 def gather_packed(weight: torch.Tensor, ids: torch.Tensor, *, kernels=None) -> torch.Tensor:

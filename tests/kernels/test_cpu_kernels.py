@@ -270,36 +270,62 @@ def bf16_impl(kernels, request):
     kernels.use_bf16_impl(before)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN packed linear")
-@pytest.mark.parametrize("n,k", [(96, 64), (960, 576), (576, 1536)])
+def _pack_bf16(w, block):
+    """``W [n, k]`` in the ``[n/B, k/2, B, 2]`` packing, built by hand (as oneDNN lays it out)."""
+    n, k = w.shape
+    return w.view(n // block, block, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("block", [32, 64])
+@pytest.mark.parametrize("n,k", [(128, 64), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_bf16_gemv_reads_the_onednn_packing_by_each_path(bf16_impl, n, k, m, x_dtype):
-    from pkgd.runner.layers.linear import packed_view
-
+def test_bf16_gemv_reads_each_block_width_by_each_path(bf16_impl, block, n, k, m, x_dtype):
     kernels = bf16_impl
-    g = torch.Generator().manual_seed(n + k + m)
+    g = torch.Generator().manual_seed(n + k + m + block)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-    view = packed_view(packed, n, k)
-    assert view is not None and view.shape == (n // 32, k // 2, 32, 2)
+    view = _pack_bf16(w, block)
     x = torch.randn(m, k + 6, generator=g)[:, :k].to(x_dtype)
     b = torch.randn(n, generator=g)
     want = pk.gemv_packed_ref(x, view, b)
     dense = (x.to(torch.bfloat16).float() @ w.float().t() + b).to(x_dtype)
     rounded = 1e-3 if x_dtype == torch.float32 else 1e-2  # a bf16 result: one ulp apart at most
     torch.testing.assert_close(want.float(), dense.float(), atol=rounded, rtol=rounded)
-    outs = {}
     for impl in _bf16_impls(kernels):
         kernels.use_bf16_impl(impl)
-        outs[impl] = kernels.gemv_packed(x, view, b)
-        assert outs[impl].dtype == x_dtype
+        out = kernels.gemv_packed(x, view, b)
+        assert out.dtype == x_dtype
         tol = 1e-4 * k**0.5 if x_dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(outs[impl].float(), want.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
     ids = torch.randint(0, n, (9,), generator=g)
     assert torch.equal(kernels.gather_packed(view, ids), w[ids]) and torch.equal(
         pk.gather_packed_ref(view, ids), w[ids]
     )
+
+
+def test_bf16_packing_of_another_block_width_is_refused(kernels):
+    view = torch.zeros(2, 4, 16, 2, dtype=torch.bfloat16)
+    assert not kernels.takes_gemv_packed(torch.zeros(1, 8), view)
+    with pytest.raises(ValueError, match="B 32 or 64"):
+        pk.gemv_packed_ref(torch.zeros(1, 8), view, None)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152 // 64, 576)])
+def test_onednn_bf16_packing_is_read_as_a_view_here(kernels, n, k):
+    """oneDNN's bf16 packing of these shapes (SmolLM2's, whole blocks) is one the C GEMV reads on
+    this CPU, whatever block width oneDNN chose; the kernel agrees with oneDNN's own product."""
+    from pkgd.runner.layers.linear import onednn_linear, packed_view
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    view = packed_view(packed, n, k)
+    assert view is not None and view.shape[2:] in cpu.BF16_BLOCKS
+    assert view.shape == (n // view.shape[2], k // 2, view.shape[2], 2)
+    x = torch.randn(4, k, generator=g).to(torch.bfloat16)
+    ours, theirs = kernels.gemv_packed(x, view, None).float(), onednn_linear(x, packed, None).float()
+    torch.testing.assert_close(ours, theirs, atol=2e-2 * theirs.abs().max().item(), rtol=2e-2)
 
 
 def test_the_bf16_path_is_chosen_by_the_cpu_and_a_missing_one_refused(kernels):

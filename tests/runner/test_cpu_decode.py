@@ -229,6 +229,50 @@ def test_bf16_step_matches_the_per_layer_bf16_forward(tiny_dirs, c_kernels, arch
     assert hidden <= 3e-2 and cache <= 3e-2, (hidden, cache)
 
 
+def _linears(model):
+    return [
+        m
+        for layer in model.layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+
+
+def test_bf16_step_reads_either_block_width(tiny_dirs, c_kernels):
+    """oneDNN packs bf16 weights in 32-wide blocks on some CPUs and 64-wide on others; the step
+    given the same weights repacked by hand in the other width computes the same hidden states
+    (the same sums in the same order: 32 outputs at a time either way)."""
+    model_dir, _ = tiny_dirs("llama-untied")
+    runner = make_runner(model_dir, dtype="bfloat16")
+    model = runner.model
+    native = model.cpu_decode
+    assert isinstance(native, CpuDecodeStep)
+    ids, positions, meta = _random_step(runner, [5, 13, 2], seed=4)
+    want, calls = _forward(model, ids, positions, runner.kv_caches, meta, fused=True)
+    assert calls == [True]
+    linears = _linears(model)
+    width = linears[0].gemv_weight.shape[2]
+    other = 96 - width  # 32 <-> 64
+    views = [m.gemv_weight for m in linears]
+    try:
+        for m, v in zip(linears, views):
+            dense = v.permute(0, 2, 1, 3).reshape(v.shape[0] * width, -1)  # W [n, k]
+            n, k = dense.shape
+            m.gemv_weight = dense.view(n // other, other, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        model.cpu_decode = CpuDecodeStep.build(model)
+        assert (
+            isinstance(model.cpu_decode, CpuDecodeStep)
+            and model.cpu_decode.dims.weight_dtype != native.dims.weight_dtype
+        )
+        ids, positions, meta = _random_step(runner, [5, 13, 2], seed=4)
+        got, calls = _forward(model, ids, positions, runner.kv_caches, meta, fused=True)
+        assert calls == [True]
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    finally:
+        for m, v in zip(linears, views):
+            m.gemv_weight = v
+        model.cpu_decode = native
+
+
 def test_bf16_dot_product_paths_agree(tiny_dirs, c_kernels):
     """vdpbf16ps and the widening path compute the same sums of the same rounded inputs, up to
     their order."""

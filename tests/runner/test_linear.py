@@ -56,8 +56,8 @@ def test_bf16_linears_are_packed_and_agree(cpu_path):
     """bf16 weights are packed for oneDNN too (its bf16 GEMM on the packed weight was ~1.3-1.5x
     F.linear's at 64-256 rows here); a few rows take the C GEMV on the same buffer."""
     g = torch.Generator().manual_seed(3)
-    col = MergedColumnParallelLinear(64, [64, 32], bias=True, dtype=torch.bfloat16, kernels=cpu_path)
-    w = [torch.randn(n, 64, generator=g).bfloat16() for n in (64, 32)]
+    col = MergedColumnParallelLinear(64, [64, 64], bias=True, dtype=torch.bfloat16, kernels=cpu_path)
+    w = [torch.randn(n, 64, generator=g).bfloat16() for n in (64, 64)]  # whole 64-wide blocks: no padding
     for i, wi in enumerate(w):
         col.load_part(i, wi)
         col.load_part(i, torch.randn(wi.shape[0], generator=g).bfloat16(), "bias")

@@ -9,8 +9,8 @@ each ``takes_<op>`` says whether the C form accepts given tensors; the op's disp
 PyTorch form, which computes the same thing:
 
 * `CpuKernels.gemv_packed`: ``x [M, K] @ W^T`` for small M straight from oneDNN's packed
-  weight (fp32 ``[N/64][K][64]``, or bf16 ``[N/32][K/2][32][2]``), at DRAM read speed where
-  MKL/oneDNN GEMV reach about half of it on this machine. bf16 products go through
+  weight (fp32 ``[N/64][K][64]``, or bf16 ``[N/B][K/2][B][2]`` with oneDNN's block width B of 32
+  or 64, `BF16_BLOCKS`), at DRAM read speed where MKL/oneDNN GEMV reach about half of it. bf16 products go through
   AVX512-BF16's ``vdpbf16ps`` where the CPU has it, else by widening each bf16 to float32
   (`CpuKernels.bf16_impl`, chosen at load; both give the same sums up to their order);
 * `CpuKernels.gather_packed`: rows of such a packed weight (a tied embedding's lookup);
@@ -47,11 +47,14 @@ from pkgd_kernels.cpu.build import (
 )
 
 SOURCE = Path(__file__).with_name("kernels.c")
-KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=6)
+KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=7)
 """The generic library (``kernels.c``): exports only pointers and scalars, so no structs."""
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 BF16_IMPLS = {"widen": 0, "dpbf16": 1}
+BF16_BLOCKS = ((32, 2), (64, 2))
+"""The trailing dims of the bf16 packings the C GEMV reads: oneDNN's ``[N/B, K/2, B, 2]`` with
+B chosen by oneDNN per CPU (32 on the AMX hosts seen, 64 on an AVX512-BF16 one without AMX)."""
 """The bf16 dot products of the C GEMVs: widening to float32 (any CPU), ``vdpbf16ps`` (AVX512-BF16)."""
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -72,11 +75,11 @@ class CpuKernels:
         self.bf16_impl = "dpbf16" if self.bf16_native else "widen"
         """How bf16 GEMVs multiply: ``dpbf16`` where the CPU has AVX512-BF16, else ``widen``;
         `use_bf16_impl` switches (tests run both)."""
-        self._gemv_bf16 = lib.pkgd_gemv_bf16_packed32
-        self._gemv_bf16.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i32]
+        self._gemv_bf16 = lib.pkgd_gemv_bf16_packed
+        self._gemv_bf16.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i32]
         self._gemv_bf16.restype = ctypes.c_int
-        self._gather_bf16 = lib.pkgd_gather_bf16_packed32
-        self._gather_bf16.argtypes = [_p, _p, _p, _i64, _i64, _i64]
+        self._gather_bf16 = lib.pkgd_gather_bf16_packed
+        self._gather_bf16.argtypes = [_p, _p, _p, _i64, _i64, _i64, _i64]
         self._gather_bf16.restype = ctypes.c_int
         self._gemv = lib.pkgd_gemv_packed64
         self._gemv.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64]
@@ -162,7 +165,7 @@ class CpuKernels:
     def takes_gemv_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `gemv_packed` takes these: ``x [M, K]`` with unit column stride and a
         contiguous packed weight, float32 ``[N/64, K, 64]`` (float32 ``x``) or bfloat16
-        ``[N/32, K/2, 32, 2]`` (float32 or bfloat16 ``x``)."""
+        ``[N/B, K/2, B, 2]``, B 32 or 64 (float32 or bfloat16 ``x``)."""
         if x.dim() != 2 or x.stride(1) != 1 or x.is_cuda or not weight.is_contiguous():
             return False
         if weight.dtype == torch.float32:
@@ -174,7 +177,7 @@ class CpuKernels:
             )
         return (
             weight.dtype == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 4
-            and weight.shape[2:] == (32, 2) and x.shape[1] == 2 * weight.shape[1]
+            and weight.shape[2:] in BF16_BLOCKS and x.shape[1] == 2 * weight.shape[1]
         )  # fmt: skip
 
     @staticmethod
@@ -206,7 +209,7 @@ class CpuKernels:
 
     def gemv_packed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """C form of `pkgd_kernels.gemv_packed`: ``x [M, K]`` times the packed ``weight``
-        (float32 ``[N/64, K, 64]`` or bf16 ``[N/32, K/2, 32, 2]``) plus ``bias [N]``; a new
+        (float32 ``[N/64, K, 64]`` or bf16 ``[N/B, K/2, B, 2]``) plus ``bias [N]``; a new
         ``[M, N]`` in ``x``'s dtype (bf16: ``x`` rounded to bf16, float32 sums, by `bf16_impl`).
 
         Raises:
@@ -216,7 +219,7 @@ class CpuKernels:
         if not self.takes_gemv_packed(x, weight):
             raise ValueError(
                 "gemv_packed: x [M, K] with unit column stride and a contiguous packed weight, "
-                "float32 [N/64, K, 64] (float32 x) or bfloat16 [N/32, K/2, 32, 2]"
+                "float32 [N/64, K, 64] (float32 x) or bfloat16 [N/B, K/2, B, 2] (B 32 or 64)"
             )
         b = None if bias is None else bias.to(torch.float32).contiguous()
         bp = None if b is None else b.data_ptr()
@@ -225,7 +228,8 @@ class CpuKernels:
             y = torch.empty(x.shape[0], n, dtype=torch.float32)
             self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), bp, y.data_ptr(), x.shape[0], n, k)
             return y
-        n, k = weight.shape[0] * 32, weight.shape[1] * 2
+        bb = weight.shape[2]
+        n, k = weight.shape[0] * bb, weight.shape[1] * 2
         x32 = x if x.dtype == torch.float32 else x.float()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         if self._gemv_bf16(
@@ -237,6 +241,7 @@ class CpuKernels:
             x.shape[0],
             n,
             k,
+            bb,
             BF16_IMPLS[self.bf16_impl],
         ):
             raise MemoryError("gemv_packed: out of memory for the bf16 copy of x")
@@ -244,7 +249,7 @@ class CpuKernels:
 
     def gather_packed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """C form of `pkgd_kernels.gather_packed`: rows ``ids`` (int64 ``[T]``) of the matrix
-        packed in the contiguous ``weight`` (float32 ``[N/64, K, 64]`` or bf16 ``[N/32, K/2, 32,
+        packed in the contiguous ``weight`` (float32 ``[N/64, K, 64]`` or bf16 ``[N/B, K/2, B,
         2]``); a new ``[T, K]`` in its dtype.
 
         Raises:
@@ -252,17 +257,19 @@ class CpuKernels:
             IndexError: an id outside ``[0, N)``.
         """
         f32 = weight.dtype == torch.float32 and weight.dim() == 3 and weight.shape[2] == 64
-        bf16 = weight.dtype == torch.bfloat16 and weight.dim() == 4 and weight.shape[2:] == (32, 2)
+        bf16 = weight.dtype == torch.bfloat16 and weight.dim() == 4 and weight.shape[2:] in BF16_BLOCKS
         if ids.dtype != torch.int64 or ids.dim() != 1 or not (f32 or bf16) or not weight.is_contiguous():
             raise ValueError(
                 "gather_packed: ids must be a 1-D int64 tensor, weight a contiguous float32 [N/64, K, 64] "
-                "or bfloat16 [N/32, K/2, 32, 2]"
+                "or bfloat16 [N/B, K/2, B, 2] (B 32 or 64)"
             )
-        n, k = (weight.shape[0] * 64, weight.shape[1]) if f32 else (weight.shape[0] * 32, weight.shape[1] * 2)
+        n, k = (
+            (weight.shape[0] * 64, weight.shape[1]) if f32 else (weight.shape[0] * weight.shape[2], weight.shape[1] * 2)
+        )
         ids = ids.contiguous()
         out = torch.empty(ids.shape[0], k, dtype=weight.dtype)
-        gather = self._gather if f32 else self._gather_bf16
-        if gather(out.data_ptr(), weight.data_ptr(), ids.data_ptr(), ids.shape[0], n, k):
+        args = (out.data_ptr(), weight.data_ptr(), ids.data_ptr(), ids.shape[0], n, k)
+        if self._gather(*args) if f32 else self._gather_bf16(*args, weight.shape[2]):
             raise IndexError(f"gather_packed: token id out of range [0, {n})")
         return out
 

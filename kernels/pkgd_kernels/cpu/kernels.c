@@ -7,8 +7,8 @@
  *    64-row block is streamed once per call; memory-bound, so the goal is DRAM read speed.
  *  - pkgd_gather_packed64: rows of a weight in that packing (the embedding lookup of a model
  *    whose embedding is tied to its packed LM head).
- *  - pkgd_gemv_bf16_packed32 / pkgd_gather_bf16_packed32: the same for bf16 weights in oneDNN's
- *    bf16 packing [N/32][K/2][32][2] (vdpbf16ps where the CPU has it, else widening).
+ *  - pkgd_gemv_bf16_packed / pkgd_gather_bf16_packed: the same for bf16 weights in oneDNN's
+ *    bf16 packing [N/B][K/2][B][2], B = 32 or 64 (vdpbf16ps where the CPU has it, else widening).
  *  - pkgd_rms_norm: RMSNorm of float32 rows, optionally after adding a residual (which it
  *    also returns): one pass where PyTorch's composite op runs several (pow, mean, rsqrt, mul).
  *  - pkgd_paged_attention_decode: one query token per sequence over the paged KV cache
@@ -21,7 +21,7 @@
  */
 #include "kernels.h"
 
-#define PKGD_KERNELS_ABI_VERSION 6
+#define PKGD_KERNELS_ABI_VERSION 7
 
 int pkgd_abi_version(void) { return PKGD_KERNELS_ABI_VERSION; }
 
@@ -47,36 +47,41 @@ void pkgd_gemv_packed64(const float* x, int64_t ldx, const float* w, const float
         gemv_rows(x, ldx, w + b * k * 64, 0, k, y + b * 64, n, bias ? bias + b * 64 : NULL, m);
 }
 
-/* y[m, n] = x[m, k] W^T (+ bias) for bf16 W in the [n/32][k/2][32][2] packing (kernels.h); x
- * float32 rows of stride ldx, rounded to bf16; y float32 [m, n] contiguous. n % 32 == 0,
- * k % 2 == 0. impl: BF16_DP or BF16_WIDEN. Returns 0, or -1 when scratch could not be allocated. */
-int pkgd_gemv_bf16_packed32(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y,
-                            int64_t m, int64_t n, int64_t k, int impl) {
+/* y[m, n] = x[m, k] W^T (+ bias) for bf16 W in the [n/bb][k/2][bb][2] packing (kernels.h; bb 32
+ * or 64); x float32 rows of stride ldx, rounded to bf16; y float32 [m, n] contiguous.
+ * n % bb == 0, k % 2 == 0. impl: BF16_DP or BF16_WIDEN. Returns 0, -1 when scratch could not be
+ * allocated, -2 for another bb. */
+int pkgd_gemv_bf16_packed(const float* x, int64_t ldx, const uint16_t* w, const float* bias, float* y, int64_t m,
+                          int64_t n, int64_t k, int64_t bb, int impl) {
+    if (bb != 32 && bb != 64) return -2;
     uint32_t* xp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * (k / 2) + 1));
     if (!xp) return -1;
     pack_x_bf16(xp, x, ldx, m, k);
     const int64_t nblk = n / 32;
 #pragma omp parallel for schedule(static) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
-        gemv_bf16_rows(xp, k / 2, w + b * k * 32, 0, k / 2, y + b * 32, n, bias ? bias + b * 32 : NULL, m, impl);
+        gemv_bf16_rows(xp, k / 2, bf16_block32(w, b, k, bb), 2 * bb, 0, k / 2, y + b * 32, n,
+                       bias ? bias + b * 32 : NULL, m, impl);
     free(xp);
     return 0;
 }
 
-/* out[t, k] <- rows ids[t] of bf16 W [n, k] in the [n/32][k/2][32][2] packing: row v's pair j sits
- * in line (v / 32) * (k / 2) + j, 4 bytes of its 128, so as in pkgd_gather_packed64 all of a
- * row's lines are requested before the first is read. Returns 0, or -1 (nothing written) when an
- * id is outside [0, n). */
-int pkgd_gather_bf16_packed32(uint16_t* out, const uint16_t* w, const int64_t* ids, int64_t t, int64_t n, int64_t k) {
+/* out[t, k] <- rows ids[t] of bf16 W [n, k] in the [n/bb][k/2][bb][2] packing: row v's pair j sits
+ * in line (v / bb) * (k / 2) + j (of 2 * bb elements), 4 bytes of it, so as in
+ * pkgd_gather_packed64 all of a row's lines are requested before the first is read. Returns 0,
+ * -1 (nothing written) when an id is outside [0, n), -2 for a bb other than 32 or 64. */
+int pkgd_gather_bf16_packed(uint16_t* out, const uint16_t* w, const int64_t* ids, int64_t t, int64_t n, int64_t k,
+                            int64_t bb) {
+    if (bb != 32 && bb != 64) return -2;
     for (int64_t i = 0; i < t; i++)
         if (ids[i] < 0 || ids[i] >= n) return -1;
 #pragma omp parallel for schedule(static) if (t > 8)
     for (int64_t i = 0; i < t; i++) {
-        const uint16_t* col = w + (ids[i] / 32) * k * 32 + (ids[i] % 32) * 2;
-        for (int64_t j = 0; j < k / 2; j++) __builtin_prefetch(col + j * 64, 0, 1);
+        const uint16_t* col = w + (ids[i] / bb) * k * bb + (ids[i] % bb) * 2;
+        for (int64_t j = 0; j < k / 2; j++) __builtin_prefetch(col + j * 2 * bb, 0, 1);
         for (int64_t j = 0; j < k / 2; j++) {
-            out[i * k + 2 * j] = col[j * 64];
-            out[i * k + 2 * j + 1] = col[j * 64 + 1];
+            out[i * k + 2 * j] = col[j * 2 * bb];
+            out[i * k + 2 * j + 1] = col[j * 2 * bb + 1];
         }
     }
     return 0;

@@ -83,16 +83,19 @@ static inline void gemv_rows(const float* x, int64_t ldx, const float* wb, int64
     }
 }
 
-/* ---- GEMV on bf16 weights in oneDNN's [N/32][K/2][32][2] packing ----------------------- */
+/* ---- GEMV on bf16 weights in oneDNN's [N/B][K/2][B][2] packing (B = 32 or 64) ---------- */
 
-/* What torch.ops.mkldnn._reorder_linear_weight makes of a bf16 W [n, k] here (checked at run
- * time by the caller against oneDNN's own product): element (v, c) at
- * w[((v / 32) * (k / 2) + c / 2) * 64 + (v % 32) * 2 + c % 2], so each 32-bit lane of a 64-byte
- * line holds the pair (W[v, 2j], W[v, 2j + 1]) of one output v: the operand layout of
- * AVX512-BF16's vdpbf16ps. x is rounded to bf16 pairs first (xp[j] = bf16(x[2j]) | bf16(x[2j+1])
- * << 16), as a bf16 GEMM rounds its input; products are summed in float32. Two ways to the same
- * sums, chosen at run time (impl): vdpbf16ps where the CPU has it (BF16_DP), else widening each
- * bf16 to float32 by a shift (BF16_WIDEN: AVX-512F, or two AVX2 registers a vector). */
+/* What torch.ops.mkldnn._reorder_linear_weight makes of a bf16 W [n, k] (checked at run time by
+ * the caller against oneDNN's own product): element (v, c) at
+ * w[((v / B) * (k / 2) + c / 2) * 2B + (v % B) * 2 + c % 2], so each 32-bit lane holds the pair
+ * (W[v, 2j], W[v, 2j + 1]) of one output v: the operand layout of AVX512-BF16's vdpbf16ps.
+ * oneDNN picks B by the CPU (32 on the AMX hosts seen, 64 on an AVX512-BF16 one without AMX), so the loops
+ * below take 32 outputs at a time from a block of either width: 32 outputs are 64 contiguous
+ * elements per pair j, the next pair 2B elements on (bf16_block32). x is rounded to bf16 pairs
+ * first (xp[j] = bf16(x[2j]) | bf16(x[2j+1]) << 16), as a bf16 GEMM rounds its input; products
+ * are summed in float32. Two ways to the same sums, chosen at run time (impl): vdpbf16ps where
+ * the CPU has it (BF16_DP), else widening each bf16 to float32 by a shift (BF16_WIDEN:
+ * AVX-512F, or two AVX2 registers a vector). */
 
 enum { BF16_WIDEN = 0, BF16_DP = 1 };
 
@@ -124,15 +127,22 @@ static inline void pack_x_bf16(uint32_t* xp, const float* x, int64_t ldx, int64_
 
 #define GEMV_BF16_PREFETCH 2048 /* bf16 elements ahead: 4 KiB, as the float32 GEMV */
 
-/* The 32 outputs of block wb ([k/2][32][2]) for `rows` rows of xp over pairs [j0, j1). */
+/* The first element of 32-output block b (outputs [32b, 32b + 32)) of a [n/bb][k/2][bb][2]
+ * packing; its pair j is 2 * bb elements after pair j - 1. */
+static inline const uint16_t* bf16_block32(const uint16_t* w, int64_t b, int64_t k, int64_t bb) {
+    return w + (b / (bb / 32)) * k * bb + (b % (bb / 32)) * 64;
+}
+
+/* The 32 outputs at wb (bf16_block32; pairs ldj elements apart) for `rows` rows of xp over
+ * pairs [j0, j1). */
 static inline __attribute__((always_inline)) void gemv_bf16_block_widen(
-    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0, int64_t j1, float* y, int64_t ldy,
     const float* bias, const int rows) {
     v16 acc[4][2];
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (v16){0};
     for (int64_t j = j0; j < j1; j++) {
-        const uint16_t* wr = wb + j * 64;
+        const uint16_t* wr = wb + j * ldj;
         __builtin_prefetch(wr + GEMV_BF16_PREFETCH, 0, 1);
         __builtin_prefetch(wr + GEMV_BF16_PREFETCH + 32, 0, 1);
         const u32x16 w0 = LOADU32(wr), w1 = LOADU32(wr + 32);
@@ -155,14 +165,14 @@ static inline __attribute__((always_inline)) void gemv_bf16_block_widen(
         }
 }
 
-static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
-                                        float* y, int64_t ldy, const float* bias, int64_t m) {
+static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj,
+                                        int64_t j0, int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 4);
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 4);
     switch (m - r) {
-        case 3: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 3); break;
-        case 2: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 2); break;
-        case 1: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        case 3: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 1); break;
         default: break;
     }
 }
@@ -175,13 +185,13 @@ static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const 
 /* vdpbf16ps: acc[lane] += x.lo * w.lo + x.hi * w.hi for 16 outputs; compiled for AVX512-BF16
  * whatever -march says, called only where the CPU has it (pkgd_bf16_dot_native). */
 static inline __attribute__((always_inline)) void gemv_bf16_block_dp(
-    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0, int64_t j1, float* y, int64_t ldy,
     const float* bias, const int rows) {
     __m512 acc[4][2];
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
-        const uint16_t* wr = wb + j * 64;
+        const uint16_t* wr = wb + j * ldj;
         _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH), _MM_HINT_T1);
         _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH + 32), _MM_HINT_T1);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr), w1 = (__m512bh)_mm512_loadu_si512(wr + 32);
@@ -201,14 +211,14 @@ static inline __attribute__((always_inline)) void gemv_bf16_block_dp(
         }
 }
 
-static void gemv_bf16_rows_dp(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
-                              float* y, int64_t ldy, const float* bias, int64_t m) {
+static void gemv_bf16_rows_dp(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0,
+                              int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 4);
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 4);
     switch (m - r) {
-        case 3: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 3); break;
-        case 2: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 2); break;
-        case 1: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        case 3: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 3); break;
+        case 2: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 2); break;
+        case 1: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 1); break;
         default: break;
     }
 }
@@ -225,19 +235,19 @@ static inline int bf16_dot_native(void) {
 #endif
 }
 
-/* One 32-output block of the bf16 GEMV by `impl` (BF16_DP falls back to widening where the
- * CPU lacks it, so a wrong request never faults). */
-static inline void gemv_bf16_rows(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t j0, int64_t j1,
-                                  float* y, int64_t ldy, const float* bias, int64_t m, int impl) {
+/* 32 outputs of the bf16 GEMV (at wb, pairs ldj apart) by `impl` (BF16_DP falls back to
+ * widening where the CPU lacks it, so a wrong request never faults). */
+static inline void gemv_bf16_rows(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0,
+                                  int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m, int impl) {
 #ifdef PKGD_HAVE_BF16_DP
     if (impl == BF16_DP) {
-        gemv_bf16_rows_dp(xp, ldxp, wb, j0, j1, y, ldy, bias, m);
+        gemv_bf16_rows_dp(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m);
         return;
     }
 #else
     (void)impl;
 #endif
-    gemv_bf16_rows_widen(xp, ldxp, wb, j0, j1, y, ldy, bias, m);
+    gemv_bf16_rows_widen(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m);
 }
 
 /* ---- paged decode attention ----------------------------------------------------------- */
@@ -507,12 +517,14 @@ static inline void add_row(float* ro, const float* a, const float* c, const floa
 
 /* ---- GEMV by a thread team, and the small row loops of a decoder layer ------------- */
 
-/* A linear's weight as the GEMVs read it: float32 [n/64][k][64] (W_F32) or bf16 [n/32][k/2][32][2]
- * (W_BF16, with the bf16 dot product `impl`). */
-enum { W_F32 = 0, W_BF16 = 1 };
+/* A linear's weight as the GEMVs read it: float32 [n/64][k][64] (W_F32), bf16 [n/32][k/2][32][2]
+ * (W_BF16) or [n/64][k/2][64][2] (W_BF16_64), with the bf16 dot product `impl`. */
+enum { W_F32 = 0, W_BF16 = 1, W_BF16_64 = 3 };
+
+static inline int is_bf16(int wdt) { return wdt == W_BF16 || wdt == W_BF16_64; }
 
 /* Inside a parallel region, every thread calling: y[m, n] = x[m, k] W^T (+ bias) on the packed
- * W (of dtype wdt; for W_BF16, xp holds x as bf16 pairs, see pack_x_bf16). The buffer is cut
+ * W (of dtype wdt; for bf16 weights, xp holds x as bf16 pairs, see pack_x_bf16). The buffer is cut
  * into one contiguous range of block rows per thread (64 outputs a block in float32, 32 in
  * bf16), equal to within a row, so each thread streams its own part of memory front to back and
  * none waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a
@@ -523,7 +535,9 @@ static inline void gemv_team(const float* x, int64_t ldx, const uint32_t* xp, co
                              const float* bias, float* y, int64_t m, int64_t n, int64_t k, float* part,
                              int64_t* part_blk) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t bw = wdt == W_BF16 ? 32 : 64, kk = wdt == W_BF16 ? k / 2 : k; /* outputs, rows a block */
+    const int bf16 = is_bf16(wdt);
+    const int64_t bw = bf16 ? 32 : 64, kk = bf16 ? k / 2 : k; /* outputs, rows a block */
+    const int64_t bb = wdt == W_BF16_64 ? 64 : 32;            /* oneDNN's bf16 block width */
     const int64_t units = (n / bw) * kk;
     const int64_t u1 = units * (t + 1) / nt;
     int64_t u = units * t / nt;
@@ -533,11 +547,12 @@ static inline void gemv_team(const float* x, int64_t ldx, const uint32_t* xp, co
         const int64_t k1 = (b + 1) * kk <= u1 ? kk : u1 - b * kk;
         float* out = k0 == 0 ? y + b * bw : part + t * m * 64; /* only a thread's first piece can start mid-block */
         const int64_t ldo = k0 == 0 ? n : 64;
-        const float* bb = k0 == 0 && bias ? bias + b * bw : NULL;
-        if (wdt == W_BF16)
-            gemv_bf16_rows(xp, k / 2, (const uint16_t*)w + b * k * 32, k0, k1, out, ldo, bb, m, impl);
+        const float* bo = k0 == 0 && bias ? bias + b * bw : NULL;
+        if (bf16)
+            gemv_bf16_rows(xp, k / 2, bf16_block32((const uint16_t*)w, b, k, bb), 2 * bb, k0, k1, out, ldo, bo, m,
+                           impl);
         else
-            gemv_rows(x, ldx, (const float*)w + b * k * 64, k0, k1, out, ldo, bb, m);
+            gemv_rows(x, ldx, (const float*)w + b * k * 64, k0, k1, out, ldo, bo, m);
         if (k0 != 0) part_blk[t] = b;
         u = b * kk + k1;
     }

@@ -87,32 +87,33 @@ def _repack(layer: MergedColumnParallelLinear | RowParallelLinear, weight_out_in
 
 def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     """``packed`` (from `pack_for_onednn`, of ``W [n, k]``) as the tensor
-    ``pkgd_kernels.gemv_packed`` reads: float32 ``[n/64, k, 64]`` or bfloat16 ``[n/32, k/2, 32,
-    2]``, when oneDNN laid it out so (checked by comparing ``gemv_packed_ref`` on the view with
-    oneDNN's product on a random input; oneDNN picks other layouts for some shapes and CPUs);
-    None otherwise. Valid while ``packed`` lives."""
+    ``pkgd_kernels.gemv_packed`` reads: float32 ``[n/64, k, 64]`` or bfloat16 ``[n/B, k/2, B, 2]``
+    (B = 32 or 64: oneDNN's block width depends on the CPU), when oneDNN laid it out so (checked
+    by comparing ``gemv_packed_ref`` on the view with oneDNN's product on a random input; oneDNN
+    picks other layouts for some shapes and CPUs); None otherwise. Valid while ``packed``
+    lives."""
     dtype = packed.dtype
-    shape: tuple[int, ...]
-    ctype: type[ctypes.c_float] | type[ctypes.c_uint16]
+    if dtype not in (torch.float32, torch.bfloat16) or torch.ops.mkldnn._nbytes(packed) != n * k * dtype.itemsize:
+        return None
     if dtype == torch.float32:
-        shape, ctype = (n // 64, k, 64), ctypes.c_float
-    elif dtype == torch.bfloat16:
-        shape, ctype = (n // 32, k // 2, 32, 2), ctypes.c_uint16
+        candidates: list[tuple[int, ...]] = [(n // 64, k, 64)] if n % 64 == 0 else []
+        ctype: type[ctypes.c_float] | type[ctypes.c_uint16] = ctypes.c_float
     else:
-        return None
-    if n % shape[-2 if dtype == torch.bfloat16 else -1] or k % (2 if dtype == torch.bfloat16 else 1):
-        return None
-    if torch.ops.mkldnn._nbytes(packed) != n * k * dtype.itemsize:
+        candidates = [(n // b, k // 2, b, 2) for b in (32, 64) if n % b == 0 and k % 2 == 0]
+        ctype = ctypes.c_uint16
+    if not candidates:
         return None
     buf = (ctype * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
     raw = torch.frombuffer(buf, dtype=torch.float32 if dtype == torch.float32 else torch.int16)
-    view = (raw if dtype == torch.float32 else raw.view(torch.bfloat16)).view(shape)
+    flat = raw if dtype == torch.float32 else raw.view(torch.bfloat16)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(dtype)
     ref = onednn_linear(x, packed, None).float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the two round their outputs apart
-    if (pk.gemv_packed_ref(x, view, None).float() - ref).abs().max() > tol * ref.abs().max() + 1e-6:
-        return None
-    return view
+    for shape in candidates:
+        view = flat.view(shape)
+        if (pk.gemv_packed_ref(x, view, None).float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6:
+            return view
+    return None
 
 
 def small_batch_gemv(layer: GemvLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -9,12 +9,13 @@
 #include "kernels.h"
 #include "quant.h"
 
-#define PKGD_LLAMA_DECODE_ABI_VERSION 3
+#define PKGD_LLAMA_DECODE_ABI_VERSION 4
 
 enum { W_QUANT = 2 }; /* weights: a pkgd_qweight each (quant.h), GGUF's blocks kept quantized */
 
 /* Pointers of one decoder layer. Linear weights (qkv, o, gate_up, down) are in oneDNN's packing
- * of the dims' weight_dtype (kernels.h: float32 [out/64][in][64] or bf16 [out/32][in/2][32][2]),
+ * of the dims' weight_dtype (kernels.h: float32 [out/64][in][64], bf16 [out/32][in/2][32][2] or
+ * [out/64][in/2][64][2]),
  * or for W_QUANT each a pkgd_qweight (quant.h) whose rows are exactly the linear's outputs;
  * norms and biases float32; Q/K rows (and q_norm/k_norm) in the adjacent-pair RoPE layout.
  * Optional tensors are NULL when the model has none. Caches: [num_blocks, block_size, hkv, d] of
@@ -35,7 +36,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rot_dim, block_size;
     float eps, scale;
-    int32_t weight_dtype;        /* W_F32, W_BF16 or W_QUANT */
+    int32_t weight_dtype;        /* W_F32, W_BF16, W_BF16_64 or W_QUANT */
     int32_t kv_dtype;            /* DT_F32, DT_F16 or DT_BF16 */
     int32_t bf16_impl;           /* BF16_DP or BF16_WIDEN (bf16 weights) */
     int32_t quant_impl;          /* QIMPL_* (quantized weights) */
@@ -102,7 +103,7 @@ int64_t pkgd_struct_layout(const char* name, int64_t* out, int64_t cap) {
 
 /* One linear of a layer by a thread team (every thread calling): y = x W^T (+ bias), x rows of
  * stride ldx, into gemv_team's output protocol. xbuf is this thread's scratch for x in the
- * weights' form: bf16 pairs (W_BF16) or int8 activations (W_QUANT), made by each thread itself
+ * weights' form: bf16 pairs (W_BF16, W_BF16_64) or int8 activations (W_QUANT), made by each thread itself
  * (cheaper than a barrier). */
 static inline void layer_gemv(const float* x, int64_t ldx, void* xbuf, const void* w, int wdt, int impl, int qimpl,
                               const float* bias, float* y, int64_t m, int64_t n, int64_t k, float* part, int64_t* blk) {
@@ -113,7 +114,7 @@ static inline void layer_gemv(const float* x, int64_t ldx, void* xbuf, const voi
         qgemv_team(qw, a32, a256, qimpl, bias, y, m, part, blk);
         return;
     }
-    if (wdt == W_BF16) pack_x_bf16((uint32_t*)xbuf, x, ldx, m, k);
+    if (is_bf16(wdt)) pack_x_bf16((uint32_t*)xbuf, x, ldx, m, k);
     gemv_team(x, ldx, (const uint32_t*)xbuf, w, wdt, impl, bias, y, m, n, k, part, blk);
 }
 
@@ -144,7 +145,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
     const int64_t rot = md->rot_dim, bs = md->block_size;
     const int wdt = md->weight_dtype, kvdt = md->kv_dtype, impl = md->bf16_impl, qimpl = quant_usable_impl(md->quant_impl);
-    const int64_t bw = wdt == W_QUANT ? QROWS : wdt == W_BF16 ? 32 : 64; /* outputs per packed block */
+    const int64_t bw = wdt == W_QUANT ? QROWS : is_bf16(wdt) ? 32 : 64; /* outputs per packed block */
     const int64_t maxk = H > qd ? (H > I ? H : I) : (qd > I ? qd : I);
     const int nt = omp_get_max_threads();
     const int split_silu = m > 2; /* else every thread computes all of SiLU*mul itself */

@@ -57,8 +57,8 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class DecoderLayerPointers(ctypes.Structure):
     """Addresses of one decoder layer's tensors (C struct ``pkgd_decoder_layer``): linear
     weights in oneDNN's packing of the dims' ``weight_dtype`` (float32 ``[out/64][in][64]``, bf16
-    ``[out/32][in/2][32][2]``) or quantized (a ``pkgd_qweight`` each), float32 norms and biases,
-    Q/K rows and QK-norm weights in the
+    ``[out/B][in/2][B][2]`` with oneDNN's block width B of 32 or 64) or quantized (a
+    ``pkgd_qweight`` each), float32 norms and biases, Q/K rows and QK-norm weights in the
     adjacent-pair RoPE layout, caches ``[num_blocks, block_size, Hkv, D]`` of the dims'
     ``kv_dtype``; 0 (NULL) for a tensor the model does not have."""
 
@@ -72,8 +72,8 @@ class DecoderLayerPointers(ctypes.Structure):
 class DecoderDims(ctypes.Structure):
     """Sizes of a Llama-family model (C struct ``pkgd_decoder_dims``): counts in
     heads/features/tokens, ``scale`` the attention's ``1/sqrt(head_dim)``, ``weight_dtype`` (0
-    float32, 1 bf16, 2 quantized), ``kv_dtype`` (0 float32, 1 float16, 2 bf16), ``bf16_impl`` (0
-    widen, 1 vdpbf16ps), ``quant_impl`` (`pkgd_kernels.cpu.quant.IMPLS`),
+    float32, 1 bf16 in 32-wide blocks, 3 bf16 in 64-wide ones, 2 quantized), ``kv_dtype`` (0
+    float32, 1 float16, 2 bf16), ``bf16_impl`` (0 widen, 1 vdpbf16ps), ``quant_impl`` (`pkgd_kernels.cpu.quant.IMPLS`),
     ``cos_sin_cache`` float32 ``[max_position, rot_dim]`` (cos | sin)."""
 
     _c_name_ = "pkgd_decoder_dims"
@@ -90,7 +90,7 @@ class DecoderDims(ctypes.Structure):
 
 
 LLAMA_DECODE = LibrarySpec(
-    "llama-cpu-decode", Path(__file__).with_name("llama_cpu_decode.c"), abi_version=3,
+    "llama-cpu-decode", Path(__file__).with_name("llama_cpu_decode.c"), abi_version=4,
     structs=(DecoderLayerPointers, DecoderDims, QSegment, QWeightStruct),
 )  # fmt: skip
 """The library of ``llama_cpu_decode.c``, checked against the structs above at load (and the
@@ -160,6 +160,20 @@ class LlamaDecodeKernel:
 
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 W_QUANT = 2
+W_BF16_64 = 3  # bf16 in oneDNN's 64-wide blocks ([out/64, in/2, 64, 2]; W_BF16 is 32-wide)
+
+
+def _weight_dtype(model: LlamaModel, linears: list) -> int | None:
+    """The kernel's weight_dtype for the float ``linears`` of ``model``: by dtype, and for bf16
+    by the block width oneDNN packed them in (one for every linear, else None)."""
+    if model.dtype != torch.bfloat16:
+        return _WEIGHT_DTYPES[model.dtype]
+    widths = {m.gemv_weight.shape[2] for m in linears}
+    if len(widths) != 1:
+        return None
+    return {32: _WEIGHT_DTYPES[torch.bfloat16], 64: W_BF16_64}.get(widths.pop())
+
+
 _KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -176,7 +190,7 @@ class CpuDecodeStep:
     caches, re-read when they change) must outlive it, which they do as the model owns it.
     """
 
-    def __init__(self, model: LlamaModel, kernels: CpuKernels, kernel: LlamaDecodeKernel) -> None:
+    def __init__(self, model: LlamaModel, kernels: CpuKernels, kernel: LlamaDecodeKernel, weight_dtype: int) -> None:
         cfg = model.cfg
         first = model.layers[0].self_attn
         self.kernels = kernels
@@ -197,7 +211,7 @@ class CpuDecodeStep:
             block_size=0,
             eps=cfg.rms_norm_eps,
             scale=first.scale,
-            weight_dtype=W_QUANT if self.quantized else _WEIGHT_DTYPES[model.dtype],
+            weight_dtype=weight_dtype,
             final_norm=_ptr(model.norm.weight),
             cos_sin_cache=_ptr(model.rotary_emb.cos_sin_cache),
         )
@@ -238,17 +252,22 @@ class CpuDecodeStep:
             for layer in model.layers
             for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         ]
+        weight_dtype: int | None = W_QUANT
         if all(isinstance(m, QuantizedLinear) for m in linears):
             if any(m.qweight is None or m.qweight.rows != m.out_features for m in linears):
                 return None
         elif any(getattr(m, "gemv_weight", None) is None or m.gemv_weight.dtype != model.dtype for m in linears):
+            return None
+        else:
+            weight_dtype = _weight_dtype(model, linears)
+        if weight_dtype is None:
             return None
         try:
             kernel = LlamaDecodeKernel(kernels)
         except CpuKernelsUnavailable as e:
             logger.warning("one_call_decode_unavailable", reason=str(e), fallback="per-layer forward")
             return None
-        return cls(model, kernels, kernel)
+        return cls(model, kernels, kernel, weight_dtype)
 
     def __call__(
         self, embeddings: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
