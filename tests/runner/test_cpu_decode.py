@@ -12,11 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.runner.driver import Driver
-from tests.runner.factory import make_runner
+from tests.runner.factory import make_runner, onednn_bf16_view_expected
 
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.models.llama_cpu_decode import LLAMA_DECODE, CpuDecodeStep, DecoderDims
 from pkgd.sampling_params import SamplingParams
+
+needs_bf16_packing = pytest.mark.skipif(
+    not onednn_bf16_view_expected(),
+    reason="the bf16 one-call step reads oneDNN's bf16 packing, made so on AVX512-BF16 / AMX hosts only",
+)
 
 ARCHES = ["llama", "llama-untied", "qwen2", "qwen3"]
 BLOCK = 4
@@ -211,6 +216,7 @@ def test_16_bit_caches_under_a_float32_model(tiny_dirs, c_kernels, cache_dtype):
     assert hidden <= 1e-5 and cache <= 1e-2  # the new K/V rounded to 16 bits on both paths
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("impl", ["dpbf16", "widen"])
 @pytest.mark.parametrize("seq_lens", [[9], [61, 3], [3, 40, 7, 1, 22, 16, 8, 30]], ids=["1x9", "61+3", "8"])
@@ -237,6 +243,7 @@ def _linears(model):
     ]
 
 
+@needs_bf16_packing
 def test_bf16_step_reads_either_block_width(tiny_dirs, c_kernels):
     """oneDNN packs bf16 weights in 32-wide blocks on some CPUs and 64-wide on others; the step
     given the same weights repacked by hand in the other width computes the same hidden states
@@ -273,6 +280,7 @@ def test_bf16_step_reads_either_block_width(tiny_dirs, c_kernels):
         model.cpu_decode = native
 
 
+@needs_bf16_packing
 def test_bf16_dot_product_paths_agree(tiny_dirs, c_kernels):
     """vdpbf16ps and the widening path compute the same sums of the same rounded inputs, up to
     their order."""

@@ -55,10 +55,19 @@ PRIMITIVE_CACHE_CAPACITY = "32"
 GEMV_MAX_BATCH = 8  # rows up to which the C GEMV beats oneDNN (module docstring)
 
 
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and torch raises for a bf16 reorder elsewhere (AVX2-only hosts)."""
+    return ONEDNN_LINEAR and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight [out, in]`` float32 or bfloat16 on CPU repacked for `onednn_linear`; None when
-    oneDNN's packed linear is unavailable or does not apply (device, dtype)."""
+    oneDNN's packed linear is unavailable or does not apply (device, dtype, a bf16 weight where
+    `onednn_packs_bf16` is False: it stays a plain tensor for ``F.linear``)."""
     if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if weight.dtype == torch.bfloat16 and not onednn_packs_bf16():
         return None
     # Read by oneDNN when it creates its first primitive, which is after loading; an
     # operator's own setting wins.
