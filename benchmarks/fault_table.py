@@ -251,7 +251,12 @@ def main() -> int:
     ap.add_argument("--stall-seconds", type=float, default=3.0, help="length of each stall window and of its baseline")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--lag-only", action="store_true", help="only the in-process event-loop lag")
-    ap.add_argument("--log", type=Path, default=Path("fault_table.log"), help="the daemons' log lines go here")
+    ap.add_argument(
+        "--log",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "pkgd-fault_table.log",
+        help="the daemons' log lines go here (default: %(default)s)",
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pkgd-ft-", dir="/tmp"))
     rows: list[dict] = []
@@ -318,6 +323,7 @@ def main() -> int:
     finally:
         if d is not None:
             args.log.write_text("\n".join(d.lines) + "\n")
+            print(f"daemon log: {args.log}", flush=True)
             d.cleanup()
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
