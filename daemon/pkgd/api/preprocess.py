@@ -110,7 +110,7 @@ def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
         _at_most(len(messages), limits.max_messages, "messages", "messages", "max_messages")
     for name in ("prompt", "input"):  # completions' prompts; embeddings' inputs or Responses' items
         prompt = data.get(name)
-        if not isinstance(prompt, list) or not prompt or all(isinstance(p, int) for p in prompt):
+        if not isinstance(prompt, list) or not prompt or _only(prompt, _INT_TYPES):
             continue
         if isinstance(prompt[0], dict):  # Responses input items: messages of a conversation
             _at_most(len(prompt), limits.max_messages, "input items", name, "max_messages")
@@ -143,6 +143,17 @@ def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
         )
 
 
+_INT_TYPES = frozenset({int, bool})  # isinstance(x, int) holds for both
+_CONTAINER_TYPES = frozenset({str, list, dict})  # what may hold text
+
+
+def _only(items: list[Any], types: frozenset[type]) -> bool:
+    """Whether every item of ``items`` has one of ``types`` (exactly), by a pass in C: a
+    Python-level loop over a 4 MiB token-id list runs long enough to starve the event loop of
+    the GIL (it is released only every switch interval), stalling every other stream."""
+    return set(map(type, items)) <= types
+
+
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -168,7 +179,8 @@ def text_chars(value: Any, stop_after: int) -> int:
         if isinstance(item, str):
             total += len(item)
         elif isinstance(item, list):
-            stack.extend(item)
+            if not set(map(type, item)).isdisjoint(_CONTAINER_TYPES):  # a pass in C (see `_only`)
+                stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
