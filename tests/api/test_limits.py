@@ -131,6 +131,15 @@ async def test_a_lone_surrogate_is_malformed_json(tokenizer, text):
         assert fake.added == []
 
 
+async def test_json_nested_too_deeply_is_400_not_a_recursion_error(tokenizer):
+    body = '{"a":' * 100000 + "1" + "}" * 100000
+    async with served(tokenizer) as (http, _state, fake):
+        r = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+        assert fake.added == []
+        assert (await http.get("/health")).status_code == 200
+
+
 async def test_a_top_k_above_the_vocabulary_means_off(tokenizer):
     async with served(tokenizer) as (http, _state, fake):
         r = await http.post("/v1/completions", json={"prompt": "x", "top_k": VOCAB * 10, "max_tokens": 2})

@@ -51,6 +51,25 @@ async def test_every_constraint_form_reaches_the_engine(tokenizer):
         assert so[6].grammar == 'root ::= "a"'
 
 
+async def test_a_tool_without_parameters_is_called_with_an_empty_object(tokenizer):
+    tools = [{"type": "function", "function": {"name": "ping"}}]
+    async with served(tokenizer, script=answer_script(tokenizer, '[{"name": "ping", "parameters": {}}]')) as (
+        http,
+        _s,
+        fake,
+    ):
+        r = await client(http).chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required"
+        )
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {}
+        schema = fake.added[-1].sampling_params.structured_outputs.json
+        assert schema["items"]["anyOf"][0]["properties"]["parameters"] == {
+            "type": "object",
+            "properties": {},
+            "additionalProperties": False,
+        }
+
+
 async def test_named_and_required_tool_choice_return_parsed_calls(tokenizer):
     named = {"type": "function", "function": {"name": "get_weather"}}
     async with served(tokenizer, script=answer_script(tokenizer, '{"city": "Paris"}')) as (http, _s, fake):

@@ -97,6 +97,8 @@ def decode_body(raw: bytes, limits: FrontendLimits) -> Any:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:  # msgspec recurses per nesting level: '{"a":' * 100000 ran out of stack
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
     if isinstance(data, dict):
         check_limits(data, limits)
     return data

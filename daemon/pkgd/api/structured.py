@@ -94,7 +94,10 @@ def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
     choice = body.tool_choice
     if choice is None or choice in ("none", "auto"):
         return None
-    tools = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools or ()}
+    # OpenAI: "omitting parameters defines a function with an empty parameter list", so such a
+    # call's arguments are {} (an open object let the model invent arguments until max_tokens)
+    no_parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+    tools = {t.function.name: t.function.parameters or no_parameters for t in body.tools or ()}
     if not tools:
         raise ValueError("tool_choice: a required or named tool choice needs tools")
     if choice == "required":
