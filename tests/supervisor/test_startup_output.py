@@ -39,6 +39,9 @@ CONFIG = {
     "supervisor": {"engine_ready_timeout": 300},
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+STOPPING = re.compile(
+    r"pkgd: stopping - in-flight requests get up to \S+ s \(supervisor.drain_timeout\) .*press Ctrl-C again"
+)
 HEADLINE = re.compile(
     r"pkgd ready: (http://127\.0\.0\.1:\d+) \(SmolLM2-135M-Instruct, 1 engine core, 1 API server\) "
     r"— try: curl (\S+)/v1/models"
@@ -116,8 +119,10 @@ def test_cold_start_on_a_terminal_shows_progress_and_a_headline(workdir):
         assert index.status_code == 200 and index.json()["models"] == ["SmolLM2-135M-Instruct"]
     finally:
         proc.send_signal(signal.SIGINT)
+        stopping, _ = _read_pty_until(master, proc, STOPPING, timeout=30)
         proc.wait(60)
         os.close(master)
+    assert STOPPING.search(stopping), stopping[-2000:]  # Ctrl-C says what it waits for and the way out
     lines = text.replace("\r\n", "\n").split("\n")
     for name in PHASES:  # one readable line each, with its duration
         assert any(re.search(rf"model_phase .*phase={name} .*seconds=\d", line) for line in lines), name

@@ -174,9 +174,19 @@ class Supervisor:
     # ---- signals and requests (handlers only flip state) -------------------------------
 
     def _on_stop_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
         if self.fleet.stop_event.is_set():
+            if not self.fleet.force_event.is_set():
+                logger.warning("stop_forced", reason=f"second {name}: in-flight requests are cut")
             self.fleet.force_event.set()  # second signal: stop waiting, kill
-        self._request_stop(f"received {signal.Signals(signum).name}")
+        elif log.is_console():  # a person pressed Ctrl-C: say why it may take a while, and the way out
+            print(
+                f"pkgd: stopping - in-flight requests get up to {self.config.supervisor.drain_timeout:g} s "
+                f"(supervisor.drain_timeout) to finish; press Ctrl-C again to stop now",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._request_stop(f"received {name}")
 
     def _request_stop(self, reason: str) -> None:
         if not self.fleet.stop_event.is_set():
