@@ -42,6 +42,14 @@ def test_port_in_use_exits_2_before_any_child(start_daemon):
     assert not d.find("child_started")  # failed before any engine core (model load) started
 
 
+def test_an_unreadable_chat_template_exits_2_before_any_child(start_daemon, tmp_path):
+    missing = tmp_path / "nowhere.jinja"
+    d = start_daemon({"model": {"chat_template": str(missing)}})
+    assert d.wait_exit(20) == 2
+    assert f"model.chat_template: cannot read {str(missing)!r}" in d.find("startup_failed")[0]["error"]
+    assert not d.find("child_started")
+
+
 def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
     first = start_daemon()
     first.wait_ready()

@@ -39,6 +39,7 @@ from pkgd.supervisor.fleet import Fleet, Generation, StopRequested
 from pkgd.supervisor.headline import ready_headline
 from pkgd.supervisor.health import HealthMonitor
 from pkgd.supervisor.notify import Notifier
+from pkgd.supervisor.preflight import host_problems
 from pkgd.supervisor.restart import RestartPolicy
 from pkgd.supervisor.runtime import RuntimeDir, RuntimeDirError, resolve_runtime_dir
 from pkgd.supervisor.sockets import BindError, Listener, listen_specs, open_listeners
@@ -98,6 +99,10 @@ class Supervisor:
     def run(self) -> int:
         """Serve until stopped; the process exit status (0, 1, or 2 for start-up errors)."""
         try:
+            if problems := host_problems(self.config):
+                for problem in problems:
+                    logger.error("startup_failed", error=problem)
+                return EXIT_USAGE
             try:
                 self.prepare()
             except (BindError, RuntimeDirError) as exc:
