@@ -48,6 +48,18 @@ def test_launch_render_prints_the_templated_prompt(capsys, tmp_path):
     assert "not a chat completions request: messages" in capsys.readouterr().err
 
 
+def test_launch_render_input_mistakes_exit_2_naming_them(capsys, tmp_path):
+    garbage = tmp_path / "garbage.txt"
+    garbage.write_text("garbage")
+    for argv, words in (
+        (["--request", str(garbage)], "not JSON"),
+        (["--request", str(tmp_path / "missing.json")], "cannot read the request"),
+        (["--message", "nocolon"], "expected ROLE:TEXT"),
+    ):
+        assert main(["launch", "render", *argv]) == 2, argv
+        assert words in capsys.readouterr().err, argv
+
+
 def test_new_commands_are_in_help(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])

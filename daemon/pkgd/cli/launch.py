@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from pkgd.cli.base import CLISubcommand
@@ -68,16 +69,21 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
         for item in args.message:
             role, sep, content = item.partition(":")
             if not sep:
-                raise SystemExit(f"pkgd launch render: --message {item!r}: expected ROLE:TEXT (e.g. user:Hello)")
+                raise ValueError(f"--message {item!r}: expected ROLE:TEXT (e.g. user:Hello)")
             messages.append({"role": role, "content": content})
         return {"messages": messages}
-    text = sys.stdin.read() if args.request == "-" else open(args.request, encoding="utf-8").read()
+    try:
+        text = sys.stdin.read() if args.request == "-" else Path(args.request).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the request {args.request!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the request {args.request!r} is not UTF-8 text") from None
     try:
         body = json.loads(text)
     except ValueError as exc:
-        raise SystemExit(f"pkgd launch render: the request is not JSON: {exc}") from None
+        raise ValueError(f"the request is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise SystemExit("pkgd launch render: the request must be a JSON object (a chat completions body)")
+        raise ValueError("the request must be a JSON object (a chat completions body)")
     return body
 
 
@@ -139,9 +145,8 @@ class LaunchSubcommand(CLISubcommand):
         from pkgd.frontend.tokenizer import TokenizerError
         from pkgd.model_files.errors import ModelSourceError
 
-        body = _body(args)
         try:
-            out = render(args.composed.config, body)
+            out = render(args.composed.config, _body(args))
         except (ValueError, ModelSourceError, TokenizerError) as exc:
             print(f"pkgd launch render: {exc}", file=sys.stderr)
             return 2
