@@ -11,6 +11,7 @@ import pytest
 
 from pkgd.config.vllm_config import VllmConfig
 
+from .test_responses import TEXT_ORDER  # the documented event order, one list for both
 from .test_serving_e2e import MODEL, QUESTION, Daemon
 
 pytestmark = pytest.mark.slow
@@ -24,17 +25,6 @@ WEATHER = {
     "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
-TEXT_ORDER = [
-    "response.created",
-    "response.in_progress",
-    "response.output_item.added",
-    "response.content_part.added",
-    "response.output_text.delta",
-    "response.output_text.done",
-    "response.content_part.done",
-    "response.output_item.done",
-    "response.completed",
-]
 GREEDY = {"temperature": 0, "max_output_tokens": 32}
 
 
