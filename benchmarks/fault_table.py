@@ -163,8 +163,10 @@ def loop_lag(repeats: int = 3) -> list[dict]:
     import gc
 
     from api.fakes import FakeEngineClient
+    from fastapi.exceptions import RequestValidationError
 
     from pkgd.api import serving_chat, serving_completion
+    from pkgd.api.errors import APIError
     from pkgd.api.state import ServerState
     from pkgd.frontend.async_llm import AsyncLLM, load_frontend_tokenizer
 
@@ -200,13 +202,14 @@ def loop_lag(repeats: int = 3) -> list[dict]:
             raw = json.dumps(request["json"], separators=(",", ":")).encode()
             prepare = serving_chat._prepare if "chat" in request["path"] else serving_completion._prepare
             took: list[float] = []
+            refusals: set[str] = set()
 
             async def work() -> None:
                 t = time.perf_counter()
                 try:
-                    await state.preprocess.run(prepare, state, raw, "r")
-                except Exception:  # the bodies are refused after the work (too long a prompt)
-                    pass
+                    await state.preprocess.run(prepare, state, raw, "r", None)
+                except (APIError, RequestValidationError) as exc:  # refused after the work (too long a prompt)
+                    refusals.add(str(exc)[:120])
                 took.append(time.perf_counter() - t)
 
             async def idle() -> None:
@@ -225,6 +228,7 @@ def loop_lag(repeats: int = 3) -> list[dict]:
                 {
                     "body": name,
                     "work_s": round(statistics.median(took), 2),
+                    "refused": sorted(refusals),
                     **{f"{k}_lag_ms": round(1e3 * statistics.median(v), 1) for k, v in lags.items()},
                 }
             )
@@ -245,12 +249,37 @@ def show(case: Case, round_: int | str = "") -> dict:
     return {"case": case.name, "round": round_, **s, "recovery_s": case.recovery_s}
 
 
+def fault_rounds(d: Daemon, rounds: int) -> list[dict]:
+    """The fault cases on daemon ``d`` (two API servers): ``rounds`` of (a) and (b), then (d),
+    (e) and (c), a row each, printed as they end."""
+    t = time.monotonic()
+    d.wait_ready(300)
+    print(f"daemon ready in {time.monotonic() - t:.1f} s at {d.url}; {CLIENTS} streaming clients", flush=True)
+    print(
+        f"{'case':<22} {'round':>5} {'sent':>6} {'ok':>6} {'failed':>7} {'503':>6} {'recovery s':>10}  "
+        "outcomes other than ok"
+    )
+    rows = [show(frontend_reload(d, 6.0 + r % 2), r) for r in range(rounds)]
+    rows += [show(engine_reload(d, 128 + r % 2), r) for r in range(rounds)]
+    rows += [show(kill_api_server(d)), show(kill_engine_core(d))]
+    for name in ("frontend reload", "engine reload"):
+        mine = [x for x in rows if x.get("case") == name]
+        print(
+            f"{name:<22} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} "
+            f"{sum(x['failed'] for x in mine):>7}"
+        )
+    print()
+    rows.append(show(sigterm(d)))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=10, help="rounds of (a) and (b)")
     ap.add_argument("--stall-seconds", type=float, default=3.0, help="length of each stall window and of its baseline")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--lag-only", action="store_true", help="only the in-process event-loop lag")
+    ap.add_argument("--stall-only", action="store_true", help="only the lag and the stall: no fault cases")
     ap.add_argument(
         "--log",
         type=Path,
@@ -267,40 +296,21 @@ def main() -> int:
         rows.append(row)
         print(
             f"{row['body']:<46} {row['work_s']:>6} {row['idle_lag_ms']:>8} {row['not frozen_lag_ms']:>18} "
-            f"{row['frozen_lag_ms']:>16}",
+            f"{row['frozen_lag_ms']:>16}  {'; '.join(row['refused']) or 'accepted'}",
             flush=True,
         )
     if args.lag_only:
         return 0
     print()
-    try:
-        from runner.tiny_models import build_tiny
+    from runner.tiny_models import build_tiny
 
-        build_tiny("llama-plain", work / "tiny")
-        (work / "d").mkdir()
-        t = time.monotonic()
-        d = Daemon(work / "d", fault_config(work / "tiny"), real=True)
-        d.wait_ready(300)
-        print(f"daemon ready in {time.monotonic() - t:.1f} s at {d.url}; {CLIENTS} streaming clients", flush=True)
-        print(
-            f"{'case':<22} {'round':>5} {'sent':>6} {'ok':>6} {'failed':>7} {'503':>6} {'recovery s':>10}  "
-            "outcomes other than ok"
-        )
-        for r in range(args.rounds):
-            rows.append(show(frontend_reload(d, 6.0 + r % 2), r))
-        for r in range(args.rounds):
-            rows.append(show(engine_reload(d, 128 + r % 2), r))
-        rows.append(show(kill_api_server(d)))
-        rows.append(show(kill_engine_core(d)))
-        for name in ("frontend reload", "engine reload"):
-            mine = [x for x in rows if x.get("case") == name]
-            print(
-                f"{name:<22} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} "
-                f"{sum(x['failed'] for x in mine):>7}"
-            )
-        print()
-        rows.append(show(sigterm(d)))
-        d.cleanup()
+    build_tiny("llama-plain", work / "tiny")
+    try:
+        if not args.stall_only:
+            (work / "d").mkdir()
+            d = Daemon(work / "d", fault_config(work / "tiny"), real=True)
+            rows.extend(fault_rounds(d, args.rounds))
+            d.cleanup()
         (work / "s").mkdir()
         d = Daemon(work / "s", merge(fault_config(work / "tiny"), {"frontend": {"api_server_count": 1}}), real=True)
         d.wait_ready(300)

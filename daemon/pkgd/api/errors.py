@@ -10,6 +10,7 @@ engine core available or an engine asleep 503 (with ``Retry-After``), a failure 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -48,6 +49,10 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # pickled by keyword (a worker process raises it): Exception's default passes args only
+        return (functools.partial(APIError, param=self.param, code=self.code), (self.status, self.message))
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:

@@ -8,23 +8,35 @@ and `parse_body` checks ``frontend.limits`` on the decoded JSON before the costl
 validation, so a request beyond a limit is refused (400 for a count, 413 for a size, naming the
 limit) having cost one decode.
 
-A worker thread still shares the GIL with the loop: Python code (the Jinja template, pydantic's
-callbacks, our checks) yields it every switch interval, and the tokenizer's Rust code releases
-it (`InputProcessor.tokenize` uses the batch encoder, which does), but one C call that holds
-it (decoding a body, validating a long list) stalls the loop for its duration. So does a full
-collection of Python's cyclic GC, which is why the API server freezes its start-up heap. That is
-why the body is decoded with msgspec (the fastest of the JSON decoders at hand, and strict:
-a lone UTF-16 surrogate is malformed JSON, a 400) and why ``frontend.max_request_body_bytes``
-bounds that step, while the limits bound every step after it.
+A worker thread still shares the GIL with the loop. The tokenizer's Rust code releases it
+(`InputProcessor.tokenize` uses the batch encoder, which does), but one C call that holds it
+(decoding a body, validating a long list) stalls the loop for its duration, and Python code
+(the Jinja template and the walk transformers makes over everything a template sees, pydantic's
+callbacks, our checks) makes the loop wait up to a switch interval (5 ms) for the GIL after
+each of its system calls, each socket write of each stream: the convoy effect. A 4 MiB body so
+stalled every other stream by 200-300 ms. So a body of ``frontend.preprocess_process_min_bytes``
+or more is decoded, checked and validated (and a chat request's template applied) in a worker
+process instead (`Preprocessor.run_isolated`); the loop then only receives the body, writes it
+to a pipe and unpickles the result, and the thread tokenizes. A full collection of Python's
+cyclic GC also stalls the loop, which is why the API server freezes its start-up heap. The body
+is decoded with msgspec (the fastest of the JSON decoders at hand, and strict: a lone UTF-16
+surrogate is malformed JSON, a 400); ``frontend.max_request_body_bytes`` bounds that step, and
+the limits bound every step after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
+import multiprocessing
+import os
+import pickle
+import signal
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import msgspec
@@ -33,6 +45,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from pkgd.api.errors import APIError
+from pkgd.ipc import child
 
 if TYPE_CHECKING:
     from pkgd.config.sections import FrontendLimits
@@ -46,17 +59,32 @@ _TEXT_FIELDS = ("messages", "prompt", "input", "instructions", "tools")
 
 
 class Preprocessor:
-    """A bounded thread pool for per-request CPU work; `run` awaits one call on it.
+    """Per-request CPU work off the event loop: `run` awaits one call on a bounded thread pool;
+    `run_isolated` one call in a worker process, for the bodies `isolates` says are large.
 
     Work waits in the pool's queue when every thread is busy (the number of open connections,
     ``frontend.max_connections``, bounds how much can wait). The caller's context variables
-    (the request id bound to log lines) travel with the call, and the log fields it binds come
-    back.
+    (the request id bound to log lines) travel with a thread call, and the log fields it binds
+    come back.
+
+    The worker process (one, ``spawn``-started on the first large body, so a server that never
+    sees one never pays for it) holds a copy of the served tokenizer, ``tokenizer()`` as it
+    was when the process started, for the chat template (`worker_tokenizer`). It dies with the API
+    server (SIGKILL on the parent's exit) and ignores the terminal's Ctrl-C (the API server
+    drains first).
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, *, process_min_bytes: int = 0, tokenizer: Callable[[], Any] | None = None) -> None:
         self.threads = threads
+        self.process_min_bytes = process_min_bytes
+        self._tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkgd-preprocess")
+        self._procs: ProcessPoolExecutor | None = None
+        self._procs_ready: asyncio.Lock | None = None
+
+    def isolates(self, raw: bytes) -> bool:
+        """Whether a body this large is parsed by `run_isolated` (``process_min_bytes`` > 0)."""
+        return 0 < self.process_min_bytes <= len(raw)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         ctx = contextvars.copy_context()
@@ -66,12 +94,99 @@ class Preprocessor:
         structlog.contextvars.bind_contextvars(**ctx.run(structlog.contextvars.get_contextvars))
         return result
 
+    async def run_isolated(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the worker process: ``fn`` a module-level function, the arguments
+        and the result picklable; what it raises is raised here (`APIError` and
+        `RequestValidationError` pickle).
+
+        Raises:
+            APIError: 503 when the worker process died during the call (the next call starts a
+                new one).
+        """
+        procs = await self._worker_pool()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(procs, fn, *args)
+        except BrokenProcessPool:
+            if self._procs is procs:
+                self._procs = None
+            raise APIError(503, "the request's preprocessing process died; retry") from None
+
+    async def parse_large(
+        self, raw: bytes, model: type[M], limits: FrontendLimits, max_model_len: int | None = None
+    ) -> M | None:
+        """`parse_body` in the worker process for a body `isolates` says is large; None for
+        another (the caller parses it on a thread). Raises what `parse_body` raises."""
+        if not self.isolates(raw):
+            return None
+        return await self.run_isolated(parse_body, raw, model, limits, max_model_len)
+
+    async def _worker_pool(self) -> ProcessPoolExecutor:
+        if self._procs_ready is None:
+            self._procs_ready = asyncio.Lock()
+        async with self._procs_ready:
+            if self._procs is None:
+                # Started from the loop's thread: the process's parent-death signal follows the
+                # API server's main thread. Only small start arguments: the start writes them to
+                # a pipe the new process reads once it has imported its modules, so a large one
+                # would block the loop until then.
+                procs = ProcessPoolExecutor(
+                    max_workers=1,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(os.getpid(),),
+                )
+                tok = self._tokenizer() if self._tokenizer is not None else None
+                # Pickled on a thread (tens of ms for a real tokenizer); the pool's own threads
+                # write the bytes, so the loop waits for neither.
+                blob = await self.run(pickle.dumps, tok) if tok is not None else None
+                installed = asyncio.get_running_loop().run_in_executor(procs, _install_tokenizer, blob)
+                _lower_priority(procs)  # the first call started the process: it is importing now
+                await installed
+                self._procs = procs
+            return self._procs
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._procs is not None:
+            self._procs.shutdown(wait=False, cancel_futures=True)
 
 
-def parse_body(raw: bytes, model: type[M], limits: FrontendLimits) -> M:
-    """Decode and validate a JSON request body (call it on the `Preprocessor`).
+# ---- the worker process ------------------------------------------------------------------------
+
+_worker_tok: Any = None
+_WORKER_NICE = 10  # CFS weight 110 against the default's 1024 (Linux sched_prio_to_weight)
+
+
+def _init_worker(parent_pid: int) -> None:
+    child.die_with_parent(parent_pid)
+    child.set_process_name("pkgd-preproc")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _lower_priority(procs: ProcessPoolExecutor) -> None:
+    """Put the pool's processes ``_WORKER_NICE`` below the API server in the CPU scheduler's
+    share, from the parent so that it holds from their first instruction (their imports take
+    seconds of CPU): on a host with few cores, a large request's parsing would otherwise take
+    CPU time from the engine and the event loops, stalling every stream."""
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + _WORKER_NICE)
+    for pid in list(getattr(procs, "_processes", None) or {}):  # CPython's pid -> Process map
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
+def _install_tokenizer(blob: bytes | None) -> None:
+    global _worker_tok
+    _worker_tok = pickle.loads(blob) if blob is not None else None
+
+
+def worker_tokenizer() -> Any:
+    """In the worker process: the API server's tokenizer (None when it had none)."""
+    return _worker_tok
+
+
+def parse_body(raw: bytes, model: type[M], limits: FrontendLimits, max_model_len: int | None = None) -> M:
+    """Decode and validate a JSON request body (call it on the `Preprocessor`). With
+    ``max_model_len``, a completion's token-id ``prompt`` must be shorter (`check_limits`).
 
     Raises:
         APIError: 400 for malformed JSON or a count over a limit, 413 for text over
@@ -79,7 +194,7 @@ def parse_body(raw: bytes, model: type[M], limits: FrontendLimits) -> M:
         RequestValidationError: the body does not fit ``model`` (the app answers 400 naming
             the field, as for any validation error).
     """
-    data = decode_body(raw, limits)
+    data = decode_body(raw, limits, max_model_len)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -87,7 +202,7 @@ def parse_body(raw: bytes, model: type[M], limits: FrontendLimits) -> M:
         raise RequestValidationError(errors) from None
 
 
-def decode_body(raw: bytes, limits: FrontendLimits) -> Any:
+def decode_body(raw: bytes, limits: FrontendLimits, max_model_len: int | None = None) -> Any:
     """The decoded JSON of a request body, its counts and sizes within ``limits`` (call it on
     the `Preprocessor`). Raises `APIError` 400 (missing or malformed, a count over a limit)
     or 413 (text over ``frontend.limits.max_input_chars``)."""
@@ -100,20 +215,28 @@ def decode_body(raw: bytes, limits: FrontendLimits) -> Any:
     except RecursionError:  # msgspec recurses per nesting level: '{"a":' * 100000 ran out of stack
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     if isinstance(data, dict):
-        check_limits(data, limits)
+        check_limits(data, limits, max_model_len)
     return data
 
 
-def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
+def check_limits(data: dict[str, Any], limits: FrontendLimits, max_model_len: int | None = None) -> None:
     """Check ``frontend.limits`` on a decoded request body (fields of the wrong type are left
-    to validation). Raises `APIError` 400 (a count) or 413 (text size) naming the limit."""
+    to validation), and with ``max_model_len`` that each token-id ``prompt`` leaves room to
+    generate (it is refused later anyway: refused here, validating a long list costs nothing).
+    Raises `APIError` 400 (a count, a prompt too long) or 413 (text size) naming the limit."""
     messages = data.get("messages")
     if isinstance(messages, list):
         _at_most(len(messages), limits.max_messages, "messages", "messages", "max_messages")
     for name in ("prompt", "input"):  # completions' prompts; embeddings' inputs or Responses' items
         prompt = data.get(name)
-        if not isinstance(prompt, list) or not prompt or _only(prompt, _INT_TYPES):
+        if not isinstance(prompt, list) or not prompt:
             continue
+        if _only(prompt, _INT_TYPES):
+            if name == "prompt" and max_model_len is not None:
+                _prompt_fits(len(prompt), max_model_len)
+            continue
+        if name == "prompt" and max_model_len is not None and _only(prompt, _LIST_TYPE):
+            _prompt_fits(max(map(len, prompt)), max_model_len)
         if isinstance(prompt[0], dict):  # Responses input items: messages of a conversation
             _at_most(len(prompt), limits.max_messages, "input items", name, "max_messages")
         else:
@@ -146,6 +269,7 @@ def check_limits(data: dict[str, Any], limits: FrontendLimits) -> None:
 
 
 _INT_TYPES = frozenset({int, bool})  # isinstance(x, int) holds for both
+_LIST_TYPE = frozenset({list})
 _CONTAINER_TYPES = frozenset({str, list, dict})  # what may hold text
 
 
@@ -154,6 +278,15 @@ def _only(items: list[Any], types: frozenset[type]) -> bool:
     Python-level loop over a 4 MiB token-id list runs long enough to starve the event loop of
     the GIL (it is released only every switch interval), stalling every other stream."""
     return set(map(type, items)) <= types
+
+
+def _prompt_fits(tokens: int, max_model_len: int) -> None:
+    if tokens >= max_model_len:  # the words of InputProcessor's check
+        raise APIError(
+            400,
+            f"the prompt has {tokens} tokens, which leaves no room to generate within max_model_len {max_model_len}",
+            param="prompt",
+        )
 
 
 def _is_int(value: Any) -> TypeGuard[int]:

@@ -170,8 +170,8 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
+        if p and isinstance(p[0], int):  # validated: a list of one kind (a whole pass would be slow)
+            return [list(p)]
         return list(p)  # type: ignore[arg-type]
 
 

@@ -163,6 +163,12 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
+def max_model_len(state: ServerState) -> int | None:
+    """The served ``max_model_len`` (None before an engine core is ready)."""
+    ip = state.llm.input_processor
+    return ip.max_model_len if ip is not None else None
+
+
 def process(state: ServerState, build: Callable[[InputProcessor], T]) -> T:
     """Call the `InputProcessor` (``build(input_processor)``); its `ValueError` is a 400."""
     ip = state.llm.input_processor

@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
-from pkgd.api.errors import APIError
-from pkgd.api.preprocess import parse_body
+from pkgd.api.errors import APIError, from_value_error
+from pkgd.api.preprocess import parse_body, worker_tokenizer
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -43,10 +43,12 @@ from pkgd.api.protocol import (
     ToolCall,
 )
 from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
+from pkgd.frontend.input_processor import InputProcessor
 from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
+    from pkgd.config.sections import FrontendLimits
     from pkgd.frontend.input_processor import ProcessedRequest
     from pkgd.outputs import CompletionOutput, Logprob
 
@@ -55,11 +57,16 @@ async def create_chat_completion(
     request: Request, state: ServerState, parsed: ChatCompletionRequest | None = None
 ) -> Any:
     """Answer one chat request; the body is parsed, its constraint checked, templated and
-    tokenized on the `Preprocessor`, never on the event loop. ``parsed``: the body, already
-    parsed there (``/invocations``, ``/v1/responses``)."""
+    tokenized on the `Preprocessor`, never on the event loop (a large body parsed and templated
+    in its worker process). ``parsed``: the body, already parsed there (``/invocations``,
+    ``/v1/responses``)."""
     state.check_ready()
     rid = serving.request_id("chatcmpl", request)
-    chat = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
+    raw = await request.body() if parsed is None else b""
+    rendered: str | Exception | None = None
+    if parsed is None and state.preprocess.isolates(raw):
+        parsed, rendered = await state.preprocess.run_isolated(_parse_and_render, raw, state.config.frontend.limits)
+    chat = await state.preprocess.run(_prepare, state, raw, rid, parsed, rendered)
     if chat.body.stream:
         return StreamingResponse(
             serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
@@ -71,8 +78,16 @@ async def create_chat_completion(
     return await state.preprocess.run(lambda: JSONResponse(chat.response(out.outputs).model_dump()))
 
 
-def _prepare(state: ServerState, raw: bytes, rid: str, parsed: ChatCompletionRequest | None) -> _Chat:
-    """Parse, check and template a chat request (on the `Preprocessor`)."""
+def _prepare(
+    state: ServerState,
+    raw: bytes,
+    rid: str,
+    parsed: ChatCompletionRequest | None,
+    rendered: str | Exception | None = None,
+) -> _Chat:
+    """Parse, check and template a chat request (on the `Preprocessor`). ``rendered``: the
+    prompt text `_parse_and_render` made of ``parsed``, or the error it met (raised here, in
+    the order the checks run), or None to template here."""
     body = parsed if parsed is not None else parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Chat Completions API")
@@ -87,25 +102,50 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: ChatCompletionReq
         logprobs_field="top_logprobs",
     )
     params, constraint = serving.with_constraint(state, body, params)
+    template = _template_args(body)
+    if rendered is None:
+        build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **template)  # noqa: E731
+    elif isinstance(rendered, Exception):
+        raise rendered
+    else:
+        text = rendered
+        build = lambda ip: ip.process(rid, text, params, add_special_tokens=False, priority=body.priority)  # noqa: E731
+    return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
+
+
+def _template_args(body: ChatCompletionRequest) -> dict[str, Any]:
+    """What `InputProcessor.render_chat` takes from a chat body. Raises `APIError` 400 for a
+    message the template cannot take."""
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    processed = serving.process(
-        state,
-        lambda ip: ip.process_chat(
-            rid,
-            messages,
-            params,
-            priority=body.priority,
-            tools=tools,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs,
-        ),
-    )
-    return _Chat(state, body, rid, model, processed, use_tools, constraint)
+    return {
+        "messages": messages,
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+        "chat_template_kwargs": body.chat_template_kwargs,
+    }
+
+
+def _parse_and_render(raw: bytes, limits: FrontendLimits) -> tuple[ChatCompletionRequest, str | Exception | None]:
+    """In the `Preprocessor`'s worker process: the parsed body and its prompt text under the
+    chat template, or the error templating met (`_prepare` raises it after the checks that
+    come first), or None without a tokenizer. The thread tokenizes: the tokenizer releases the
+    GIL, and shipping the ids back cost more than it saved (fault_table's stall). Raises what
+    `parse_body` raises."""
+    body = parse_body(raw, ChatCompletionRequest, limits)
+    tok = worker_tokenizer()
+    if tok is None:
+        return body, None
+    try:
+        ip = InputProcessor(tok, max_model_len=1)  # only its chat template is used
+        return body, ip.render_chat(**_template_args(body))
+    except APIError as exc:
+        return body, exc
+    except ValueError as exc:  # the template's: a 400 naming the field its message starts with
+        return body, from_value_error(exc)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:

@@ -37,11 +37,17 @@ if TYPE_CHECKING:
 
 async def create_completion(request: Request, state: ServerState, parsed: CompletionRequest | None = None) -> Any:
     """Answer one completion request (a prompt or a batch); parsing, the constraint check and
-    tokenization run on the `Preprocessor`, never on the event loop. ``parsed``: the body,
+    tokenization run on the `Preprocessor`, never on the event loop (a large body is parsed in
+    its worker process). ``parsed``: the body,
     already parsed there (``/invocations``)."""
     state.check_ready()
     rid = serving.request_id("cmpl", request)
-    fmt = await state.preprocess.run(_prepare, state, await request.body() if parsed is None else b"", rid, parsed)
+    raw = await request.body() if parsed is None else b""
+    if parsed is None:
+        parsed = await state.preprocess.parse_large(
+            raw, CompletionRequest, state.config.frontend.limits, serving.max_model_len(state)
+        )
+    fmt = await state.preprocess.run(_prepare, state, raw, rid, parsed)
     if fmt.body.stream:
         return StreamingResponse(
             serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
@@ -59,7 +65,8 @@ async def create_completion(request: Request, state: ServerState, parsed: Comple
 
 def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest | None) -> _Formatter:
     """Parse, check and tokenize a completion request (on the `Preprocessor`)."""
-    body = parsed if parsed is not None else parse_body(raw, CompletionRequest, state.config.frontend.limits)
+    limits = state.config.frontend.limits
+    body = parsed if parsed is not None else parse_body(raw, CompletionRequest, limits, serving.max_model_len(state))
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Completions API")
     score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated

@@ -33,11 +33,14 @@ if TYPE_CHECKING:
 
 async def create_embedding(request: Request, state: ServerState, parsed: EmbeddingRequest | None = None) -> Any:
     """Answer one embeddings request. Parsing, tokenization and building the response (a
-    list of floats per vector) run on the `Preprocessor`, never on the event loop.
+    list of floats per vector) run on the `Preprocessor`, never on the event loop (a large body
+    is parsed in its worker process).
     ``parsed``: the body, already parsed there (``/invocations``)."""
     state.check_ready()
     rid = serving.request_id("embd", request)
     raw = await request.body() if parsed is None else b""
+    if parsed is None:
+        parsed = await state.preprocess.parse_large(raw, EmbeddingRequest, state.config.frontend.limits)
     body, model, processed = await state.preprocess.run(_prepare, state, raw, rid, parsed)
     try:
         outs = await serving.run_until_disconnected(request, _encode_all(state, processed))

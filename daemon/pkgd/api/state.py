@@ -30,7 +30,9 @@ class ServerState:
         self.server_index = server_index
         self.draining = False
         f = config.frontend
-        self.preprocess = Preprocessor(f.preprocess_threads)
+        self.preprocess = Preprocessor(
+            f.preprocess_threads, process_min_bytes=f.preprocess_process_min_bytes, tokenizer=self._tokenizer
+        )
         # parser classes; they share no base class (their extract()s differ in what they return)
         self.tool_parser: type[Any] | None = load_parser("tool", f.tool_call_parser) if f.tool_call_parser else None
         self.reasoning_parser: type[Any] | None = (
@@ -38,6 +40,10 @@ class ServerState:
         )
         self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
         self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
+
+    def _tokenizer(self) -> Any:
+        ip = self.llm.input_processor
+        return ip.tokenizer if ip is not None else None
 
     # ---- models ----------------------------------------------------------------------------
 

@@ -491,6 +491,15 @@ class FrontendConfig(Section):
         ge=1,
         le=64,
     )
+    preprocess_process_min_bytes: int = field(
+        256 * 1024,
+        "Request bodies of at least this many bytes are decoded, validated and (chat) templated in "
+        "a worker process of the API server (at a lower CPU priority, started on the first such "
+        "body) instead of a thread, whose long Python and C calls hold the GIL, stalling every "
+        "other stream. 0: never.",
+        reload=A,
+        ge=0,
+    )
     max_connections: int = field(
         1024,
         "Open client connections one API server serves at once; more wait in the listen backlog "

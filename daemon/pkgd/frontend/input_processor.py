@@ -100,13 +100,16 @@ class InputProcessor:
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. With a fast tokenizer this calls the ``tokenizers`` library's
-        batch encoder, which releases the GIL while it works (its single-text ``encode`` holds
-        it throughout: seconds for a long prompt, during which an API server's event loop
-        would stand still); the ids are the same."""
+        batch encoder without character offsets (``encode_batch_fast``, where the library has
+        it), which releases the GIL while it works: its single-text ``encode`` holds it
+        throughout (seconds for a long prompt, during which an API server's event loop would
+        stand still), and ``encode_batch`` holds it while it builds the offsets (tens of ms
+        per long prompt). The ids are the same."""
         tok = self._need_tokenizer()
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is not None and not getattr(tok, "split_special_tokens", False):
-            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+            return encode([text], add_special_tokens=add_special_tokens)[0].ids
         return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
@@ -171,7 +174,7 @@ class InputProcessor:
             token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         else:
             text = None
-            token_ids = [int(t) for t in prompt]
+            token_ids = list(map(int, prompt))  # in C (see _check_tokens)
         self._check_prompt(token_ids)
         params = self._fill_max_tokens(params, len(token_ids))
         arrival = time.time() if arrival_time is None else arrival_time
@@ -230,7 +233,7 @@ class InputProcessor:
             text: str | None = prompt
             token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         else:
-            text, token_ids = None, [int(t) for t in prompt]
+            text, token_ids = None, list(map(int, prompt))
         if truncate_prompt_tokens is not None:
             keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             if keep < 1:
@@ -263,10 +266,11 @@ class InputProcessor:
     def _check_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if self.vocab_size is not None:
-            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
+        # min/max first: passes in C, where a Python loop over a long prompt would hold an API
+        # server's event loop off the GIL (see pkgd.api.preprocess)
+        if self.vocab_size is not None and not (0 <= min(token_ids) and max(token_ids) < self.vocab_size):
+            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is out of range [0, {self.vocab_size})")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         self._check_tokens(token_ids)
