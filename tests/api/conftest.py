@@ -69,3 +69,13 @@ async def served(
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         yield http, state, fakes[0]
     await llm.close()
+
+
+def count_validations(monkeypatch, model) -> list[int]:
+    """A list that grows by one each time ``model.model_validate`` runs (the call goes on)."""
+    validated: list[int] = []
+    original = model.model_validate.__func__
+    monkeypatch.setattr(
+        model, "model_validate", classmethod(lambda cls, d, **kw: validated.append(1) or original(cls, d, **kw))
+    )
+    return validated

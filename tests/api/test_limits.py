@@ -10,7 +10,7 @@ import pytest
 
 from pkgd.config.vllm_config import VllmConfig
 
-from .conftest import served
+from .conftest import count_validations, served
 from .fakes import VOCAB
 
 pytestmark = pytest.mark.anyio
@@ -79,13 +79,7 @@ async def test_limits_are_checked_before_validation(tokenizer, monkeypatch):
     message (validating them alone holds the GIL, so the event loop, for about half a second)."""
     from pkgd.api.protocol import ChatCompletionRequest
 
-    validated = []
-    original = ChatCompletionRequest.model_validate.__func__
-    monkeypatch.setattr(
-        ChatCompletionRequest,
-        "model_validate",
-        classmethod(lambda cls, d, **kw: validated.append(1) or original(cls, d, **kw)),
-    )
+    validated = count_validations(monkeypatch, ChatCompletionRequest)
     async with served(tokenizer) as (http, _state, _fake):
         r = await http.post("/v1/chat/completions", json={"messages": MESSAGES * 100_000})
         assert r.status_code == 400 and "max_messages" in r.json()["error"]["message"]

@@ -13,7 +13,7 @@ from pkgd.api.errors import APIError
 from pkgd.api.preprocess import Preprocessor
 from pkgd.config.vllm_config import VllmConfig
 
-from .conftest import served
+from .conftest import count_validations, served
 from .fakes import MAX_MODEL_LEN
 
 pytestmark = pytest.mark.anyio
@@ -67,6 +67,7 @@ async def test_errors_met_in_the_worker_are_the_same_4xx(tokenizer, body, status
             r = await http.post("/v1/chat/completions", json=body)
             assert r.status_code == status and words in r.text, r.text
             assert fake.added == []
+            assert len(_worker_pids(state)) == (config is ISOLATING)  # the worker met the error
             answers.append(r.json())
             state.preprocess.shutdown()
     assert answers[0] == answers[1]
@@ -102,13 +103,7 @@ def test_api_errors_pickle_whole():
 async def test_a_token_id_prompt_that_cannot_fit_is_refused_before_validation(tokenizer, monkeypatch, prompt):
     from pkgd.api.protocol import CompletionRequest
 
-    validated = []
-    original = CompletionRequest.model_validate.__func__
-    monkeypatch.setattr(
-        CompletionRequest,
-        "model_validate",
-        classmethod(lambda cls, d, **kw: validated.append(1) or original(cls, d, **kw)),
-    )
+    validated = count_validations(monkeypatch, CompletionRequest)
     async with served(tokenizer) as (http, _state, fake):
         r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         assert r.status_code == 400 and f"max_model_len {MAX_MODEL_LEN}" in r.json()["error"]["message"], r.text
