@@ -207,6 +207,42 @@ def test_the_api_server_process_never_loads_torch(daemon):
     assert "libtorch" in open(f"/proc/{daemon.engine.proc.pid}/maps").read()  # the check can see it
 
 
+def _preprocess_workers(api_pid: int) -> list[int]:
+    """Pids of the API server's preprocessing processes (its children named pkgd-preproc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except (OSError, ValueError):
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if name == "pkgd-preproc" and int(rest[1]) == api_pid:
+            found.append(int(entry))
+    return found
+
+
+def _wait_for_workers(api_pid: int) -> list[int]:
+    deadline = time.monotonic() + 60
+    while not (workers := _preprocess_workers(api_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # started before the server said ready; it names itself once imported
+    return workers
+
+
+def test_large_bodies_go_to_the_preprocessing_process_started_with_the_api_server(daemon):
+    workers = _wait_for_workers(daemon.api.proc.pid)
+    assert len(workers) == 1
+    assert os.getpriority(os.PRIO_PROCESS, workers[0]) > os.getpriority(os.PRIO_PROCESS, daemon.api.proc.pid)
+    c = daemon.client(timeout=120)
+    small = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16)
+    pad = {"chat_template_kwargs": {"unused": "x" * 300_000}}  # over 256 KiB; the template ignores it
+    large = c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16, extra_body=pad)
+    assert large.choices[0].message.content == small.choices[0].message.content
+    assert large.usage.prompt_tokens == small.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="leaves no room to generate"):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 60_000}])
+    assert _preprocess_workers(daemon.api.proc.pid) == workers
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
     d = Daemon(
         tmp_path,
@@ -223,9 +259,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
                 d.api.proc.send_signal(signal.SIGTERM)
                 return await task
 
+        workers = _wait_for_workers(d.api.proc.pid)
         r = asyncio.run(main())
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40
         assert d.api.proc.wait(30) == 0
+        time.sleep(0.5)
+        assert workers and not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # ended with it
     finally:
         d.stop()
 

@@ -15,13 +15,15 @@ A worker thread still shares the GIL with the loop. The tokenizer's Rust code re
 callbacks, our checks) makes the loop wait up to a switch interval (5 ms) for the GIL after
 each of its system calls, each socket write of each stream: the convoy effect. A 4 MiB body so
 stalled every other stream by 200-300 ms. So a body of ``frontend.preprocess_process_min_bytes``
-or more is decoded, checked and validated (and a chat request's template applied) in a worker
-process instead (`Preprocessor.run_isolated`); the loop then only receives the body, writes it
-to a pipe and unpickles the result, and the thread tokenizes. A full collection of Python's
-cyclic GC also stalls the loop, which is why the API server freezes its start-up heap. The body
-is decoded with msgspec (the fastest of the JSON decoders at hand, and strict: a lone UTF-16
-surrogate is malformed JSON, a 400); ``frontend.max_request_body_bytes`` bounds that step, and
-the limits bound every step after it.
+or more is decoded, checked and validated, a chat request's template applied and the prompts of
+chat and completion requests tokenized, in a worker process instead (`Preprocessor.run_isolated`,
+below the API server in the CPU scheduler's share); the loop then only receives the body and
+writes it to a pipe, and a thread unpickles the result (a prompt's ids are left out of it when
+they cannot fit ``max_model_len``: that prompt is refused, and 300 K ids cost more to send than
+to count). A full collection of Python's cyclic GC also stalls the loop, which is why the API
+server freezes its start-up heap. The body is decoded with msgspec (the fastest of the JSON
+decoders at hand, and strict: a lone UTF-16 surrogate is malformed JSON, a 400);
+``frontend.max_request_body_bytes`` bounds that step, and the limits bound every step after it.
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ import structlog
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from pkgd import log
 from pkgd.api.errors import APIError
+from pkgd.frontend.input_processor import prompt_too_long
 from pkgd.ipc import child
 
 if TYPE_CHECKING:
     from pkgd.config.sections import FrontendLimits
+
+logger = log.get_logger("pkgd.api.preprocess")
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -67,11 +73,12 @@ class Preprocessor:
     (the request id bound to log lines) travel with a thread call, and the log fields it binds
     come back.
 
-    The worker process (one, ``spawn``-started on the first large body, so a server that never
-    sees one never pays for it) holds a copy of the served tokenizer, ``tokenizer()`` as it
-    was when the process started, for the chat template (`worker_tokenizer`). It dies with the API
-    server (SIGKILL on the parent's exit) and ignores the terminal's Ctrl-C (the API server
-    drains first).
+    The worker process (one, ``spawn``-started by `start` when the API server starts, or by
+    the first large body after it died) holds a copy of the served tokenizer, ``tokenizer()``
+    as it was when the process started, for the chat template and tokenization
+    (`worker_tokenizer`). It runs below the API server in the CPU scheduler's share, dies with
+    the API server (SIGKILL on the parent's exit) and ignores the terminal's Ctrl-C (the API
+    server drains first).
     """
 
     def __init__(self, threads: int, *, process_min_bytes: int = 0, tokenizer: Callable[[], Any] | None = None) -> None:
@@ -80,7 +87,8 @@ class Preprocessor:
         self._tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pkgd-preprocess")
         self._procs: ProcessPoolExecutor | None = None
-        self._procs_ready: asyncio.Lock | None = None
+        self._installed: asyncio.Future[None] | None = None  # the tokenizer is in the process
+        self._starting: asyncio.Lock | None = None
 
     def isolates(self, raw: bytes) -> bool:
         """Whether a body this large is parsed by `run_isolated` (``process_min_bytes`` > 0)."""
@@ -94,21 +102,31 @@ class Preprocessor:
         structlog.contextvars.bind_contextvars(**ctx.run(structlog.contextvars.get_contextvars))
         return result
 
+    async def start(self) -> None:
+        """Start the worker process (when ``process_min_bytes`` > 0) and return while it
+        imports its modules. The API server calls this before it says it is ready: started on
+        the first large body instead, the process made that request wait its start-up (seconds
+        on a busy host) and pickling the tokenizer then held the GIL against the loop."""
+        if self.process_min_bytes > 0:
+            await self._worker()
+
     async def run_isolated(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the worker process: ``fn`` a module-level function, the arguments
         and the result picklable; what it raises is raised here (`APIError` and
         `RequestValidationError` pickle).
 
         Raises:
-            APIError: 503 when the worker process died during the call (the next call starts a
-                new one).
+            APIError: 503 when the worker process died during the call or while it started
+                (the next call starts a new one).
         """
-        procs = await self._worker_pool()
+        procs, installed = await self._worker()
         try:
+            await asyncio.shield(installed)  # one caller leaving does not cancel it for all
             return await asyncio.get_running_loop().run_in_executor(procs, fn, *args)
-        except BrokenProcessPool:
+        except BrokenProcessPool:  # during the call, or while the process started
             if self._procs is procs:
                 self._procs = None
+                procs.shutdown(wait=False, cancel_futures=True)
             raise APIError(503, "the request's preprocessing process died; retry") from None
 
     async def parse_large(
@@ -120,11 +138,13 @@ class Preprocessor:
             return None
         return await self.run_isolated(parse_body, raw, model, limits, max_model_len)
 
-    async def _worker_pool(self) -> ProcessPoolExecutor:
-        if self._procs_ready is None:
-            self._procs_ready = asyncio.Lock()
-        async with self._procs_ready:
-            if self._procs is None:
+    async def _worker(self) -> tuple[ProcessPoolExecutor, asyncio.Future[None]]:
+        """The worker process's pool, started if there is none, and the future of its
+        tokenizer's installation (which may still be running)."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._procs is None or self._installed is None:
                 # Started from the loop's thread: the process's parent-death signal follows the
                 # API server's main thread. Only small start arguments: the start writes them to
                 # a pipe the new process reads once it has imported its modules, so a large one
@@ -140,15 +160,21 @@ class Preprocessor:
                 # write the bytes, so the loop waits for neither.
                 blob = await self.run(pickle.dumps, tok) if tok is not None else None
                 installed = asyncio.get_running_loop().run_in_executor(procs, _install_tokenizer, blob)
+                installed.add_done_callback(_log_start_failure)
                 _lower_priority(procs)  # the first call started the process: it is importing now
-                await installed
-                self._procs = procs
-            return self._procs
+                self._procs, self._installed = procs, installed
+            return self._procs, self._installed
 
     def shutdown(self) -> None:
+        """Stop the threads taking work and end the worker process (SIGTERM: a call it is
+        running is not waited for, and Python's exit would otherwise wait for it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._procs is not None:
-            self._procs.shutdown(wait=False, cancel_futures=True)
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            for proc in list((getattr(procs, "_processes", None) or {}).values()):  # CPython's pid -> Process
+                with contextlib.suppress(OSError):
+                    proc.terminate()
+            procs.shutdown(wait=False, cancel_futures=True)
 
 
 # ---- the worker process ------------------------------------------------------------------------
@@ -172,6 +198,11 @@ def _lower_priority(procs: ProcessPoolExecutor) -> None:
     for pid in list(getattr(procs, "_processes", None) or {}):  # CPython's pid -> Process map
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
+def _log_start_failure(installed: asyncio.Future[None]) -> None:
+    if not installed.cancelled() and installed.exception() is not None:  # retrieved: no asyncio warning
+        logger.warning("preprocess_process_died", during="start", error=repr(installed.exception()))
 
 
 def _install_tokenizer(blob: bytes | None) -> None:
@@ -281,12 +312,8 @@ def _only(items: list[Any], types: frozenset[type]) -> bool:
 
 
 def _prompt_fits(tokens: int, max_model_len: int) -> None:
-    if tokens >= max_model_len:  # the words of InputProcessor's check
-        raise APIError(
-            400,
-            f"the prompt has {tokens} tokens, which leaves no room to generate within max_model_len {max_model_len}",
-            param="prompt",
-        )
+    if tokens >= max_model_len:  # InputProcessor's check, made before validation
+        raise APIError(400, str(prompt_too_long(tokens, max_model_len)), param="prompt")
 
 
 def _is_int(value: Any) -> TypeGuard[int]:

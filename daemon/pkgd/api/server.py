@@ -98,6 +98,7 @@ class ApiServer:
                 name, self.llm.client.engine_info, cache_config_labels(cfg)
             )
         tasks = [asyncio.create_task(self._reload_loop())]
+        await self.state.preprocess.start()  # returns while the process imports
         # What start-up loaded (the tokenizer stack: millions of objects) lives as long as the
         # process: move it out of the cyclic collector's reach, or every full collection,
         # which a large request's garbage triggers, walks it and stalls the event loop for
@@ -118,6 +119,7 @@ class ApiServer:
         finally:
             for t in tasks:
                 t.cancel()
+            self.state.preprocess.shutdown()
             await self.llm.close()
             Metrics.mark_process_dead()
 

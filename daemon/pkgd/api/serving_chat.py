@@ -43,7 +43,7 @@ from pkgd.api.protocol import (
     ToolCall,
 )
 from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
-from pkgd.frontend.input_processor import InputProcessor
+from pkgd.frontend.input_processor import InputProcessor, TokenizedPrompt
 from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 
 if TYPE_CHECKING:
@@ -63,9 +63,11 @@ async def create_chat_completion(
     state.check_ready()
     rid = serving.request_id("chatcmpl", request)
     raw = await request.body() if parsed is None else b""
-    rendered: str | Exception | None = None
+    rendered: TokenizedPrompt | Exception | None = None
     if parsed is None and state.preprocess.isolates(raw):
-        parsed, rendered = await state.preprocess.run_isolated(_parse_and_render, raw, state.config.frontend.limits)
+        parsed, rendered = await state.preprocess.run_isolated(
+            _parse_and_render, raw, state.config.frontend.limits, serving.max_model_len(state)
+        )
     chat = await state.preprocess.run(_prepare, state, raw, rid, parsed, rendered)
     if chat.body.stream:
         return StreamingResponse(
@@ -83,11 +85,11 @@ def _prepare(
     raw: bytes,
     rid: str,
     parsed: ChatCompletionRequest | None,
-    rendered: str | Exception | None = None,
+    rendered: TokenizedPrompt | Exception | None = None,
 ) -> _Chat:
-    """Parse, check and template a chat request (on the `Preprocessor`). ``rendered``: the
-    prompt text `_parse_and_render` made of ``parsed``, or the error it met (raised here, in
-    the order the checks run), or None to template here."""
+    """Parse, check, template and tokenize a chat request (on the `Preprocessor`).
+    ``rendered``: the prompt `_parse_and_render` made of ``parsed``, or the error it met
+    (raised here, in the order the checks run), or None to template here."""
     body = parsed if parsed is not None else parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Chat Completions API")
@@ -108,8 +110,8 @@ def _prepare(
     elif isinstance(rendered, Exception):
         raise rendered
     else:
-        text = rendered
-        build = lambda ip: ip.process(rid, text, params, add_special_tokens=False, priority=body.priority)  # noqa: E731
+        prompt = rendered
+        build = lambda ip: ip.process(rid, prompt, params, add_special_tokens=False, priority=body.priority)  # noqa: E731
     return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
 
 
@@ -129,23 +131,26 @@ def _template_args(body: ChatCompletionRequest) -> dict[str, Any]:
     }
 
 
-def _parse_and_render(raw: bytes, limits: FrontendLimits) -> tuple[ChatCompletionRequest, str | Exception | None]:
-    """In the `Preprocessor`'s worker process: the parsed body and its prompt text under the
-    chat template, or the error templating met (`_prepare` raises it after the checks that
-    come first), or None without a tokenizer. The thread tokenizes: the tokenizer releases the
-    GIL, and shipping the ids back cost more than it saved (fault_table's stall). Raises what
-    `parse_body` raises."""
+def _parse_and_render(
+    raw: bytes, limits: FrontendLimits, max_model_len: int | None
+) -> tuple[ChatCompletionRequest, TokenizedPrompt | Exception | None]:
+    """In the `Preprocessor`'s worker process: the parsed body and its prompt, templated and
+    tokenized (without its ids when it cannot fit ``max_model_len``: it is refused, and
+    sending ~300 K ids back would cost the API server more than tokenizing them), or the error
+    templating met (`_prepare` raises it after the checks that come first), or None without a
+    tokenizer. Raises what `parse_body` raises."""
     body = parse_body(raw, ChatCompletionRequest, limits)
     tok = worker_tokenizer()
-    if tok is None:
+    if tok is None or max_model_len is None:
         return body, None
+    ip = InputProcessor(tok, max_model_len=max_model_len)
     try:
-        ip = InputProcessor(tok, max_model_len=1)  # only its chat template is used
-        return body, ip.render_chat(**_template_args(body))
+        text = ip.render_chat(**_template_args(body))
     except APIError as exc:
         return body, exc
     except ValueError as exc:  # the template's: a 400 naming the field its message starts with
         return body, from_value_error(exc)
+    return body, ip.tokenize_prompt(text, add_special_tokens=False)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:

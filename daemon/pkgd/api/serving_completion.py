@@ -25,12 +25,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError
-from pkgd.api.preprocess import parse_body
+from pkgd.api.preprocess import parse_body, worker_tokenizer
 from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from pkgd.frontend.input_processor import InputProcessor, TokenizedPrompt
 from pkgd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
+    from pkgd.config.sections import FrontendLimits
     from pkgd.frontend.input_processor import ProcessedRequest
     from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -43,11 +45,12 @@ async def create_completion(request: Request, state: ServerState, parsed: Comple
     state.check_ready()
     rid = serving.request_id("cmpl", request)
     raw = await request.body() if parsed is None else b""
-    if parsed is None:
-        parsed = await state.preprocess.parse_large(
-            raw, CompletionRequest, state.config.frontend.limits, serving.max_model_len(state)
+    tokenized: list[TokenizedPrompt | None] | None = None
+    if parsed is None and state.preprocess.isolates(raw):
+        parsed, tokenized = await state.preprocess.run_isolated(
+            _parse_and_tokenize, raw, state.config.frontend.limits, serving.max_model_len(state)
         )
-    fmt = await state.preprocess.run(_prepare, state, raw, rid, parsed)
+    fmt = await state.preprocess.run(_prepare, state, raw, rid, parsed, tokenized)
     if fmt.body.stream:
         return StreamingResponse(
             serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
@@ -63,8 +66,16 @@ async def create_completion(request: Request, state: ServerState, parsed: Comple
     return await state.preprocess.run(lambda: JSONResponse(fmt.response(outputs).model_dump(exclude_none=False)))
 
 
-def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest | None) -> _Formatter:
-    """Parse, check and tokenize a completion request (on the `Preprocessor`)."""
+def _prepare(
+    state: ServerState,
+    raw: bytes,
+    rid: str,
+    parsed: CompletionRequest | None,
+    tokenized: list[TokenizedPrompt | None] | None = None,
+) -> _Formatter:
+    """Parse, check and tokenize a completion request (on the `Preprocessor`). ``tokenized``:
+    per prompt of ``parsed``, what `_parse_and_tokenize` made of a text prompt (None for a
+    token-id prompt, or for all of them to tokenize here)."""
     limits = state.config.frontend.limits
     body = parsed if parsed is not None else parse_body(raw, CompletionRequest, limits, serving.max_model_len(state))
     model = state.resolve_model(body.model)
@@ -76,7 +87,9 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest
     if body.echo and body.logprobs is not None and params.prompt_logprobs is None:
         params = _with_prompt_logprobs(params, body.logprobs)
     params, _constraint = serving.with_constraint(state, body, params)
-    prompts = body.prompts()
+    prompts: list[Any] = list(body.prompts())
+    if tokenized is not None:
+        prompts = [p if t is None else t for p, t in zip(prompts, tokenized, strict=True)]
     processed = []
     for i, p in enumerate(prompts):
         try:
@@ -98,6 +111,21 @@ def _prepare(state: ServerState, raw: bytes, rid: str, parsed: CompletionRequest
                 raise
             raise APIError(exc.status, f"prompt[{i}]: {exc.message}", param="prompt") from None
     return _Formatter(state, body, rid, model, processed, score_only=score_only)
+
+
+def _parse_and_tokenize(
+    raw: bytes, limits: FrontendLimits, max_model_len: int | None
+) -> tuple[CompletionRequest, list[TokenizedPrompt | None] | None]:
+    """In the `Preprocessor`'s worker process: the parsed body, and each text prompt
+    tokenized as `_prepare` would (ids left out of one that cannot fit ``max_model_len``), None
+    for a token-id prompt; None for all without a tokenizer. Raises what `parse_body` raises."""
+    body = parse_body(raw, CompletionRequest, limits, max_model_len)
+    tok = worker_tokenizer()
+    if tok is None or max_model_len is None:
+        return body, None
+    ip = InputProcessor(tok, max_model_len=max_model_len)
+    add = body.add_special_tokens
+    return body, [ip.tokenize_prompt(p, add_special_tokens=add) if isinstance(p, str) else None for p in body.prompts()]
 
 
 def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:

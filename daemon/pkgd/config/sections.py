@@ -493,10 +493,10 @@ class FrontendConfig(Section):
     )
     preprocess_process_min_bytes: int = field(
         256 * 1024,
-        "Request bodies of at least this many bytes are decoded, validated and (chat) templated in "
-        "a worker process of the API server (at a lower CPU priority, started on the first such "
-        "body) instead of a thread, whose long Python and C calls hold the GIL, stalling every "
-        "other stream. 0: never.",
+        "Request bodies of at least this many bytes are decoded, validated, (chat) templated and "
+        "tokenized in a worker process of the API server (started with it, at a lower CPU "
+        "priority) instead of a thread, whose long Python and C calls hold the GIL, "
+        "stalling every other stream. 0: never, and no worker process.",
         reload=A,
         ge=0,
     )

@@ -49,6 +49,20 @@ class ProcessedRequest:
     pooling_params: PoolingParams | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizedPrompt:
+    """A text prompt and its token ids, tokenized elsewhere (an API server's preprocessing
+    process) with the same tokenizer and options (`InputProcessor.tokenize_prompt`).
+
+    ``token_ids`` is None when the prompt's ``num_tokens`` leave no room to generate within
+    ``max_model_len``: such a prompt is refused, so its ids are not sent back.
+    """
+
+    text: str
+    token_ids: list[int] | None
+    num_tokens: int
+
+
 def child_request_id(request_id: str, index: int) -> str:
     """Engine-side id of completion ``index`` of an ``n > 1`` request (vLLM's scheme)."""
     return f"{index}_{request_id}"
@@ -112,6 +126,12 @@ class InputProcessor:
             return encode([text], add_special_tokens=add_special_tokens)[0].ids
         return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
+    def tokenize_prompt(self, text: str, *, add_special_tokens: bool = True) -> TokenizedPrompt:
+        """`tokenize` as a `TokenizedPrompt` for `process`, without the ids when there are
+        ``max_model_len`` or more (the prompt cannot be served)."""
+        ids = self.tokenize(text, add_special_tokens=add_special_tokens)
+        return TokenizedPrompt(text, ids if len(ids) < self.max_model_len else None, len(ids))
+
     def render_chat(
         self,
         messages: Sequence[ChatMessage],
@@ -152,14 +172,15 @@ class InputProcessor:
     def process(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | TokenizedPrompt,
         params: SamplingParams | None = None,
         *,
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
-        """Build the engine request(s) for a text prompt or a list of prompt token ids.
+        """Build the engine request(s) for a text prompt, a list of prompt token ids, or a
+        text prompt tokenized already (``add_special_tokens`` then as it was tokenized with).
 
         Raises `ValueError`: invalid sampling parameters, an empty prompt, token ids outside
         the vocabulary (prompt, ``stop_token_ids``, ``logit_bias``), or ``prompt + max_tokens``
@@ -169,8 +190,13 @@ class InputProcessor:
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
             params = msgspec.structs.replace(params, top_k=0)  # keeps every token, as "off" does
         params.verify(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
-        if isinstance(prompt, str):
-            text: str | None = prompt
+        if isinstance(prompt, TokenizedPrompt):
+            text: str | None = prompt.text
+            if prompt.token_ids is None:  # too long to have been sent
+                raise prompt_too_long(prompt.num_tokens, self.max_model_len)
+            token_ids = prompt.token_ids
+        elif isinstance(prompt, str):
+            text = prompt
             token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
         else:
             text = None
@@ -275,10 +301,7 @@ class InputProcessor:
     def _check_prompt(self, token_ids: list[int]) -> None:
         self._check_tokens(token_ids)
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len {self.max_model_len}"
-            )
+            raise prompt_too_long(len(token_ids), self.max_model_len)
 
     def _fill_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         room = self.max_model_len - prompt_len
@@ -318,3 +341,10 @@ class InputProcessor:
             )
             for i in range(params.n)
         ]
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int) -> ValueError:
+    """The error for a prompt of ``num_tokens`` that leaves no room to generate."""
+    return ValueError(
+        f"the prompt has {num_tokens} tokens, which leaves no room to generate within max_model_len {max_model_len}"
+    )
