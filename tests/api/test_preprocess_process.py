@@ -180,3 +180,41 @@ async def test_a_token_id_prompt_that_cannot_fit_is_refused_before_validation(to
         assert validated == [] and fake.added == []
         r = await http.post("/v1/completions", json={"prompt": [1] * (MAX_MODEL_LEN - 1), "max_tokens": 1})
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/invocations", _chat(max_tokens=2)),
+        ("/invocations", {"prompt": [LONG, "hello there"], "max_tokens": 1}),
+        ("/v1/responses", {"input": [{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}]}),
+    ],
+    ids=["invocations chat", "invocations completion", "responses"],
+)
+async def test_invocations_and_responses_send_large_bodies_to_the_worker(tokenizer, monkeypatch, path, body):
+    tokenized = _count_tokenize(monkeypatch)
+    async with served(tokenizer) as (http, state, fake):
+        assert (await http.post(path, json=body)).status_code == 200
+        on_thread = [r.prompt_token_ids for r in fake.added]
+    assert len(tokenized) == len(on_thread)
+    async with served(tokenizer, config=ISOLATING) as (http, state, fake):
+        r = await http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert len(_worker_pids(state)) == 1 and len(tokenized) == len(on_thread)  # none more here
+        assert [r.prompt_token_ids for r in fake.added] == on_thread
+        state.preprocess.shutdown()
+
+
+@pytest.mark.parametrize("path", ["/invocations", "/v1/responses"])
+async def test_their_errors_from_the_worker_are_the_same_4xx(tokenizer, path):
+    long = "word " * MAX_MODEL_LEN
+    body = {"messages": [{"role": "user", "content": long}]} if path == "/invocations" else {"input": long}
+    answers = []
+    for config in (None, ISOLATING):
+        async with served(tokenizer, config=config) as (http, state, fake):
+            r = await http.post(path, json=body)
+            assert r.status_code == 400 and "leaves no room" in r.text, r.text
+            assert fake.added == [] and len(_worker_pids(state)) == (config is ISOLATING)
+            answers.append(r.json())
+            state.preprocess.shutdown()
+    assert answers[0] == answers[1]

@@ -15,30 +15,37 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
+from pkgd.api import serving
 from pkgd.api.errors import APIError, from_engine_error
 from pkgd.api.preprocess import decode_body
 from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from pkgd.api.protocol_embeddings import EmbeddingRequest
-from pkgd.api.serving_chat import create_chat_completion
-from pkgd.api.serving_completion import create_completion
+from pkgd.api.serving_chat import create_chat_completion, render_in_worker
+from pkgd.api.serving_completion import create_completion, tokenize_in_worker
 from pkgd.api.serving_embedding import create_embedding
 from pkgd.api.state import ServerState
 from pkgd.ipc.client import EngineUnavailableError
 
+if TYPE_CHECKING:
+    from pkgd.config.sections import FrontendLimits
+
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 503)}
 
-# /invocations tries these in order (vLLM's order), among the ones the served runner has.
-_INVOCATIONS: list[tuple[type[pydantic.BaseModel], Callable[..., Awaitable[Any]], str]] = [
-    (ChatCompletionRequest, create_chat_completion, "generate"),
-    (CompletionRequest, create_completion, "generate"),
-    (EmbeddingRequest, create_embedding, "pooling"),
+# /invocations tries these in order (vLLM's order), among the ones the served runner has. The
+# last item is the endpoint's share of a large body's work in the worker process (None: none).
+_INVOCATIONS: list[
+    tuple[type[pydantic.BaseModel], Callable[..., Awaitable[Any]], str, Callable[[Any, int], Any] | None]
+] = [
+    (ChatCompletionRequest, create_chat_completion, "generate", render_in_worker),
+    (CompletionRequest, create_completion, "generate", tokenize_in_worker),
+    (EmbeddingRequest, create_embedding, "pooling", None),
 ]
 
 
@@ -67,24 +74,39 @@ async def ping(request: Request) -> Response:
 async def invocations(request: Request) -> Any:
     """SageMaker's inference route: the body's shape picks the endpoint (chat ``messages``,
     completion ``prompt``, embedding ``input``), as vLLM dispatches it. The body is parsed (and
-    held to ``frontend.limits``) on the `Preprocessor`, never on the event loop."""
+    held to ``frontend.limits``) on the `Preprocessor`, never on the event loop; a large one in
+    its worker process, with the endpoint's template and tokenization."""
     state = _state(request)
     state.check_ready()
-    handler, parsed = await state.preprocess.run(_dispatch, state, await request.body())
-    return await handler(request, state, parsed)
-
-
-def _dispatch(state: ServerState, raw: bytes) -> tuple[Any, Any]:
-    """The endpoint for an ``/invocations`` body and the body parsed for it."""
+    raw = await request.body()
     runner = state.llm.handshake.runner if state.llm.handshake is not None else state.config.model.runner_type
-    candidates = [(model, handler) for model, handler, needs in _INVOCATIONS if needs == runner]
-    data = decode_body(raw, state.config.frontend.limits)
-    for model, handler in candidates:
+    limits = state.config.frontend.limits
+    if state.preprocess.isolates(raw):
+        dispatched = await state.preprocess.run_isolated(_dispatch, raw, limits, runner, serving.max_model_len(state))
+    else:
+        dispatched = await state.preprocess.run(_dispatch, raw, limits, runner)
+    index, parsed, prepared = dispatched
+    handler = _INVOCATIONS[index][1]
+    return await (handler(request, state, parsed) if prepared is None else handler(request, state, parsed, prepared))
+
+
+def _dispatch(
+    raw: bytes, limits: FrontendLimits, runner: str, max_model_len: int | None = None
+) -> tuple[int, Any, Any]:
+    """The ``_INVOCATIONS`` index of the endpoint for an ``/invocations`` body, the body parsed
+    for it and, given ``max_model_len`` (in the worker process), what that endpoint's worker
+    function made of it (else None). Raises `APIError` 400 when no endpoint takes the body."""
+    data = decode_body(raw, limits)
+    candidates = [i for i, (_, _, needs, _) in enumerate(_INVOCATIONS) if needs == runner]
+    for i in candidates:
+        model, _, _, in_worker = _INVOCATIONS[i]
         try:
-            return handler, model.model_validate(data)
+            parsed = model.model_validate(data)
         except pydantic.ValidationError:
             continue
-    names = ", ".join(model.__name__ for model, _ in candidates)
+        prepared = in_worker(parsed, max_model_len) if in_worker is not None and max_model_len is not None else None
+        return i, parsed, prepared
+    names = ", ".join(_INVOCATIONS[i][0].__name__ for i in candidates)
     raise APIError(400, f"cannot find a handler for this request body; expected one of: {names}")
 
 

@@ -54,16 +54,18 @@ if TYPE_CHECKING:
 
 
 async def create_chat_completion(
-    request: Request, state: ServerState, parsed: ChatCompletionRequest | None = None
+    request: Request,
+    state: ServerState,
+    parsed: ChatCompletionRequest | None = None,
+    rendered: TokenizedPrompt | Exception | None = None,
 ) -> Any:
     """Answer one chat request; the body is parsed, its constraint checked, templated and
-    tokenized on the `Preprocessor`, never on the event loop (a large body parsed and templated
-    in its worker process). ``parsed``: the body, already parsed there (``/invocations``,
-    ``/v1/responses``)."""
+    tokenized on the `Preprocessor`, never on the event loop (a large body parsed, templated
+    and tokenized in its worker process). ``parsed``: the body, already parsed there
+    (``/invocations``, ``/v1/responses``); ``rendered``: what `render_in_worker` made of it."""
     state.check_ready()
     rid = serving.request_id("chatcmpl", request)
     raw = await request.body() if parsed is None else b""
-    rendered: TokenizedPrompt | Exception | None = None
     if parsed is None and state.preprocess.isolates(raw):
         parsed, rendered = await state.preprocess.run_isolated(
             _parse_and_render, raw, state.config.frontend.limits, serving.max_model_len(state)
@@ -134,23 +136,29 @@ def _template_args(body: ChatCompletionRequest) -> dict[str, Any]:
 def _parse_and_render(
     raw: bytes, limits: FrontendLimits, max_model_len: int | None
 ) -> tuple[ChatCompletionRequest, TokenizedPrompt | Exception | None]:
-    """In the `Preprocessor`'s worker process: the parsed body and its prompt, templated and
-    tokenized (without its ids when it cannot fit ``max_model_len``: it is refused, and
-    sending ~300 K ids back would cost the API server more than tokenizing them), or the error
-    templating met (`_prepare` raises it after the checks that come first), or None without a
-    tokenizer. Raises what `parse_body` raises."""
+    """In the `Preprocessor`'s worker process: the parsed body and `render_in_worker`'s
+    prompt of it. Raises what `parse_body` raises."""
     body = parse_body(raw, ChatCompletionRequest, limits)
+    return body, render_in_worker(body, max_model_len)
+
+
+def render_in_worker(body: ChatCompletionRequest, max_model_len: int | None) -> TokenizedPrompt | Exception | None:
+    """In the `Preprocessor`'s worker process: ``body``'s prompt, templated and tokenized
+    (without its ids when it cannot fit ``max_model_len``: it is refused, and sending ~300 K
+    ids back would cost the API server more than tokenizing them), or the error templating met
+    (`_prepare` raises it after the checks that come first), or None without a tokenizer (the
+    thread templates)."""
     tok = worker_tokenizer()
     if tok is None or max_model_len is None:
-        return body, None
+        return None
     ip = InputProcessor(tok, max_model_len=max_model_len)
     try:
         text = ip.render_chat(**_template_args(body))
     except APIError as exc:
-        return body, exc
+        return exc
     except ValueError as exc:  # the template's: a 400 naming the field its message starts with
-        return body, from_value_error(exc)
-    return body, ip.tokenize_prompt(text, add_special_tokens=False)
+        return from_value_error(exc)
+    return ip.tokenize_prompt(text, add_special_tokens=False)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:

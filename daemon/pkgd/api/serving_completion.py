@@ -37,15 +37,19 @@ if TYPE_CHECKING:
     from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
 
 
-async def create_completion(request: Request, state: ServerState, parsed: CompletionRequest | None = None) -> Any:
+async def create_completion(
+    request: Request,
+    state: ServerState,
+    parsed: CompletionRequest | None = None,
+    tokenized: list[TokenizedPrompt | None] | None = None,
+) -> Any:
     """Answer one completion request (a prompt or a batch); parsing, the constraint check and
-    tokenization run on the `Preprocessor`, never on the event loop (a large body is parsed in
-    its worker process). ``parsed``: the body,
-    already parsed there (``/invocations``)."""
+    tokenization run on the `Preprocessor`, never on the event loop (a large body is parsed
+    and tokenized in its worker process). ``parsed``: the body, already parsed there
+    (``/invocations``); ``tokenized``: what `tokenize_in_worker` made of it."""
     state.check_ready()
     rid = serving.request_id("cmpl", request)
     raw = await request.body() if parsed is None else b""
-    tokenized: list[TokenizedPrompt | None] | None = None
     if parsed is None and state.preprocess.isolates(raw):
         parsed, tokenized = await state.preprocess.run_isolated(
             _parse_and_tokenize, raw, state.config.frontend.limits, serving.max_model_len(state)
@@ -116,16 +120,22 @@ def _prepare(
 def _parse_and_tokenize(
     raw: bytes, limits: FrontendLimits, max_model_len: int | None
 ) -> tuple[CompletionRequest, list[TokenizedPrompt | None] | None]:
-    """In the `Preprocessor`'s worker process: the parsed body, and each text prompt
-    tokenized as `_prepare` would (ids left out of one that cannot fit ``max_model_len``), None
-    for a token-id prompt; None for all without a tokenizer. Raises what `parse_body` raises."""
+    """In the `Preprocessor`'s worker process: the parsed body and `tokenize_in_worker`'s
+    prompts of it. Raises what `parse_body` raises."""
     body = parse_body(raw, CompletionRequest, limits, max_model_len)
+    return body, tokenize_in_worker(body, max_model_len)
+
+
+def tokenize_in_worker(body: CompletionRequest, max_model_len: int | None) -> list[TokenizedPrompt | None] | None:
+    """In the `Preprocessor`'s worker process: each text prompt of ``body`` tokenized as
+    `_prepare` would (ids left out of one that cannot fit ``max_model_len``), None for a
+    token-id prompt; None for all without a tokenizer (the thread tokenizes)."""
     tok = worker_tokenizer()
     if tok is None or max_model_len is None:
-        return body, None
+        return None
     ip = InputProcessor(tok, max_model_len=max_model_len)
     add = body.add_special_tokens
-    return body, [ip.tokenize_prompt(p, add_special_tokens=add) if isinstance(p, str) else None for p in body.prompts()]
+    return [ip.tokenize_prompt(p, add_special_tokens=add) if isinstance(p, str) else None for p in body.prompts()]
 
 
 def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:

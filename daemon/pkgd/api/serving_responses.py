@@ -32,7 +32,7 @@ from pkgd.api.preprocess import check_limits, parse_body
 from pkgd.api.protocol import ChatCompletionRequest
 from pkgd.api.protocol_responses import ResponsesRequest, input_messages
 from pkgd.api.responses_events import EventTranslator, ResponseBuilder, new_id, output_of_message
-from pkgd.api.serving_chat import create_chat_completion
+from pkgd.api.serving_chat import create_chat_completion, render_in_worker
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
@@ -54,10 +54,18 @@ async def create_response(request: Request, state: ServerState) -> Any:
     own template, tokenization and constraint check) and the translation of a whole answer
     run on the `Preprocessor`, never on the event loop."""
     state.check_ready()
-    body, conversation, chat_body, builder = await state.preprocess.run(_prepare, state, await request.body())
-    # Refusals (400s) come out of this call; a stream starts generating only when iterated.
+    raw = await request.body()
+    parsed = await state.preprocess.parse_large(raw, ResponsesRequest, state.config.frontend.limits)
+    body, conversation, chat_body, builder = await state.preprocess.run(_prepare, state, raw, parsed)
     try:
-        answer = await create_chat_completion(request, state, parsed=chat_body)
+        # a large body's chat prompt is templated and tokenized in the worker process too
+        rendered = (
+            await state.preprocess.run_isolated(render_in_worker, chat_body, serving.max_model_len(state))
+            if parsed is not None
+            else None
+        )
+        # Refusals (400s) come out of this call; a stream starts generating only when iterated.
+        answer = await create_chat_completion(request, state, parsed=chat_body, rendered=rendered)
     except APIError as exc:
         raise _renamed(exc) from None
     if body.stream:
@@ -72,12 +80,13 @@ async def create_response(request: Request, state: ServerState) -> Any:
 
 
 def _prepare(
-    state: ServerState, raw: bytes
+    state: ServerState, raw: bytes, parsed: ResponsesRequest | None = None
 ) -> tuple[ResponsesRequest, list[dict[str, Any]], ChatCompletionRequest, ResponseBuilder]:
-    """Parse a Responses request and translate it to the chat request it is (on the
-    `Preprocessor`); the conversation with its history is held to ``frontend.limits`` too."""
+    """Parse a Responses request (unless ``parsed``) and translate it to the chat request it
+    is (on the `Preprocessor`); the conversation with its history is held to
+    ``frontend.limits`` too."""
     limits = state.config.frontend.limits
-    body = parse_body(raw, ResponsesRequest, limits)
+    body = parsed if parsed is not None else parse_body(raw, ResponsesRequest, limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Responses API")
     conversation = _history(body, state) + _new_input(body)
