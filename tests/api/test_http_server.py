@@ -238,3 +238,50 @@ async def test_servers_sharing_a_socket_split_connections_evenly():
         for r, w in conns:
             await read_response(r)
             w.close()
+
+
+async def _refuse_unread(scope, receive, send):
+    """ASGI app answering 413 without reading the body (as the body-size guard does)."""
+    if scope["type"] == "lifespan":
+        while True:
+            msg = await receive()
+            await send({"type": msg["type"] + ".complete"})
+            if msg["type"] == "lifespan.shutdown":
+                return
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": b'{"error": "too big"}'})
+
+
+@pytest.mark.parametrize("body_mib", [2, 64], ids=["sent whole", "never finished"])
+async def test_an_answer_before_the_body_reaches_the_client_and_the_connection_ends(body_mib):
+    sock = listener()
+    port = sock.getsockname()[1]
+    async with running(_refuse_unread, sock, frontend()) as (server, _):
+        size = body_mib << 20
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
+
+        async def upload() -> None:  # the whole body first, as httpx and requests send it
+            with contextlib.suppress(ConnectionError):
+                for _ in range(size // 65536):
+                    writer.write(b"x" * 65536)
+                    await writer.drain()
+                    if body_mib > 2:
+                        await asyncio.sleep(0.01)  # a slow client that outlasts the linger
+
+        sending = asyncio.ensure_future(upload())
+        if body_mib == 2:
+            await asyncio.wait_for(sending, 10)
+        data = b""
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(65536), 15):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 413") and b'{"error": "too big"}' in data
+        for _ in range(200):  # the server's side ends too (it counted against max_connections)
+            if not server.connections:
+                break
+            await asyncio.sleep(0.05)
+        assert not server.connections
+        sending.cancel()
+        writer.close()

@@ -146,6 +146,25 @@ async def test_a_dead_worker_is_a_503_and_the_next_call_starts_another():
     pre.shutdown()
 
 
+async def test_a_worker_that_dies_while_idle_is_replaced_at_once_and_no_request_fails():
+    import asyncio
+    import signal
+
+    pre = Preprocessor(1, process_min_bytes=1)
+    await pre.start()
+    first = await pre.run_isolated(os.getpid)
+    os.kill(first, signal.SIGKILL)
+    for _ in range(200):  # replaced without a call asking for it
+        procs = pre._procs
+        if procs is not None and first not in procs._processes and procs._processes:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the dead worker was not replaced")
+    assert await pre.run_isolated(os.getpid) not in (first, os.getpid())  # no 503
+    pre.shutdown()
+
+
 class _DiesWhenUnpickled:
     def __reduce__(self):
         return (os._exit, (3,))

@@ -16,6 +16,11 @@ module owns the listening socket and the connections:
   ``frontend.body_timeout`` its body (`pkgd.api.app.GuardMiddleware`), and
   ``frontend.write_timeout`` a response write to a client that stopped reading; each closes
   the connection, so slow clients cannot pile up connections or buffered output.
+* **Answers before the body** (a 413 over ``frontend.max_request_body_bytes``, a 401): the rest
+  of the body is read and dropped, not given to hypercorn (the finished request's queue would
+  fill and hang the connection for good), so a client that reads only once it has sent its
+  body still gets the answer; the connection closes when the client is done, at most
+  ``LINGER_S`` later.
 * **Errors of the protocol itself** (a malformed request line: 400; headers over
   hypercorn's ``h11_max_incomplete_size``: 431) answer an OpenAI-shaped JSON body.
 * **Drain** (`HttpServer.serve`'s ``stop``): first every connection already queued on the
@@ -29,6 +34,7 @@ module owns the listening socket and the connections:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import json
@@ -58,6 +64,9 @@ ACCEPT_DELAY_PER_CONNECTION = 0.001  # s of accept delay per open connection (sh
 ACCEPT_DELAY_MAX = 0.02  # s
 ACCEPT_RETRY_S = 0.1  # after EMFILE/ENFILE/ENOBUFS: the process is out of descriptors
 CLOSE_GRACE_S = 2.0  # after the drain deadline: time for failed requests to send their error
+# After answering a request whose body was not read (a 413, a 401): how long the rest of the
+# body is read and dropped before the connection is closed (nginx's lingering close).
+LINGER_S = 5.0
 
 _PROTOCOL_ERRORS = {
     400: "malformed HTTP request",
@@ -229,6 +238,8 @@ class _Connection(TCPServer):
         self._idle = True  # between requests (hypercorn's idle timer runs)
         self._head_started = False
         self._aborted = False
+        self._lingering = False  # answered before the request body ended: drop the rest
+        self._task: asyncio.Task[Any] | None = None
 
     async def protocol_send(self, event: Any) -> None:
         if isinstance(event, Updated):
@@ -246,18 +257,38 @@ class _Connection(TCPServer):
                 self._aborted = True
                 self.writer.transport.abort()
                 await self.protocol.handle(Closed())
+                return
+            self._linger_if_body_unread()
             return
         await super().protocol_send(event)
+
+    def _linger_if_body_unread(self) -> None:
+        """When the response just written ended while the client is still sending its request
+        body: half-close (the client has the whole answer), drop what it sends from now on
+        (`_read_data`), and end the connection ``LINGER_S`` later if it has not ended."""
+        conn = getattr(getattr(self.protocol, "protocol", None), "connection", None)
+        if self._lingering or not isinstance(conn, h11.Connection):
+            return
+        if conn.our_state in (h11.DONE, h11.MUST_CLOSE) and conn.their_state is h11.SEND_BODY:
+            self._lingering = True
+            with contextlib.suppress(OSError, RuntimeError):
+                self.writer.write_eof()
+            task = self._task
+            if task is not None:
+                self.loop.call_later(LINGER_S, task.cancel)  # a no-op once the task is done
 
     async def _read_data(self) -> None:
         inner = getattr(self.protocol, "protocol", None)
         if isinstance(inner, H11Protocol):
             inner._send_error_response = functools.partial(_send_json_error, inner, self.config)  # type: ignore[method-assign]
+        self._task = asyncio.current_task()
         while not self.reader.at_eof():
             try:
                 data = await asyncio.wait_for(self.reader.read(MAX_RECV), self.config.read_timeout)
             except (ConnectionError, OSError, asyncio.TimeoutError, TimeoutError, SSLError):
                 break
+            if self._lingering:
+                continue  # the rest of a body nobody reads
             if data and self._idle and not self._head_started:
                 # A request began: from now on its head has header_timeout to arrive.
                 self._head_started = True

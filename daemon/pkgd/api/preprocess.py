@@ -89,6 +89,8 @@ class Preprocessor:
         self._procs: ProcessPoolExecutor | None = None
         self._installed: asyncio.Future[None] | None = None  # the tokenizer is in the process
         self._starting: asyncio.Lock | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def isolates(self, raw: bytes) -> bool:
         """Whether a body this large is parsed by `run_isolated` (``process_min_bytes`` > 0)."""
@@ -107,7 +109,7 @@ class Preprocessor:
         imports its modules. The API server calls this before it says it is ready: started on
         the first large body instead, the process made that request wait its start-up (seconds
         on a busy host) and pickling the tokenizer then held the GIL against the loop."""
-        if self.process_min_bytes > 0:
+        if self.process_min_bytes > 0 and not self._closed:
             await self._worker()
 
     async def run_isolated(self, fn: Callable[..., T], *args: Any) -> T:
@@ -162,12 +164,33 @@ class Preprocessor:
                 installed = asyncio.get_running_loop().run_in_executor(procs, _install_tokenizer, blob)
                 installed.add_done_callback(_log_start_failure)
                 _lower_priority(procs)  # the first call started the process: it is importing now
+                self._watch(procs)
                 self._procs, self._installed = procs, installed
             return self._procs, self._installed
+
+    def _watch(self, procs: ProcessPoolExecutor) -> None:
+        """Replace the worker process as soon as it dies (its sentinel becomes readable),
+        so a death while idle costs no request a 503: only the call it was running fails."""
+        loop = asyncio.get_running_loop()
+        for proc in list((getattr(procs, "_processes", None) or {}).values()):  # CPython's pid -> Process
+
+            def died(proc: Any = proc) -> None:
+                loop.remove_reader(proc.sentinel)
+                if self._closed or self._procs is not procs:
+                    return
+                logger.warning("preprocess_process_died", pid=proc.pid, exitcode=proc.exitcode, restarting=True)
+                self._procs = None
+                procs.shutdown(wait=False, cancel_futures=True)
+                restart = asyncio.ensure_future(self.start())
+                self._restarts.add(restart)
+                restart.add_done_callback(self._restarts.discard)
+
+            loop.add_reader(proc.sentinel, died)
 
     def shutdown(self) -> None:
         """Stop the threads taking work and end the worker process (SIGTERM: a call it is
         running is not waited for, and Python's exit would otherwise wait for it)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         procs, self._procs = self._procs, None
         if procs is not None:
