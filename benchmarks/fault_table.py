@@ -88,14 +88,32 @@ def largest_bodies() -> dict[str, dict]:
     }
 
 
-class HealthProbe:
-    """``GET /health`` every ``interval`` s on one kept-alive connection; each latency, s."""
+class _Probe:
+    """A daemon thread recording ``(time, seconds)`` samples until `stop`; `worst` over a window."""
 
-    def __init__(self, url: str, interval: float = 0.02) -> None:
-        self.url, self.interval, self.samples = url, interval, []
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def worst(self, a: float, b: float) -> float:
+        return max((value for t, value in self.samples if a <= t <= b), default=float("nan"))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+class HealthProbe(_Probe):
+    """``GET /health`` every ``interval`` s on one kept-alive connection; each latency, s."""
+
+    def __init__(self, url: str, interval: float = 0.02) -> None:
+        self.url, self.interval = url, interval
+        super().__init__()
 
     def _run(self) -> None:
         with httpx.Client(timeout=30) as client:
@@ -105,23 +123,11 @@ class HealthProbe:
                 self.samples.append((t, time.monotonic() - t))
                 self._stop.wait(self.interval)
 
-    def worst(self, a: float, b: float) -> float:
-        return max((lat for t, lat in self.samples if a <= t <= b), default=float("nan"))
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-
-class PauseProbe:
-    """This process's own pauses (a 5 ms ticker thread): its cyclic GC or the host's scheduler
-    can freeze every client thread at once, which looks like a stall of the server."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []  # (end, length), s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+class PauseProbe(_Probe):
+    """This process's own pauses (a 5 ms ticker thread; samples are (end, length)): its cyclic
+    GC or the host's scheduler can freeze every client thread at once, which looks like a stall
+    of the server."""
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -129,13 +135,6 @@ class PauseProbe:
             now = time.monotonic()
             self.samples.append((now, now - last - 0.005))
             last = now
-
-    def worst(self, a: float, b: float) -> float:
-        return max((lag for t, lag in self.samples if a <= t <= b), default=float("nan"))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
 
 
 def stall(d: Daemon, seconds: float) -> list[dict]:

@@ -28,6 +28,15 @@ def frontend(**values):
     return lambda: cfg
 
 
+async def _lifespan(receive, send) -> None:
+    """ASGI lifespan: complete each event until shutdown."""
+    while True:
+        msg = await receive()
+        await send({"type": msg["type"] + ".complete"})
+        if msg["type"] == "lifespan.shutdown":
+            return
+
+
 class App:
     """ASGI app: ``/hold`` waits until released, ``/big`` sends 64 MiB, anything else 200."""
 
@@ -38,11 +47,8 @@ class App:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                await send({"type": msg["type"] + ".complete"})
-                if msg["type"] == "lifespan.shutdown":
-                    return
+            await _lifespan(receive, send)
+            return
         headers = [(b"content-type", b"text/plain")] + ([(b"connection", b"close")] if self.draining else [])
         while (msg := await receive())["type"] == "http.request" and msg.get("more_body"):
             pass
@@ -243,11 +249,8 @@ async def test_servers_sharing_a_socket_split_connections_evenly():
 async def _refuse_unread(scope, receive, send):
     """ASGI app answering 413 without reading the body (as the body-size guard does)."""
     if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
+        await _lifespan(receive, send)
+        return
     headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": b'{"error": "too big"}'})

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ValidationError
 
 from pkgd import log
 from pkgd.api.errors import APIError
-from pkgd.frontend.input_processor import prompt_too_long
+from pkgd.frontend.input_processor import InputProcessor, prompt_too_long
 from pkgd.ipc import child
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class Preprocessor:
     The worker process (one, ``spawn``-started by `start` when the API server starts, or by
     the first large body after it died) holds a copy of the served tokenizer, ``tokenizer()``
     as it was when the process started, for the chat template and tokenization
-    (`worker_tokenizer`). It runs below the API server in the CPU scheduler's share, dies with
+    (`worker_input_processor`). It runs below the API server in the CPU scheduler's share, dies with
     the API server (SIGKILL on the parent's exit) and ignores the terminal's Ctrl-C (the API
     server drains first).
     """
@@ -172,7 +172,7 @@ class Preprocessor:
         """Replace the worker process as soon as it dies (its sentinel becomes readable),
         so a death while idle costs no request a 503: only the call it was running fails."""
         loop = asyncio.get_running_loop()
-        for proc in list((getattr(procs, "_processes", None) or {}).values()):  # CPython's pid -> Process
+        for proc in _processes(procs):
 
             def died(proc: Any = proc) -> None:
                 loop.remove_reader(proc.sentinel)
@@ -194,7 +194,7 @@ class Preprocessor:
         self._pool.shutdown(wait=False, cancel_futures=True)
         procs, self._procs = self._procs, None
         if procs is not None:
-            for proc in list((getattr(procs, "_processes", None) or {}).values()):  # CPython's pid -> Process
+            for proc in _processes(procs):
                 with contextlib.suppress(OSError):
                     proc.terminate()
             procs.shutdown(wait=False, cancel_futures=True)
@@ -218,9 +218,14 @@ def _lower_priority(procs: ProcessPoolExecutor) -> None:
     seconds of CPU): on a host with few cores, a large request's parsing would otherwise take
     CPU time from the engine and the event loops, stalling every stream."""
     nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + _WORKER_NICE)
-    for pid in list(getattr(procs, "_processes", None) or {}):  # CPython's pid -> Process map
+    for proc in _processes(procs):
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, pid, nice)
+            os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+
+
+def _processes(procs: ProcessPoolExecutor) -> list[Any]:
+    """The pool's worker processes (`multiprocessing.Process`), from CPython's pid -> Process map."""
+    return list((getattr(procs, "_processes", None) or {}).values())
 
 
 def _log_start_failure(installed: asyncio.Future[None]) -> None:
@@ -233,9 +238,13 @@ def _install_tokenizer(blob: bytes | None) -> None:
     _worker_tok = pickle.loads(blob) if blob is not None else None
 
 
-def worker_tokenizer() -> Any:
-    """In the worker process: the API server's tokenizer (None when it had none)."""
-    return _worker_tok
+def worker_input_processor(max_model_len: int | None) -> InputProcessor | None:
+    """In the worker process: an `InputProcessor` on the API server's tokenizer, for the chat
+    template and tokenization (None without a tokenizer or a known ``max_model_len``: the
+    caller leaves that work to the thread)."""
+    if _worker_tok is None or max_model_len is None:
+        return None
+    return InputProcessor(_worker_tok, max_model_len=max_model_len)
 
 
 def parse_body(raw: bytes, model: type[M], limits: FrontendLimits, max_model_len: int | None = None) -> M:

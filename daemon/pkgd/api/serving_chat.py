@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError, from_value_error
-from pkgd.api.preprocess import parse_body, worker_tokenizer
+from pkgd.api.preprocess import parse_body, worker_input_processor
 from pkgd.api.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -43,7 +43,7 @@ from pkgd.api.protocol import (
     ToolCall,
 )
 from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
-from pkgd.frontend.input_processor import InputProcessor, TokenizedPrompt
+from pkgd.frontend.input_processor import TokenizedPrompt
 from pkgd.parsers.json_calls import CallDelta, ToolCallStream
 
 if TYPE_CHECKING:
@@ -148,10 +148,9 @@ def render_in_worker(body: ChatCompletionRequest, max_model_len: int | None) -> 
     ids back would cost the API server more than tokenizing them), or the error templating met
     (`_prepare` raises it after the checks that come first), or None without a tokenizer (the
     thread templates)."""
-    tok = worker_tokenizer()
-    if tok is None or max_model_len is None:
+    ip = worker_input_processor(max_model_len)
+    if ip is None:
         return None
-    ip = InputProcessor(tok, max_model_len=max_model_len)
     try:
         text = ip.render_chat(**_template_args(body))
     except APIError as exc:

@@ -25,9 +25,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pkgd.api import serving
 from pkgd.api.errors import APIError
-from pkgd.api.preprocess import parse_body, worker_tokenizer
+from pkgd.api.preprocess import parse_body, worker_input_processor
 from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from pkgd.frontend.input_processor import InputProcessor, TokenizedPrompt
+from pkgd.frontend.input_processor import TokenizedPrompt
 from pkgd.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -130,10 +130,9 @@ def tokenize_in_worker(body: CompletionRequest, max_model_len: int | None) -> li
     """In the `Preprocessor`'s worker process: each text prompt of ``body`` tokenized as
     `_prepare` would (ids left out of one that cannot fit ``max_model_len``), None for a
     token-id prompt; None for all without a tokenizer (the thread tokenizes)."""
-    tok = worker_tokenizer()
-    if tok is None or max_model_len is None:
+    ip = worker_input_processor(max_model_len)
+    if ip is None:
         return None
-    ip = InputProcessor(tok, max_model_len=max_model_len)
     add = body.add_special_tokens
     return [ip.tokenize_prompt(p, add_special_tokens=add) if isinstance(p, str) else None for p in body.prompts()]
 
