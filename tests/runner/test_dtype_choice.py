@@ -131,5 +131,93 @@ def test_the_runner_logs_its_choice(tiny_dirs):
         "bf16 not faster enough",
     )
     assert runner.dtype_choice.as_dict() == {
-        k: line[k] for k in ("dtype", "requested", "reason", "features", "figures")
+        k: line[k] for k in ("dtype", "requested", "reason", "features", "figures", "measurement")
     }
+
+
+def test_a_restart_reuses_the_first_measurement(tmp_path):
+    """The figures are kept per host and shapes: a second choice reads them instead of
+    measuring, so it is the same choice even where a new measurement would differ."""
+    cache = D.MeasurementCache(tmp_path / "dtype-choice")
+    first = Measure(1.5, 1.12)
+    choice = D.choose_dtype("auto", "float32", "cpu", shapes=SHAPES, flags=AMX, measure=first, cache=cache)
+    assert choice.dtype == torch.bfloat16 and choice.measurement == "measured now" and first.calls == 1
+    (stored,) = (tmp_path / "dtype-choice").glob("*.json")
+    noisy = Measure(1.5, 1.05)  # a second measurement that would fall below the bar
+    again = D.choose_dtype("auto", "float32", "cpu", shapes=SHAPES, flags=AMX, measure=noisy, cache=cache)
+    assert noisy.calls == 0 and again.dtype == torch.bfloat16 and again.figures == choice.figures
+    assert again.measurement == f"cached {stored}" and again.as_dict()["measurement"] == again.measurement
+
+
+def test_the_cache_key_covers_what_the_figures_depend_on(tmp_path):
+    cache = D.MeasurementCache(tmp_path)
+    key = cache.key(SHAPES, None, AMX)
+    assert key == cache.key(list(SHAPES), None, frozenset(AMX))
+    assert key != cache.key(SHAPES[:2], None, AMX)
+    assert key != cache.key(SHAPES, None, AVX512_BF16)
+    from types import SimpleNamespace
+
+    kernels = SimpleNamespace(path="/c/libpkgd-abc.so", bf16_impl="dpbf16")
+    assert (
+        key
+        != cache.key(SHAPES, kernels, AMX)
+        != cache.key(SHAPES, SimpleNamespace(path="/c/libpkgd-abc.so", bf16_impl="widen"), AMX)
+    )
+    # other shapes measure again, beside the first file
+    for shapes in (SHAPES, SHAPES[:2]):
+        measure = Measure(4.0, 1.5)
+        measure_shapes = shapes
+
+        def call(s, k, measure=measure, expected=measure_shapes):
+            assert s == list(expected)
+            measure.calls += 1
+            return measure.figures
+
+        D.choose_dtype("auto", None, "cpu", shapes=shapes, flags=AMX, measure=call, cache=cache)
+        assert measure.calls == 1
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("content", ["", "{not json", '{"figures": {"batched_speedup": "x"}}', "[1, 2]"])
+def test_a_damaged_cache_file_is_measured_again_and_replaced(tmp_path, content):
+    cache = D.MeasurementCache(tmp_path)
+    cache.path(cache.key(SHAPES, None, AMX)).write_text(content)
+    measure = Measure(4.0, 1.5)
+    choice = D.choose_dtype("auto", None, "cpu", shapes=SHAPES, flags=AMX, measure=measure, cache=cache)
+    assert measure.calls == 1 and choice.measurement == "measured now" and choice.dtype == torch.bfloat16
+    assert cache.load(cache.key(SHAPES, None, AMX)) == measure.figures
+
+
+def test_an_unwritable_cache_still_chooses(tmp_path):
+    from structlog.testing import capture_logs
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = D.MeasurementCache(blocker / "dtype-choice")  # a directory under a file cannot exist
+    with capture_logs() as logs:
+        choice = D.choose_dtype("auto", None, "cpu", shapes=SHAPES, flags=AMX, measure=Measure(0.9, 2.0), cache=cache)
+    assert choice.dtype == torch.float32 and choice.reason == "bf16 not faster enough"
+    assert [e["event"] for e in logs] == ["dtype_measurement_not_cached"]
+
+
+def test_the_runner_keeps_its_measurement_in_the_model_cache(tiny_dirs, tmp_path, monkeypatch):
+    """Two starts of the runner on a (mocked) bf16 host: the first measures and stores under
+    ``model.cache_dir``/dtype-choice, the second reads it and runs the same dtype."""
+    from tests.runner.factory import make_runner
+
+    calls = []
+
+    def fake_measure(shapes, kernels, repeat):
+        calls.append(shapes)
+        return _figures(0.5, 0.5)  # float32 wins: the runner needs no bf16 packing path here
+
+    monkeypatch.setattr(D, "cpu_flags", lambda: AMX)
+    monkeypatch.setattr(D, "_measure", fake_measure)
+    model_dir, _ = tiny_dirs("qwen2")
+    first = make_runner(model_dir, dtype="auto", cache_dir=str(tmp_path))
+    second = make_runner(model_dir, dtype="auto", cache_dir=str(tmp_path))
+    assert len(calls) == 1 and first.dtype == second.dtype == torch.float32
+    assert first.dtype_choice.measurement == "measured now"
+    (stored,) = (tmp_path / "dtype-choice").glob("*.json")
+    assert second.dtype_choice.measurement == f"cached {stored}"
+    assert second.dtype_choice.reason == "bf16 not faster enough"

@@ -179,8 +179,8 @@ def _dtype_report(config: Any, device: str) -> dict[str, Any]:
     measurement, the engine makes at start-up. Needs the model's config.json (a GGUF is
     converted once, as at start-up); a model that does not resolve gives its error instead."""
     from pkgd.model_files.errors import ModelSourceError
-    from pkgd.model_files.resolve import resolve_model
-    from pkgd.runner.loader.dtype import choose_dtype, probe_cpu_dtype
+    from pkgd.model_files.resolve import default_cache_dir, resolve_model
+    from pkgd.runner.loader.dtype import MeasurementCache, choose_dtype, probe_cpu_dtype
     from pkgd.runner.models.config import load_arch_config
 
     try:
@@ -196,7 +196,8 @@ def _dtype_report(config: Any, device: str) -> dict[str, Any]:
         kernels = load() if config.parallel.cpu_kernels else None
     except (ImportError, CpuKernelsUnavailable):
         pass
-    return probe_cpu_dtype(arch, config.parallel.tp, kernels, requested=config.model.dtype).as_dict()
+    cache = MeasurementCache(default_cache_dir(config.model.cache_dir) / "dtype-choice")
+    return probe_cpu_dtype(arch, config.parallel.tp, kernels, requested=config.model.dtype, cache=cache).as_dict()
 
 
 def _cpu_kernels() -> str:

@@ -85,7 +85,8 @@ class ModelConfig(Section):
         "auto",
         "Weight and activation dtype. 'auto': on CUDA the checkpoint dtype; on CPU bfloat16 when "
         "the CPU has AMX or AVX512-BF16 and a start-up measurement on the model's shapes finds "
-        "bf16 faster (logged as dtype_choice), else float32 (bf16 GEMM is ~200x slower on AVX2); "
+        "bf16 faster (logged as dtype_choice; the figures are kept in cache_dir/dtype-choice and "
+        "reused by later starts), else float32 (bf16 GEMM is ~200x slower on AVX2); "
         "float32 activations for GGUF weights kept quantized (model.quantization).",
         aliases=("--dtype",),
     )

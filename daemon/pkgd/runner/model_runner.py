@@ -36,7 +36,7 @@ from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
-from pkgd.runner.loader.dtype import DtypeChoice, choose_dtype, linear_shapes
+from pkgd.runner.loader.dtype import DtypeChoice, MeasurementCache, choose_dtype, linear_shapes
 from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.models.config import ArchConfig, load_arch_config
@@ -226,6 +226,7 @@ class ModelRunner:
                 self.device.type,
                 shapes=linear_shapes(self.arch, self.tp.size) if first else (),
                 kernels=self.cpu_kernels,
+                cache=MeasurementCache(default_cache_dir(self.config.model.cache_dir) / "dtype-choice"),
             )
         if self.tp.size > 1:
             codes = list(_DTYPE_CODES)

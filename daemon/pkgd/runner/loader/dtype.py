@@ -16,17 +16,31 @@
 `choose_dtype` returns a `DtypeChoice` (dtype, reason, the CPU features that decided and the
 figures measured), which the runner logs as one ``dtype_choice`` line; `probe_cpu_dtype`
 gives the same for a model's shapes without loading it (what ``pkgd collect-env`` can show).
+
+The measurement is kept in a small JSON file per host and shapes (`MeasurementCache`, under
+``model.cache_dir``'s ``dtype-choice/``): a restart reuses the first start's figures, so on a
+host where bf16's gain sits near `BF16_MIN_SPEEDUP` every start runs the same dtype (measured
+on one shared host: two starts 30 s apart chose differently). The key covers what the figures
+depend on (the CPU's model name and flags, torch's version, the shapes, the C kernel library
+and its bf16 path, `MEASUREMENT_VERSION`); deleting the file measures again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
+
+logger = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHECKPOINT_DTYPES = {
@@ -47,22 +61,39 @@ BF16_MIN_SPEEDUP = 1.1
 """bf16 must beat float32 by this factor on both measurements: a smaller gain is within the
 noise of a shared host and not worth bf16's rounding."""
 
+MEASUREMENT_VERSION = 1
+"""Part of a cached measurement's key: raise it when `measure_bf16_speedup` changes what it
+times, so figures of the old method are not reused."""
+
 Shape = tuple[int, int]  # (out_features, in_features) of one linear
+
+
+def _cpuinfo_field(*names: str) -> str | None:
+    """The first ``/proc/cpuinfo`` line named one of ``names``, its value; None where absent
+    or unreadable."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in names:
+                    return value.strip()
+    except OSError:
+        pass
+    return None
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags of ``/proc/cpuinfo`` (x86 ``flags`` / Arm ``Features``); empty
     where unreadable."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((_cpuinfo_field("flags", "Features") or "").split())
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    """The CPU's name in ``/proc/cpuinfo`` (x86 ``model name``, Arm ``CPU part``); empty where
+    unreadable."""
+    return _cpuinfo_field("model name", "CPU part") or ""
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
@@ -85,16 +116,67 @@ class DtypeChoice:
     reason: str
     features: tuple[str, ...] = ()
     figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    measurement: str = ""
+    """Where ``figures`` came from: ``measured now``, ``cached <file>`` (`MeasurementCache`),
+    empty when none ran."""
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``dtype``, ``requested``, ``reason``, ``features``, ``figures``."""
+        """JSON-ready: ``dtype``, ``requested``, ``reason``, ``features``, ``figures``,
+        ``measurement``."""
         return {
             "dtype": str(self.dtype).removeprefix("torch."),
             "requested": self.requested,
             "reason": self.reason,
             "features": list(self.features),
             "figures": dict(self.figures),
+            "measurement": self.measurement,
         }
+
+
+class MeasurementCache:
+    """`measure_bf16_speedup`'s figures kept as one JSON file per key in ``directory``
+    (created on first store). A file that is unreadable or not this layout counts as absent;
+    a failed store is logged (``dtype_measurement_not_cached``) and changes nothing else."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    @staticmethod
+    def key(shapes: Sequence[Shape], kernels: Any = None, flags: frozenset[str] | None = None) -> str:
+        """A 16-hex-digit digest of what the figures depend on (module docstring)."""
+        ident = {
+            "version": MEASUREMENT_VERSION,
+            "torch": torch.__version__,
+            "cpu": cpu_model_name(),
+            "flags": sorted(cpu_flags() if flags is None else flags),
+            "shapes": [list(s) for s in shapes],
+            "kernels": None if kernels is None else [Path(kernels.path).name, kernels.bf16_impl],
+        }
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{key}.json"
+
+    def load(self, key: str) -> dict[str, float] | None:
+        """The figures stored under ``key``, or None."""
+        try:
+            figures = json.loads(self.path(key).read_text(encoding="utf-8"))["figures"]
+            if all(isinstance(figures[k], (int, float)) for k in ("batched_speedup", "decode_speedup")):
+                return {k: float(v) for k, v in figures.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return None
+
+    def store(self, key: str, figures: dict[str, float]) -> None:
+        """Write ``figures`` under ``key`` atomically (a temporary file renamed into place)."""
+        target = self.path(key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"cpu": cpu_model_name(), "figures": figures}, indent=1), encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as exc:
+            logger.warning("dtype_measurement_not_cached", path=str(target), error=str(exc))
 
 
 def linear_shapes(arch: Any, tp_size: int = 1) -> list[Shape]:
@@ -187,6 +269,7 @@ def choose_dtype(
     kernels: Any = None,
     flags: frozenset[str] | set[str] | None = None,
     measure: Callable[..., dict[str, float]] = measure_bf16_speedup,
+    cache: MeasurementCache | None = None,
 ) -> DtypeChoice:
     """The dtype to run in, and why (module docstring for ``auto``).
 
@@ -199,6 +282,8 @@ def choose_dtype(
         kernels: the loaded `pkgd_kernels.cpu.CpuKernels` (the decode GEMV measured through it).
         flags: CPU feature flags (tests); default: this machine's.
         measure: the measurement (tests pass a fake): ``measure(shapes, kernels) -> figures``.
+        cache: where the figures are looked up before measuring, and stored after; None
+            measures every time.
 
     Raises:
         ValueError: an unknown ``requested`` value.
@@ -216,14 +301,31 @@ def choose_dtype(
         return DtypeChoice(torch.float32, requested, "no native bf16", features)
     if not shapes:
         return DtypeChoice(torch.float32, requested, "nothing measured", features)
-    figures = measure(list(shapes), kernels)
+    key = MeasurementCache.key(shapes, kernels, have) if cache is not None else ""
+    figures = cache.load(key) if cache is not None else None
+    if figures is not None:
+        assert cache is not None
+        source = f"cached {cache.path(key)}"
+    else:
+        figures, source = measure(list(shapes), kernels), "measured now"
+        if cache is not None:
+            cache.store(key, figures)
     faster = figures["batched_speedup"] >= BF16_MIN_SPEEDUP and figures["decode_speedup"] >= BF16_MIN_SPEEDUP
     if faster:
-        return DtypeChoice(torch.bfloat16, requested, "bf16 measured faster", features, figures)
-    return DtypeChoice(torch.float32, requested, "bf16 not faster enough", features, figures)
+        return DtypeChoice(torch.bfloat16, requested, "bf16 measured faster", features, figures, source)
+    return DtypeChoice(torch.float32, requested, "bf16 not faster enough", features, figures, source)
 
 
-def probe_cpu_dtype(arch: Any, tp_size: int = 1, kernels: Any = None, requested: str = "auto") -> DtypeChoice:
+def probe_cpu_dtype(
+    arch: Any,
+    tp_size: int = 1,
+    kernels: Any = None,
+    requested: str = "auto",
+    cache: MeasurementCache | None = None,
+) -> DtypeChoice:
     """`choose_dtype` on this CPU for ``arch`` (an `ArchConfig`) without loading weights: the
-    features, choice and figures a ``collect-env`` report shows."""
-    return choose_dtype(requested, arch.checkpoint_dtype, "cpu", shapes=linear_shapes(arch, tp_size), kernels=kernels)
+    features, choice and figures a ``collect-env`` report shows (from ``cache`` where the
+    engine stored them, so the report shows the engine's choice)."""
+    return choose_dtype(
+        requested, arch.checkpoint_dtype, "cpu", shapes=linear_shapes(arch, tp_size), kernels=kernels, cache=cache
+    )
