@@ -71,19 +71,19 @@ class MemorySampler(threading.Thread):
         super().__init__(daemon=True)
         self.sid, self.interval = sid, interval
         self.peak_rss = self.peak_pss = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             rss, pss = tree_memory(self.sid)
             self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def reset(self) -> None:
         self.peak_rss = self.peak_pss = 0
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
 
 
