@@ -185,9 +185,12 @@ def test_vllm_flags_translate_to_keys():
             "--data-parallel-external-lb",
             "--allowed-origins",
             '["http://x", "http://y"]',
+            "--long-prefill-token-threshold",
+            "256",
         ]
     )
     cfg = c.config
+    assert cfg.scheduler.long_prefill_token_threshold == 256
     assert (cfg.parallel.tp, cfg.parallel.dp, cfg.cache.enable_prefix_caching) == (2, 2, False)
     assert [k.get_secret_value() for k in cfg.frontend.api_keys] == ["a", "b"]
     assert cfg.frontend.served_model_names == ["smol"] and cfg.frontend.headless

@@ -123,6 +123,11 @@ CASES = [
         cli("scheduler.max_num_batched_tokens=8"),
         ["scheduler.max_num_batched_tokens: 8 must be at least scheduler.max_num_seqs: 256"],
     ),
+    (
+        "prefill cap without chunked prefill",
+        cli(flags=["--long-prefill-token-threshold", "256", "--no-enable-chunked-prefill"]),
+        ["scheduler.long_prefill_token_threshold: 256 caps prefill chunks and needs scheduler.enable_chunked_prefill"],
+    ),
 ]
 
 TREE_CASES = [

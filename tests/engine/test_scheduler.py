@@ -25,6 +25,7 @@ def make_engine(
     policy="fcfs",
     caching=True,
     lookahead=None,
+    threshold=0,
     **runner_kw,
 ):
     cfg = VllmConfig.model_validate(
@@ -36,6 +37,7 @@ def make_engine(
                 "max_num_seqs": seqs,
                 "enable_chunked_prefill": chunked,
                 "policy": policy,
+                "long_prefill_token_threshold": threshold,
             },
         }
     )
@@ -96,6 +98,33 @@ def test_decodes_keep_running_while_a_long_prompt_is_chunked():
         e.step()
         so = e.model_runner.step_log[-1]
         assert so.num_scheduled_tokens["a"] == 1 and so.num_scheduled_tokens["long"] == 15
+
+
+def test_long_prefill_token_threshold_caps_one_requests_chunk():
+    """vLLM's --long-prefill-token-threshold: no request computes more than 8 prompt tokens in
+    a step, so two prompts prefill side by side and a running decode's steps stay short."""
+    e = make_engine(batched=32, threshold=8)
+    add(e, "a", range(1, 5), max_tokens=8)
+    e.step()
+    assert e.model_runner.step_log[-1].num_scheduled_tokens == {"a": 4}  # under the cap: whole
+    add(e, "long", range(100, 130), max_tokens=1)
+    add(e, "other", range(200, 219), max_tokens=1)
+    steps, finished = [], set()
+    for _ in range(4):
+        finished |= {o.request_id for o in e.step() if o.finish_reason is not None}
+        steps.append(dict(e.model_runner.step_log[-1].num_scheduled_tokens))
+    assert [s.get("long", 0) for s in steps] == [8, 8, 8, 6]
+    assert [s.get("other", 0) for s in steps] == [8, 8, 3, 0]
+    assert all(s["a"] == 1 for s in steps)  # the decode runs every step
+    assert finished == {"long", "other"}  # each got its one token once its prompt was in
+    assert "a" in run(e)
+
+
+def test_a_zero_threshold_leaves_the_budget_alone():
+    e = make_engine(batched=32, threshold=0)
+    add(e, "long", range(1, 101), max_tokens=1)
+    run(e)
+    assert [s.num_scheduled_tokens["long"] for s in e.model_runner.step_log[:4]] == [32, 32, 32, 4]
 
 
 def test_without_chunked_prefill_a_prompt_waits_for_room():

@@ -584,6 +584,15 @@ class SchedulerConfig(Section):
     enable_chunked_prefill: bool = field(
         True, "Split long prompts over several steps so decodes keep flowing.", aliases=("--enable-chunked-prefill",)
     )
+    long_prefill_token_threshold: int = field(
+        0,
+        "Most prompt tokens one request computes in a step (vLLM's meaning); 0 = only the step "
+        "budget limits a chunk. A smaller cap shortens the steps a long prompt is spread over, "
+        "so the running decodes stall less (on a slow CPU a 2048-token chunk is a step of "
+        "seconds), and lets several prompts prefill side by side. Needs enable_chunked_prefill.",
+        aliases=("--long-prefill-token-threshold",),
+        ge=0,
+    )
     policy: Literal["fcfs", "priority"] = field(
         "fcfs",
         "Order of the waiting queue: first come first served, or by request priority then arrival.",

@@ -127,6 +127,11 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
             f"scheduler.max_num_batched_tokens: {s.max_num_batched_tokens} must be "
             f"at least scheduler.max_num_seqs: {s.max_num_seqs}"
         )
+    if s.long_prefill_token_threshold and not s.enable_chunked_prefill:
+        problems.append(
+            f"scheduler.long_prefill_token_threshold: {s.long_prefill_token_threshold} caps prefill chunks "
+            "and needs scheduler.enable_chunked_prefill: true (or set it to 0)"
+        )
     plan = cfg.serve_plan()
     if f.allow_runtime_lora_updating and plan.api_server_count > 1:
         problems.append(

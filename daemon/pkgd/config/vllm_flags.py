@@ -312,7 +312,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "--max-num-queued-reqs",
         "--max-num-queued-tokens",
     ),
-    "pkgd does not cap prefill chunks below the step budget (scheduler.max_num_batched_tokens)": (
+    "pkgd caps prefill chunks at a fixed scheduler.long_prefill_token_threshold, not an adaptive one": (
         "--long-prefill-token-threshold-adaptive",
     ),
     "admission reserves room for the running requests' next tokens; the full prompt is not reserved": (
@@ -464,9 +464,6 @@ SATISFIED: dict[str, tuple[str, ...]] = {
     ),
     "prefix-cache block hashes are SHA-256 chained over token ids": ("--prefix-caching-hash-algo=sha256",),
     _NO_OFFLOAD + "; 0 offloads nothing": ("--cpu-offload-gb=0",),
-    "prefill chunks are limited by the step budget only (0 = no separate threshold)": (
-        "--long-prefill-token-threshold=0",
-    ),
     "outputs are streamed after every engine step": ("--stream-interval=1",),
     _NO_COMPILE + "; level 0 compiles nothing": ("--optimization-level=0",),
 }

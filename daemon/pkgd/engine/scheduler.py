@@ -6,10 +6,11 @@ request's computed tokens catch up with its tokens, so a long prompt is spread o
 its prompt and outputs, all in the same batch. Order of one step:
 
 1. **Running requests first**, in order: each gets ``min(num_tokens - num_computed_tokens,
-   budget left)`` tokens. When the KV cache has no block for it, the lowest-priority running
-   request (FCFS: the latest admitted; priority: the highest ``(priority, arrival)``) is
-   *preempted by recompute*: its blocks are freed and it returns to the front of the waiting
-   queue, keeping its output tokens.
+   budget left)`` tokens, and no more than ``scheduler.long_prefill_token_threshold`` when
+   that is set (vLLM's cap on one request's prefill chunk). When the KV cache has no block
+   for it, the lowest-priority running request (FCFS: the latest admitted; priority: the
+   highest ``(priority, arrival)``) is *preempted by recompute*: its blocks are freed and it
+   returns to the front of the waiting queue, keeping its output tokens.
 2. **Waiting requests** (only when nothing was preempted this step), in queue order while
    budget, ``max_num_seqs`` and blocks allow: prefix-cache hits are taken first, then slots
    for the rest of the prompt (or a chunk of it). Unlike vLLM v1, a request is admitted only
@@ -83,6 +84,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.policy = scheduler_config.policy
         self.max_model_len = max_model_len
         self.admission_lookahead = admission_lookahead
@@ -192,7 +194,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens), step.budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -213,6 +215,12 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(
                 request, request.num_computed_tokens + step.num_tokens[request.request_id]
             )
+
+    def _chunk(self, num_new: int) -> int:
+        """``num_new`` capped at ``long_prefill_token_threshold`` (0 = no cap), as vLLM v1 caps
+        a step's tokens of one request; a decode's one token is never cut."""
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new else num_new
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -265,7 +273,7 @@ class Scheduler:
                 break
             if not self._admission_fits(request, hit_blocks, reserve):
                 break
-            num_new = min(num_new, step.budget)
+            num_new = min(self._chunk(num_new), step.budget)
             block_ids = kv.allocate_slots(request, num_new, hit_blocks)
             if block_ids is None:
                 break
