@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("text", type=Path)
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity's -c)")
     p.add_argument("kwargs", nargs="*", metavar="KEY=VALUE", help="LLM keywords, e.g. dtype=bfloat16")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # KEY=VALUE may follow --ctx
     import yaml
 
     kwargs = {k: yaml.safe_load(v) for k, _, v in (a.partition("=") for a in args.kwargs)}

@@ -63,10 +63,16 @@ def log(msg: str) -> None:
 
 
 def run(
-    argv: list[str], *, env: dict[str, str] | None = None, timeout: float, log_file: Path, stdout_only: bool = False
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float,
+    log_file: Path,
+    stdout_only: bool = False,
+    ok_codes: tuple[int, ...] = (0,),
 ) -> str:
     """Run to completion; its output to ``log_file``; returns stdout (and stderr after it unless
-    ``stdout_only``). Raises `RuntimeError` on a non-zero exit."""
+    ``stdout_only``). Raises `RuntimeError` on an exit code not in ``ok_codes``."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(
         argv,
@@ -77,7 +83,7 @@ def run(
         stdin=subprocess.DEVNULL,
     )
     log_file.write_text(f"$ {shlex.join(argv)}\n{r.stdout}\n{r.stderr}")
-    if r.returncode:
+    if r.returncode not in ok_codes:
         raise RuntimeError(f"{Path(argv[0]).name} exited {r.returncode}; see {log_file}")
     return r.stdout if stdout_only else r.stdout + r.stderr
 
@@ -110,7 +116,7 @@ def offline(args, p: systems.Paths, res: Results, rep: int, sysname: str) -> Non
         )
         fig = json.loads(out.read_text())
         res.add(sysname, "offline_tok_s", _find(fig, "output_tokens_per_s"))
-        res.add(sysname, "decode_engine_tok_s", _find(fig, "decode_tokens_per_s"))
+        res.add(sysname, "decode_engine_tok_s", _find(fig, "single_stream_decode_tokens_per_s"))
     elif sysname.startswith("vllm"):
         run(
             systems.vllm_offline(p, out, n, i, o, sysname.split("-")[1]),
@@ -172,6 +178,7 @@ def serve(args, p: systems.Paths, res: Results, rep: int, sysname: str) -> None:
                 ],
                 timeout=args.timeout,
                 log_file=out.with_suffix(".log"),
+                ok_codes=(0, 1),  # 1: some requests failed; the figures count them, see below
             )
             fig = json.loads(out.read_text())
             if fig["failed"]:
@@ -190,23 +197,31 @@ def serve(args, p: systems.Paths, res: Results, rep: int, sysname: str) -> None:
 def ppl(args, p: systems.Paths, res: Results, names: list[str]) -> None:
     text = perplexity.write_text(p.work / "ppl-text.txt", args.ppl_chars)
     for sysname in names:
-        out = p.work / "results" / f"ppl-{sysname}.log"
-        if sysname.startswith("pkgd"):
-            line = run(
-                systems.pkgd_perplexity(p, text, args.ppl_ctx, args.pkgd_config_for(sysname)),
-                timeout=args.timeout,
-                log_file=out,
-                stdout_only=True,
-            )
-            res.add(sysname, "ppl", json.loads(line.strip().splitlines()[-1])["ppl"])
-        elif sysname == "llama.cpp":
-            res.add(
-                sysname,
-                "ppl",
-                perplexity.parse_llama_perplexity(
-                    run(systems.llama_perplexity(p, text, args.ppl_ctx), timeout=args.timeout, log_file=out)
-                )["ppl"],
-            )
+        try:
+            _ppl_of(args, p, res, text, sysname)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+            res.errors.append(f"ppl {sysname}: {e}")
+            log(f"ppl {sysname} failed: {e}")
+
+
+def _ppl_of(args, p: systems.Paths, res: Results, text: Path, sysname: str) -> None:
+    out = p.work / "results" / f"ppl-{sysname}.log"
+    if sysname.startswith("pkgd"):
+        line = run(
+            systems.pkgd_perplexity(p, text, args.ppl_ctx, args.pkgd_config_for(sysname)),
+            timeout=args.timeout,
+            log_file=out,
+            stdout_only=True,
+        )
+        res.add(sysname, "ppl", json.loads(line.strip().splitlines()[-1])["ppl"])
+    elif sysname == "llama.cpp":
+        res.add(
+            sysname,
+            "ppl",
+            perplexity.parse_llama_perplexity(
+                run(systems.llama_perplexity(p, text, args.ppl_ctx), timeout=args.timeout, log_file=out)
+            )["ppl"],
+        )
 
 
 # ---- the report -----------------------------------------------------------------------------
@@ -347,10 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                     res.errors.append(f"{part} {name} run {rep + 1}: {e}")
                     log(f"{part} {name} failed: {e}")
     if "ppl" in args.parts:
-        try:
-            ppl(args, p, res, [n for n in names if n.startswith("pkgd") or n == "llama.cpp"])
-        except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
-            res.errors.append(f"ppl: {e}")
+        ppl(args, p, res, [n for n in names if n.startswith("pkgd") or n == "llama.cpp"])
     lines = report(res, names, (load0, os.getloadavg()[0]))
     print("\n".join(lines))
     out = p.work / "results" / time.strftime("summary-%Y%m%d-%H%M%S.json", time.localtime(started))

@@ -147,7 +147,7 @@ def test_bench_serve_drives_a_real_api_server(tmp_path, procs, tokenizer_ready):
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "Completed 12 (0 failed)" in r.stdout and "TTFT" in r.stdout
+    assert "Completed 12 (0 failed, 0 sent twice)" in r.stdout and "TTFT" in r.stdout
     fig = json.loads(out.read_text())
     assert fig["output_tokens"] == 60 and fig["ttft_s"]["median"] > 0 and fig["tpot_s"]["median"] > 0
     png = tmp_path / "serve.png"

@@ -77,14 +77,42 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    retried: bool = False
+
+
+class _NoResponse(Exception):
+    """The connection failed before any response status arrived."""
 
 
 async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+    """One request; sent again once, on a new connection, when the server closed the pooled
+    one before answering (llama-server ends kept-alive connections as it likes), as the openai
+    SDK retries a connection error. Its times count from the first try."""
     t0 = time.monotonic()
+    try:
+        return await _attempt(http, body, t0)
+    except _NoResponse:
+        res = await _attempt_or_error(http, body, t0)
+        res.retried = True
+        return res
+
+
+async def _attempt_or_error(http: httpx.AsyncClient, body: dict[str, Any], t0: float) -> RequestResult:
+    try:
+        return await _attempt(http, body, t0)
+    except _NoResponse as exc:
+        cause = exc.__cause__
+        return RequestResult(ok=False, error=f"{type(cause).__name__}: {cause}")
+
+
+async def _attempt(http: httpx.AsyncClient, body: dict[str, Any], t0: float) -> RequestResult:
+    """Raises `_NoResponse` when the connection failed before a response status arrived."""
     res = RequestResult(ok=False)
+    answered = False
     try:
         if not body["stream"]:
             r = await http.post("/v1/completions", json=body)
+            answered = True
             data = r.json()
             if r.status_code != 200:
                 res.error = data.get("error", {}).get("message", r.text)
@@ -93,6 +121,7 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
         else:
             last = None
             async with http.stream("POST", "/v1/completions", json=body) as r:
+                answered = True
                 if r.status_code != 200:
                     res.error = (await r.aread()).decode(errors="replace")
                     return res
@@ -114,6 +143,8 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
                         res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         res.output_tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
+        if not answered and isinstance(exc, (httpx.RemoteProtocolError, httpx.ConnectError)):
+            raise _NoResponse from exc
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.latency = time.monotonic() - t0
@@ -171,6 +202,7 @@ def summarize(args: argparse.Namespace, model: str, results: list[RequestResult]
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "retried": sum(r.retried for r in results),
         "max_concurrency": args.max_concurrency,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -194,7 +226,8 @@ def print_report(fig: dict[str, Any]) -> None:
         f"concurrency {fig['max_concurrency']}, {'streaming' if fig['stream'] else 'non-streaming'}"
     )
     print(
-        f"Completed {fig['completed']} ({fig['failed']} failed) in {fig['elapsed_s']:.2f} s: "
+        f"Completed {fig['completed']} ({fig['failed']} failed, {fig['retried']} sent twice) in "
+        f"{fig['elapsed_s']:.2f} s: "
         f"{fig['requests_per_s']:.2f} requests/s, {fig['output_tokens_per_s']:.1f} output tokens/s, "
         f"{fig['total_tokens_per_s']:.1f} total tokens/s"
     )
