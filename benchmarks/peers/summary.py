@@ -55,6 +55,9 @@ def add_serve_metrics(concurrency: int) -> None:
         METRICS.setdefault("serve1_decode_tok_s", ("single-stream decode through the server (1/TPOT)", "tok/s", "max"))
 
 
+# what one system's failed command raises; the others' figures are still reported
+RUN_FAILURES = (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError)
+
 REPEAT_BEST = {"peak_rss_gb": max, "peak_pss_gb": max}  # memory: the worst peak seen
 
 
@@ -199,7 +202,7 @@ def ppl(args, p: systems.Paths, res: Results, names: list[str]) -> None:
     for sysname in names:
         try:
             _ppl_of(args, p, res, text, sysname)
-        except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+        except RUN_FAILURES as e:
             res.errors.append(f"ppl {sysname}: {e}")
             log(f"ppl {sysname} failed: {e}")
 
@@ -358,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{part} {name} (run {rep + 1}/{args.repeats})")
                 try:
                     fn(args, p, res, rep, name)
-                except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
+                except RUN_FAILURES as e:
                     res.errors.append(f"{part} {name} run {rep + 1}: {e}")
                     log(f"{part} {name} failed: {e}")
     if "ppl" in args.parts:

@@ -78,10 +78,7 @@ class RequestResult:
     output_tokens: int = 0
     error: str = ""
     retried: bool = False
-
-
-class _NoResponse(Exception):
-    """The connection failed before any response status arrived."""
+    closed_unanswered: bool = False  # the connection failed before a response status arrived
 
 
 async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
@@ -89,24 +86,14 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
     one before answering (llama-server ends kept-alive connections as it likes), as the openai
     SDK retries a connection error. Its times count from the first try."""
     t0 = time.monotonic()
-    try:
-        return await _attempt(http, body, t0)
-    except _NoResponse:
-        res = await _attempt_or_error(http, body, t0)
+    res = await _attempt(http, body, t0)
+    if res.closed_unanswered:
+        res = await _attempt(http, body, t0)
         res.retried = True
-        return res
-
-
-async def _attempt_or_error(http: httpx.AsyncClient, body: dict[str, Any], t0: float) -> RequestResult:
-    try:
-        return await _attempt(http, body, t0)
-    except _NoResponse as exc:
-        cause = exc.__cause__
-        return RequestResult(ok=False, error=f"{type(cause).__name__}: {cause}")
+    return res
 
 
 async def _attempt(http: httpx.AsyncClient, body: dict[str, Any], t0: float) -> RequestResult:
-    """Raises `_NoResponse` when the connection failed before a response status arrived."""
     res = RequestResult(ok=False)
     answered = False
     try:
@@ -143,8 +130,7 @@ async def _attempt(http: httpx.AsyncClient, body: dict[str, Any], t0: float) -> 
                         res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         res.output_tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
-        if not answered and isinstance(exc, (httpx.RemoteProtocolError, httpx.ConnectError)):
-            raise _NoResponse from exc
+        res.closed_unanswered = not answered and isinstance(exc, (httpx.RemoteProtocolError, httpx.ConnectError))
         res.error = f"{type(exc).__name__}: {exc}"
         return res
     res.latency = time.monotonic() - t0
