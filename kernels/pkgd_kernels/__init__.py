@@ -102,6 +102,7 @@ C_OPS = (
     "paged_attention_decode",
     "rms_norm",
     "fused_add_rms_norm",
+    "silu_and_mul",
     "gemv_packed",
     "gather_packed",
     "quant_linear",

@@ -60,10 +60,13 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]).mul_(x[..., half:])
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SiLU-and-mul: :func:`silu_and_mul_triton` on CUDA tensors, :func:`silu_and_mul_cpu`
-    otherwise (argument and errors as :func:`silu_and_mul_ref`)."""
+def silu_and_mul(x: torch.Tensor, *, kernels=None) -> torch.Tensor:
+    """SiLU-and-mul: :func:`silu_and_mul_triton` on CUDA tensors; on CPU the C form when
+    ``kernels`` (a `pkgd_kernels.cpu.CpuKernels`) takes ``x``, else :func:`silu_and_mul_cpu`
+    (argument and errors as :func:`silu_and_mul_ref`)."""
     if use_triton(x):
         return silu_and_mul_triton(x)
     _check(x)
+    if kernels is not None and kernels.takes_silu_and_mul(x):
+        return kernels.silu_and_mul(x)
     return silu_and_mul_cpu(x)

@@ -178,6 +178,6 @@ def fused_add_rms_norm(
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     _check("fused_add_rms_norm", x, weight, eps)
     _check_residual("fused_add_rms_norm", x, residual)
-    if kernels is not None and kernels.takes_rms_norm(x, weight) and residual.dtype == torch.float32:
+    if kernels is not None and kernels.takes_rms_norm(x, weight) and residual.dtype == x.dtype:
         return kernels.fused_add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_cpu(x, residual, weight, eps)

@@ -118,6 +118,12 @@ def test_takes_says_no_to_layouts_the_kernel_does_not_take():
     assert not takes(torch.zeros(3, 3, 64), kc)  # Hq % Hkv
     assert not takes(torch.zeros(3, 64, 4).transpose(1, 2), kc)  # heads strided
     assert not cpu.CpuKernels.takes_rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8))
+    assert cpu.CpuKernels.takes_rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(8).bfloat16())
+    assert not cpu.CpuKernels.takes_rms_norm(torch.zeros(2, 8).half(), torch.ones(8).half())
+    assert cpu.CpuKernels.takes_silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not cpu.CpuKernels.takes_silu_and_mul(torch.zeros(2, 7))  # odd width
+    assert not cpu.CpuKernels.takes_silu_and_mul(torch.zeros(8, 2).t())  # columns strided
+    assert not cpu.CpuKernels.takes_silu_and_mul(torch.zeros(2, 3, 8))
     assert not cpu.CpuKernels.takes_gemv_packed(torch.zeros(2, 8), torch.zeros(1, 8, 64).transpose(0, 1))
 
 
@@ -215,20 +221,51 @@ def test_a_failed_build_says_why_and_writes_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("t,h", [(1, 576), (3, 40), (300, 256)])  # 300 x 256: the threaded path
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_matches_the_reference(kernels, t, h, with_residual):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_reference(kernels, t, h, with_residual, dtype):
     g = torch.Generator().manual_seed(t + h)
-    x = torch.randn(t, h + 5, generator=g)[:, :h]  # strided rows
-    w = 1 + 0.1 * torch.randn(h, generator=g)
-    res = torch.randn(t, h, generator=g) if with_residual else None
+    x = (3 * torch.randn(t, h + 5, generator=g)).to(dtype)[:, :h]  # strided rows
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+    res = torch.randn(t, h, generator=g).to(dtype) if with_residual else None
     if with_residual:
-        out, res_out = kernels.fused_add_rms_norm(x, res, w, 1e-5)
+        out, res_out = pk.fused_add_rms_norm(x, res, w, 1e-5, kernels=kernels)
         want, want_res = pk.fused_add_rms_norm_ref(x, res, w, 1e-5)
-        assert torch.equal(res_out, want_res)
+        assert res_out.dtype == dtype and torch.equal(res_out, want_res)
     else:
-        out, want = kernels.rms_norm(x, w, 1e-5), pk.rms_norm_ref(x, w, 1e-5)
-    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        out, want = pk.rms_norm(x, w, 1e-5, kernels=kernels), pk.rms_norm_ref(x, w, 1e-5)
+    assert out.dtype == dtype
+    if dtype == torch.bfloat16:
+        # the reference's roundings, in its order: the same bf16 values (a differently
+        # ordered sum of squares could move a value by one ulp; none does here)
+        assert torch.equal(out, want)
+    else:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="float32"):
-        kernels.rms_norm(x.double(), w, 1e-5)
+        kernels.rms_norm(x.double(), w.double(), 1e-5)
+    with pytest.raises(ValueError, match="residual like x"):
+        kernels.fused_add_rms_norm(x, torch.zeros(t, h, dtype=torch.float16), w, 1e-5)
+
+
+@pytest.mark.parametrize("t,i", [(1, 1536), (5, 40), (64, 1536)])  # 64 x 1536: the threaded path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_reference(kernels, t, i, dtype):
+    g = torch.Generator().manual_seed(t + i)
+    x = (4 * torch.randn(t, 2 * i + 3, generator=g)).to(dtype)[:, : 2 * i]  # strided rows
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's range ends, both zeros
+    x[0, i : i + 4] = 1.5
+    out = pk.silu_and_mul(x, kernels=kernels)
+    want = pk.silu_and_mul_ref(x)
+    assert out.dtype == dtype and out.shape == (t, i)
+    if dtype == torch.bfloat16:
+        # silu's value rounded to bf16 before the product, as the reference's two ops: equal
+        # but for an ulp where the exps differ in their last float32 bit
+        torch.testing.assert_close(out, want, atol=1e-30, rtol=2**-7)
+        assert (out != want).float().mean() < 1e-3
+    else:
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    assert out[0, :4].tolist() == pytest.approx([-0.0, 150.0, 0.0, 0.0], abs=1e-30)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.silu_and_mul(x.half())
 
 
 def test_a_library_of_another_abi_is_rebuilt_and_one_that_disagrees_is_refused(tmp_path):

@@ -17,7 +17,10 @@ PyTorch form, which computes the same thing:
 * `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
   read in place through the block table instead of gathering K/V copies;
 * `CpuKernels.rms_norm` / `CpuKernels.fused_add_rms_norm`: RMSNorm (with the residual add
-  fused), one pass over each row (at batch 1 PyTorch's composite op cost ~25 us a call);
+  fused), one pass over each float32 or bf16 row (at batch 1 PyTorch's composite op cost ~25 us
+  a call; on bf16 it also converts each way), bf16 with the reference's roundings;
+* `CpuKernels.silu_and_mul`: SwiGLU's gate on float32 or bf16 rows, one pass (PyTorch runs
+  two ops, each converting bf16 to float32 and back);
 * `CpuKernels.quant_linear` / `CpuKernels.quant_gather`: linears and lookups on GGUF
   quantized weights, from a library of their own (``quant.c``, `CpuKernels.quant`, built on
   first use; `pkgd_kernels.cpu.quant`).
@@ -47,7 +50,7 @@ from pkgd_kernels.cpu.build import (
 )
 
 SOURCE = Path(__file__).with_name("kernels.c")
-KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=7)
+KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=8)
 """The generic library (``kernels.c``): exports only pointers and scalars, so no structs."""
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -91,6 +94,12 @@ class CpuKernels:
         self._rms = lib.pkgd_rms_norm
         self._rms.argtypes = [_p, _p, _p, _i64, _p, _p, _i64, _i64, _f32]
         self._rms.restype = None
+        self._rms_bf16 = lib.pkgd_rms_norm_bf16
+        self._rms_bf16.argtypes = [_p, _p, _p, _i64, _p, _p, _i64, _i64, _f32]
+        self._rms_bf16.restype = None
+        self._silu_mul = lib.pkgd_silu_and_mul
+        self._silu_mul.argtypes = [_p, _p, _i64, _i64, _i64, _i32]
+        self._silu_mul.restype = ctypes.c_int
         self._gather = lib.pkgd_gather_packed64
         self._gather.argtypes = [_p, _p, _p, _i64, _i64, _i64]
         self._gather.restype = ctypes.c_int
@@ -182,12 +191,24 @@ class CpuKernels:
 
     @staticmethod
     def takes_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether `rms_norm` / `fused_add_rms_norm` take these: float32 ``x [T, H]`` with unit
-        column stride, float32 ``weight``."""
+        """Whether `rms_norm` / `fused_add_rms_norm` take these: float32 or bfloat16 ``x [T, H]``
+        with unit column stride, ``weight`` of the same dtype."""
         return (
-            x.dtype == torch.float32
-            and weight.dtype == torch.float32
+            x.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype == x.dtype
             and x.dim() == 2
+            and x.stride(1) == 1
+            and not x.is_cuda
+        )
+
+    @staticmethod
+    def takes_silu_and_mul(x: torch.Tensor) -> bool:
+        """Whether `silu_and_mul` takes ``x``: float32 or bfloat16 ``[T, 2*I]`` on CPU with unit
+        column stride."""
+        return (
+            x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() == 2
+            and x.shape[1] % 2 == 0
             and x.stride(1) == 1
             and not x.is_cuda
         )
@@ -300,17 +321,19 @@ class CpuKernels:
         if (
             not self.takes_rms_norm(x, weight)
             or weight.shape != (h,)
-            or (residual is not None and (residual.shape != x.shape or residual.dtype != torch.float32))
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))
         ):
-            raise ValueError("rms_norm: float32 x [T, H] with unit column stride, weight [H], residual like x")
+            raise ValueError(
+                "rms_norm: float32 or bfloat16 x [T, H] with unit column stride, weight [H] and residual like x"
+            )
         t = x.shape[0]
-        out = torch.empty(t, h, dtype=torch.float32)
+        out = torch.empty(t, h, dtype=x.dtype)
         res_out = res_in = None
         if residual is not None:
             res_in = residual.contiguous()
-            res_out = torch.empty(t, h, dtype=torch.float32)
+            res_out = torch.empty(t, h, dtype=x.dtype)
         w = weight.contiguous()
-        self._rms(
+        (self._rms if x.dtype == torch.float32 else self._rms_bf16)(
             out.data_ptr(),
             None if res_out is None else res_out.data_ptr(),
             x.data_ptr(),
@@ -322,6 +345,22 @@ class CpuKernels:
             eps,
         )
         return out, res_out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """C form of `pkgd_kernels.silu_and_mul` (tensors `takes_silu_and_mul` accepts): a new
+        contiguous ``[T, I]`` in ``x``'s dtype; bf16 rounds silu's value before the product,
+        as the reference's two bf16 ops do.
+
+        Raises:
+            ValueError: tensors it does not take.
+        """
+        if not self.takes_silu_and_mul(x):
+            raise ValueError("silu_and_mul: float32 or bfloat16 x [T, 2*I] with unit column stride")
+        t, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty(t, n, dtype=x.dtype)
+        if t and n:
+            self._silu_mul(out.data_ptr(), x.data_ptr(), x.stride(0), t, n, _CACHE_DTYPES[x.dtype])
+        return out
 
     def paged_attention_decode(
         self,

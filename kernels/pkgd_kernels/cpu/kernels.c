@@ -11,6 +11,9 @@
  *    bf16 packing [N/B][K/2][B][2], B = 32 or 64 (vdpbf16ps where the CPU has it, else widening).
  *  - pkgd_rms_norm: RMSNorm of float32 rows, optionally after adding a residual (which it
  *    also returns): one pass where PyTorch's composite op runs several (pow, mean, rsqrt, mul).
+ *    pkgd_rms_norm_bf16: the same on bf16 rows, with the roundings of the bf16 reference.
+ *  - pkgd_silu_and_mul: SwiGLU's gate on float32 or bf16 rows in one pass (torch runs silu,
+ *    then a product, and for bf16 a conversion each way inside each).
  *  - pkgd_paged_attention_decode: one query token per sequence over the paged KV cache
  *    [num_blocks, block_size, num_kv_heads, head_dim], read in place through the block table
  *    (no gathered copy), the G = Hq/Hkv query heads of a KV head sharing each K/V read
@@ -21,7 +24,7 @@
  */
 #include "kernels.h"
 
-#define PKGD_KERNELS_ABI_VERSION 7
+#define PKGD_KERNELS_ABI_VERSION 8
 
 int pkgd_abi_version(void) { return PKGD_KERNELS_ABI_VERSION; }
 
@@ -168,4 +171,28 @@ void pkgd_rms_norm(float* out, float* res_out, const float* x, int64_t ldx, cons
         }
         rms_row(out + i * h, r, weight, h, eps);
     }
+}
+
+/* pkgd_rms_norm on bf16 rows (rms_row_bf16): x rows have stride ldx; residual, out and res_out
+ * are contiguous [t, h]. */
+void pkgd_rms_norm_bf16(uint16_t* out, uint16_t* res_out, const uint16_t* x, int64_t ldx,
+                        const uint16_t* residual, const uint16_t* weight, int64_t t, int64_t h, float eps) {
+#pragma omp parallel for schedule(static) if (t * h > (1 << 16))
+    for (int64_t i = 0; i < t; i++)
+        rms_row_bf16(out + i * h, residual ? res_out + i * h : NULL, x + i * ldx,
+                     residual ? residual + i * h : NULL, weight, h, eps);
+}
+
+/* out[t, n] = silu(x[:, :n]) * x[:, n:] for x [t, 2n] with row stride ldx (elements), float32
+ * (dtype DT_F32) or bf16 (DT_BF16); out contiguous. Returns -1 for another dtype. */
+int pkgd_silu_and_mul(void* out, const void* x, int64_t ldx, int64_t t, int64_t n, int dtype) {
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
+#pragma omp parallel for schedule(static) if (t * n > (1 << 15))
+    for (int64_t i = 0; i < t; i++) {
+        if (dtype == DT_F32)
+            silu_mul_row((float*)out + i * n, (const float*)x + i * ldx, (const float*)x + i * ldx + n, n);
+        else
+            silu_mul_row_bf16((uint16_t*)out + i * n, (const uint16_t*)x + i * ldx, n);
+    }
+    return 0;
 }

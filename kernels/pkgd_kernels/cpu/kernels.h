@@ -515,6 +515,83 @@ static inline void add_row(float* ro, const float* a, const float* c, const floa
     }
 }
 
+/* ---- bf16 rows: 16 lanes widened to float32 and rounded back (round to nearest even) ---- */
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+static inline v16 load_bf16x16(const uint16_t* p) {
+    const u32x16 u = __builtin_convertvector(*(const u16x16u*)p, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void store_bf16x16(uint16_t* p, v16 f) { /* finite inputs, as f32_to_bf16 */
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *(u16x16u*)p = __builtin_convertvector(u >> 16, u16x16);
+}
+
+/* f rounded to bf16 and widened back: the value a bf16 tensor holds. */
+static inline v16 round_bf16x16(v16 f) {
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* One bf16 row of h values, rounded as transformers' LlamaRMSNorm rounds a bf16 input: the mean
+ * square of r in float32, n = bf16(r / sqrt(ms + eps)), o = bf16(n * weight). With res != NULL,
+ * r = bf16(x + res) is written to ro first (the residual add in bf16, as torch's). */
+static inline void rms_row_bf16(uint16_t* o, uint16_t* ro, const uint16_t* x, const uint16_t* res,
+                                const uint16_t* weight, int64_t h, float eps) {
+    const uint16_t* r = x;
+    int64_t j = 0;
+    if (res) {
+        for (; j + 16 <= h; j += 16) store_bf16x16(ro + j, load_bf16x16(x + j) + load_bf16x16(res + j));
+        for (; j < h; j++) ro[j] = f32_to_bf16(bf16_to_f32(x[j]) + bf16_to_f32(res[j]));
+        r = ro;
+    }
+    v16 acc = (v16){0};
+    for (j = 0; j + 16 <= h; j += 16) {
+        const v16 v = load_bf16x16(r + j);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; j < h; j++) ss += bf16_to_f32(r[j]) * bf16_to_f32(r[j]);
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (j = 0; j + 16 <= h; j += 16)
+        store_bf16x16(o + j, round_bf16x16(load_bf16x16(r + j) * inv) * load_bf16x16(weight + j));
+    for (; j < h; j++) o[j] = f32_to_bf16(round_bf16(bf16_to_f32(r[j]) * inv) * bf16_to_f32(weight[j]));
+}
+
+/* silu(g) = g * sigmoid(g) (Elfwing et al., 2018), 16 lanes, with exp of -|g| only (vexp's
+ * domain), so no lane overflows. */
+static inline v16 vsilu(v16 g) {
+    const v16i neg = g < 0;
+    const v16 a = (v16)((v16i)g & 0x7fffffff); /* |g|: the sign bit cleared */
+    /* exp(-|g|) is 0 in float32 beyond vexp's clamp (below the smallest normal), as expf's */
+    const v16 e = (v16)((v16i)vexp((v16){0} - a) & (a < 87.3f));
+    const v16 one = (v16){0} + 1.0f;
+    const v16 num = (v16)(((v16i)e & neg) | ((v16i)one & ~neg)); /* sigmoid(g) * (1 + e) */
+    return g * num / (one + e);
+}
+
+static inline float silu1(float g) { return g / (1.0f + expf(-g)); } /* -0 where expf(-g) overflows */
+
+/* One bf16 row: o[0..n) = silu(x[0..n)) * x[n..2n), silu's value rounded to bf16 before the
+ * product, as torch's two bf16 ops round. */
+static inline void silu_mul_row_bf16(uint16_t* ob, const uint16_t* g, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        store_bf16x16(ob + j, round_bf16x16(vsilu(load_bf16x16(g + j))) * load_bf16x16(g + n + j));
+    for (; j < n; j++) ob[j] = f32_to_bf16(round_bf16(silu1(bf16_to_f32(g[j]))) * bf16_to_f32(g[n + j]));
+}
+
 /* ---- GEMV by a thread team, and the small row loops of a decoder layer ------------- */
 
 /* A linear's weight as the GEMVs read it: float32 [n/64][k][64] (W_F32), bf16 [n/32][k/2][32][2]
@@ -582,19 +659,11 @@ static inline void rope_head(float* x, const float* cs, int64_t rot) {
     }
 }
 
-/* silu(g) * u for n floats (SwiGLU, Shazeer 2020): g * sigmoid(g), the exponent taken of -|g|
- * so vexp stays in its range. */
+/* silu(g) * u for n floats (SwiGLU, Shazeer 2020). */
 static inline void silu_mul_row(float* o, const float* g, const float* u, int64_t n) {
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const v16 gv = LOADV(g + j);
-        const v16i neg = gv < 0;
-        const v16 ax = (v16)((v16i)gv & 0x7fffffff); /* |g|: the sign bit cleared */
-        const v16 e = vexp((v16){0} - ax);
-        const v16 num = (v16)(((v16i)e & neg) | ((v16i)((v16){0} + 1.0f) & ~neg));
-        STOREV(o + j, gv * (num / (1.0f + e)) * LOADV(u + j));
-    }
-    for (; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    for (; j + 16 <= n; j += 16) STOREV(o + j, vsilu(LOADV(g + j)) * LOADV(u + j));
+    for (; j < n; j++) o[j] = silu1(g[j]) * u[j];
 }
 
 #endif /* PKGD_KERNELS_H */

@@ -112,6 +112,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
         super().__init__()
+        self.kernels = kernels
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         i = cfg.intermediate_size
@@ -121,7 +122,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(pk.silu_and_mul(self.gate_up_proj(h)))
+        return self.down_proj(pk.silu_and_mul(self.gate_up_proj(h), kernels=self.kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
