@@ -103,6 +103,7 @@ C_OPS = (
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "rotary_embedding",
     "gemv_packed",
     "gather_packed",
     "quant_linear",

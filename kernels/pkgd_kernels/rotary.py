@@ -231,11 +231,15 @@ def rotary_embedding(
     is_neox: bool,
     *,
     plan: RotaryPlan | None = None,
+    kernels=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on query and key: :func:`rotary_embedding_triton` on CUDA tensors,
-    :func:`rotary_embedding_cpu` with ``plan`` otherwise (see :func:`rotary_embedding_ref` for
-    shapes and errors)."""
+    """RoPE on query and key: :func:`rotary_embedding_triton` on CUDA tensors; on CPU the C form
+    when ``kernels`` (a `pkgd_kernels.cpu.CpuKernels`) takes the tensors, else
+    :func:`rotary_embedding_cpu` with ``plan`` (see :func:`rotary_embedding_ref` for shapes and
+    errors)."""
     if use_triton(query):
         return rotary_embedding_triton(positions, query, key, head_size, cos_sin_cache, is_neox)
     _check(positions, query, key, head_size, cos_sin_cache)
+    if kernels is not None and kernels.takes_rotary_embedding(query, key, cos_sin_cache):
+        return kernels.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
     return rotary_embedding_cpu(positions, query, key, head_size, cos_sin_cache, is_neox, plan=plan)

@@ -124,6 +124,13 @@ def test_takes_says_no_to_layouts_the_kernel_does_not_take():
     assert not cpu.CpuKernels.takes_silu_and_mul(torch.zeros(2, 7))  # odd width
     assert not cpu.CpuKernels.takes_silu_and_mul(torch.zeros(8, 2).t())  # columns strided
     assert not cpu.CpuKernels.takes_silu_and_mul(torch.zeros(2, 3, 8))
+    takes_rope = cpu.CpuKernels.takes_rotary_embedding
+    q, table = torch.zeros(2, 128, dtype=torch.bfloat16), torch.zeros(8, 64)
+    assert takes_rope(q, q, table)
+    assert not takes_rope(q, q.float(), table)  # one dtype
+    assert not takes_rope(q.half(), q.half(), table)
+    assert not takes_rope(q, q, table.bfloat16())
+    assert not takes_rope(torch.zeros(128, 2, dtype=torch.bfloat16).t(), q, table)
     assert not cpu.CpuKernels.takes_gemv_packed(torch.zeros(2, 8), torch.zeros(1, 8, 64).transpose(0, 1))
 
 
@@ -266,6 +273,39 @@ def test_silu_and_mul_matches_the_reference(kernels, t, i, dtype):
     assert out[0, :4].tolist() == pytest.approx([-0.0, 150.0, 0.0, 0.0], abs=1e-30)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         kernels.silu_and_mul(x.half())
+
+
+def _rope_table(max_pos: int, rot: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    f = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat((f.cos(), f.sin()), dim=-1)
+
+
+# rot 64 and 32: 16 channels at a time; 40: one pair at a time; rot < d: channels copied
+@pytest.mark.parametrize("d,rot", [(64, 64), (64, 32), (64, 40)])
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [3, 300])  # 300: the threaded path
+def test_rotary_embedding_matches_the_reference(kernels, d, rot, is_neox, dtype, t):
+    g = torch.Generator().manual_seed(d + rot + t)
+    qkv = torch.randn(t, 13 * d, generator=g).to(dtype)
+    q, k = qkv[:, : 9 * d], qkv[:, 9 * d : 12 * d]  # views into a fused QKV row, as the model's
+    pos = torch.randint(0, 2048, (t,), generator=g)
+    table = _rope_table(2048, rot)
+    out = pk.rotary_embedding(pos, q, k, d, table, is_neox, kernels=kernels)
+    want = pk.rotary_embedding_ref(pos, q, k, d, table, is_neox)
+    for o, w in zip(out, want):
+        assert o.dtype == dtype and o.shape == w.shape
+        if dtype == torch.bfloat16:  # rounded once from float32 sums that may differ by an ulp
+            torch.testing.assert_close(o, w, atol=0, rtol=2**-7)
+            assert (o != w).float().mean() < 1e-3
+        else:
+            torch.testing.assert_close(o, w, atol=1e-6, rtol=1e-6)
+        assert torch.equal(o.view(t, -1, d)[..., rot:], w.view(t, -1, d)[..., rot:])
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 2048\), got 2048"):
+        kernels.rotary_embedding(torch.tensor([0, 2048] + [0] * (t - 2)), q, k, d, table, is_neox)
+    with pytest.raises(ValueError, match="float32 table"):
+        kernels.rotary_embedding(pos, q, k, d, table.double(), is_neox)
 
 
 def test_a_library_of_another_abi_is_rebuilt_and_one_that_disagrees_is_refused(tmp_path):

@@ -19,6 +19,8 @@ PyTorch form, which computes the same thing:
 * `CpuKernels.rms_norm` / `CpuKernels.fused_add_rms_norm`: RMSNorm (with the residual add
   fused), one pass over each float32 or bf16 row (at batch 1 PyTorch's composite op cost ~25 us
   a call; on bf16 it also converts each way), bf16 with the reference's roundings;
+* `CpuKernels.rotary_embedding`: RoPE on float32 or bf16 query/key rows, reading the table by
+  position (no gathered copy, no float32 copy of bf16 rows);
 * `CpuKernels.silu_and_mul`: SwiGLU's gate on float32 or bf16 rows, one pass (PyTorch runs
   two ops, each converting bf16 to float32 and back);
 * `CpuKernels.quant_linear` / `CpuKernels.quant_gather`: linears and lookups on GGUF
@@ -100,6 +102,9 @@ class CpuKernels:
         self._silu_mul = lib.pkgd_silu_and_mul
         self._silu_mul.argtypes = [_p, _p, _i64, _i64, _i64, _i32]
         self._silu_mul.restype = ctypes.c_int
+        self._rope = lib.pkgd_rotary_embedding
+        self._rope.argtypes = [_p, _p, _p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _i32, _i32]
+        self._rope.restype = _i64
         self._gather = lib.pkgd_gather_packed64
         self._gather.argtypes = [_p, _p, _p, _i64, _i64, _i64]
         self._gather.restype = ctypes.c_int
@@ -199,6 +204,22 @@ class CpuKernels:
             and x.dim() == 2
             and x.stride(1) == 1
             and not x.is_cuda
+        )
+
+    @staticmethod
+    def takes_rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+        """Whether `rotary_embedding` takes these: float32 or bfloat16 ``query`` / ``key`` (one
+        dtype) ``[T, heads * D]`` with unit column stride on CPU, a float32 contiguous table."""
+        return (
+            query.dtype in (torch.float32, torch.bfloat16)
+            and key.dtype == query.dtype
+            and query.dim() == 2
+            and key.dim() == 2
+            and query.stride(1) == 1
+            and key.stride(1) == 1
+            and not query.is_cuda
+            and cos_sin_cache.dtype == torch.float32
+            and cos_sin_cache.is_contiguous()
         )
 
     @staticmethod
@@ -345,6 +366,38 @@ class CpuKernels:
             eps,
         )
         return out, res_out
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        head_size: int,
+        cos_sin_cache: torch.Tensor,
+        is_neox: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """C form of `pkgd_kernels.rotary_embedding` (tensors `takes_rotary_embedding` accepts;
+        the other arguments as the dispatcher checked them): new contiguous ``(query, key)``,
+        rotated in float32 and rounded once, as the reference.
+
+        Raises:
+            ValueError: tensors it does not take, or a position outside the table.
+        """
+        if not self.takes_rotary_embedding(query, key, cos_sin_cache):
+            raise ValueError("rotary_embedding: float32 or bfloat16 query/key [T, heads * D], a float32 table")
+        t, rot = query.shape[0], cos_sin_cache.shape[1]
+        pos = positions.to(torch.int64).contiguous()
+        q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape, dtype=key.dtype)
+        bad = self._rope(
+            q_out.data_ptr(), k_out.data_ptr(), query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
+            pos.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], t, query.shape[1] // head_size,
+            key.shape[1] // head_size, head_size, rot, int(is_neox), _CACHE_DTYPES[query.dtype],
+        )  # fmt: skip
+        if bad:
+            raise ValueError(
+                f"rotary_embedding: positions must lie in [0, {cos_sin_cache.shape[0]}), got {pos[bad - 1].item()}"
+            )
+        return q_out, k_out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """C form of `pkgd_kernels.silu_and_mul` (tensors `takes_silu_and_mul` accepts): a new

@@ -12,6 +12,9 @@
  *  - pkgd_rms_norm: RMSNorm of float32 rows, optionally after adding a residual (which it
  *    also returns): one pass where PyTorch's composite op runs several (pow, mean, rsqrt, mul).
  *    pkgd_rms_norm_bf16: the same on bf16 rows, with the roundings of the bf16 reference.
+ *  - pkgd_rotary_embedding: RoPE on the query and key rows of float32 or bf16 tokens, reading
+ *    the cos/sin table by position (PyTorch's form gathers the table, widens bf16 rows, rotates
+ *    as complex numbers and rounds back: five passes).
  *  - pkgd_silu_and_mul: SwiGLU's gate on float32 or bf16 rows in one pass (torch runs silu,
  *    then a product, and for bf16 a conversion each way inside each).
  *  - pkgd_paged_attention_decode: one query token per sequence over the paged KV cache
@@ -193,6 +196,95 @@ int pkgd_silu_and_mul(void* out, const void* x, int64_t ldx, int64_t t, int64_t 
             silu_mul_row((float*)out + i * n, (const float*)x + i * ldx, (const float*)x + i * ldx + n, n);
         else
             silu_mul_row_bf16((uint16_t*)out + i * n, (const uint16_t*)x + i * ldx, n);
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) v16 ld16(const void* p, int64_t i, const int dtype) {
+    return dtype == DT_F32 ? LOADV((const float*)p + i) : load_bf16x16((const uint16_t*)p + i);
+}
+
+static inline __attribute__((always_inline)) void st16(void* p, int64_t i, v16 v, const int dtype) {
+    if (dtype == DT_F32) STOREV((float*)p + i, v);
+    else store_bf16x16((uint16_t*)p + i, v);
+}
+
+/* The rotation of one token as rope_head_to reads it: cs = its table row (cos in [0, rot/2),
+ * sin in [rot/2, rot)); for GPT-J pairs (2i, 2i + 1) also cd / sd [rot], each pair's cos twice
+ * and its sin as (-sin, +sin), so 16 channels rotate as x * cd + swap_pairs(x) * sd. */
+typedef struct {
+    const float* cs;
+    float* cd;
+    float* sd;
+} rope_row;
+
+/* One head of d channels, the first rot rotated (Su et al., 2021), the rest copied; pairs
+ * (i, i + rot/2) when neox, else (2i, 2i + 1). Computed in float32 and rounded once (bf16: to
+ * nearest even). 16 channels at a time where rot % 32 == 0, else one pair at a time. */
+static inline __attribute__((always_inline)) void rope_head_to(
+    void* o, const void* x, rope_row r, int64_t d, int64_t rot, int neox, const int dtype) {
+    const int64_t half = rot / 2, es = dtype == DT_F32 ? 4 : 2;
+    if (rot % 32 == 0 && neox) {
+        for (int64_t i = 0; i < half; i += 16) {
+            const v16 a = ld16(x, i, dtype), b = ld16(x, half + i, dtype);
+            const v16 c = LOADV(r.cs + i), s = LOADV(r.cs + half + i);
+            st16(o, i, a * c - b * s, dtype);
+            st16(o, half + i, b * c + a * s, dtype);
+        }
+    } else if (rot % 32 == 0) {
+        for (int64_t j = 0; j < rot; j += 16) {
+            const v16 v = ld16(x, j, dtype);
+            const v16 sw = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+            st16(o, j, v * LOADV(r.cd + j) + sw * LOADV(r.sd + j), dtype);
+        }
+    } else {
+        const int64_t step = neox ? 1 : 2, other = neox ? half : 1;
+        for (int64_t i = 0; i < half; i++) {
+            const int64_t ia = i * step, ib = ia + other;
+            const float a = dtype == DT_F32 ? ((const float*)x)[ia] : bf16_to_f32(((const uint16_t*)x)[ia]);
+            const float b = dtype == DT_F32 ? ((const float*)x)[ib] : bf16_to_f32(((const uint16_t*)x)[ib]);
+            const float c = r.cs[i], s = r.cs[half + i];
+            if (dtype == DT_F32) {
+                ((float*)o)[ia] = a * c - b * s;
+                ((float*)o)[ib] = b * c + a * s;
+            } else {
+                ((uint16_t*)o)[ia] = f32_to_bf16(a * c - b * s);
+                ((uint16_t*)o)[ib] = f32_to_bf16(b * c + a * s);
+            }
+        }
+    }
+    if (d > rot) memcpy((char*)o + rot * es, (const char*)x + rot * es, (size_t)((d - rot) * es));
+}
+
+/* qo[t, hq * d] / ko[t, hk * d] (contiguous) = q / k (rows ldq / ldk elements apart) with RoPE
+ * at positions pos[t] of the float32 table cache [max_pos, rot]; float32 (DT_F32) or bf16
+ * (DT_BF16) rows; rot <= 512. Returns 0, -1 for another dtype or rot, or 1 + the first token whose position lies
+ * outside [0, max_pos) (nothing is written then). */
+int64_t pkgd_rotary_embedding(void* qo, void* ko, const void* q, int64_t ldq, const void* k, int64_t ldk,
+                              const int64_t* pos, const float* cache, int64_t max_pos, int64_t t, int64_t hq,
+                              int64_t hk, int64_t d, int64_t rot, int neox, int dtype) {
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
+    for (int64_t i = 0; i < t; i++)
+        if (pos[i] < 0 || pos[i] >= max_pos) return i + 1;
+    const int64_t es = dtype == DT_F32 ? 4 : 2;
+    if (rot > 512) return -1;
+#pragma omp parallel for schedule(static) if (t * (hq + hk) * d > (1 << 15))
+    for (int64_t i = 0; i < t; i++) {
+        float cd[512] __attribute__((aligned(64))), sd[512] __attribute__((aligned(64)));
+        const rope_row r = {cache + pos[i] * rot, cd, sd};
+        if (!neox)
+            for (int64_t j = 0; j < rot; j++) {
+                cd[j] = r.cs[j / 2];
+                sd[j] = (j & 1) ? r.cs[rot / 2 + j / 2] : -r.cs[rot / 2 + j / 2];
+            }
+        for (int64_t h = 0; h < hq + hk; h++) {
+            const int isq = h < hq;
+            const int64_t hh = isq ? h : h - hq;
+            char* o = (char*)(isq ? qo : ko) + ((isq ? i * hq : i * hk) + hh) * d * es;
+            const char* x = (const char*)(isq ? q : k) + (i * (isq ? ldq : ldk) + hh * d) * es;
+            if (dtype == DT_F32) rope_head_to(o, x, r, d, rot, neox, DT_F32);
+            else rope_head_to(o, x, r, d, rot, neox, DT_BF16);
+        }
     }
     return 0;
 }

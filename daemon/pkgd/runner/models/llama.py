@@ -104,7 +104,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, d)).view(t, q_size)
             k = self.k_norm(k.reshape(-1, d)).view(t, kv_size)
-        q, k = pk.rotary_embedding(positions, q, k, d, rope.table.cos_sin_cache, rope.table.is_neox, plan=rope.plan)
+        q, k = pk.rotary_embedding(
+            positions, q, k, d, rope.table.cos_sin_cache, rope.table.is_neox, plan=rope.plan, kernels=self.kernels
+        )
         out = paged_attention(q.view(t, -1, d), k.view(t, -1, d), v, kv_cache, meta, self.scale, self.kernels)
         return self.o_proj(out.view(t, q_size))
 
