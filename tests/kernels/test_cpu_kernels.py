@@ -130,6 +130,7 @@ def test_takes_says_no_to_layouts_the_kernel_does_not_take():
     assert not takes_rope(q, q.float(), table)  # one dtype
     assert not takes_rope(q.half(), q.half(), table)
     assert not takes_rope(q, q, table.bfloat16())
+    assert not takes_rope(torch.zeros(2, 1024), torch.zeros(2, 1024), torch.zeros(8, 1024))  # rot > 512
     assert not takes_rope(torch.zeros(128, 2, dtype=torch.bfloat16).t(), q, table)
     assert not cpu.CpuKernels.takes_gemv_packed(torch.zeros(2, 8), torch.zeros(1, 8, 64).transpose(0, 1))
 

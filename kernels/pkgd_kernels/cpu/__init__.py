@@ -57,6 +57,7 @@ KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=8)
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 BF16_IMPLS = {"widen": 0, "dpbf16": 1}
+ROPE_MAX_ROT = 512  # the rotated channels per head pkgd_rotary_embedding's per-token buffers hold
 BF16_BLOCKS = ((32, 2), (64, 2))
 """The trailing dims of the bf16 packings the C GEMV reads: oneDNN's ``[N/B, K/2, B, 2]`` with
 B chosen by oneDNN per CPU (32 on the AMX hosts seen, 64 on an AVX512-BF16 one without AMX)."""
@@ -209,7 +210,8 @@ class CpuKernels:
     @staticmethod
     def takes_rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
         """Whether `rotary_embedding` takes these: float32 or bfloat16 ``query`` / ``key`` (one
-        dtype) ``[T, heads * D]`` with unit column stride on CPU, a float32 contiguous table."""
+        dtype) ``[T, heads * D]`` with unit column stride on CPU, a float32 contiguous table of at
+        most `ROPE_MAX_ROT` columns."""
         return (
             query.dtype in (torch.float32, torch.bfloat16)
             and key.dtype == query.dtype
@@ -220,6 +222,8 @@ class CpuKernels:
             and not query.is_cuda
             and cos_sin_cache.dtype == torch.float32
             and cos_sin_cache.is_contiguous()
+            and cos_sin_cache.dim() == 2
+            and cos_sin_cache.shape[1] <= ROPE_MAX_ROT
         )
 
     @staticmethod
@@ -384,7 +388,10 @@ class CpuKernels:
             ValueError: tensors it does not take, or a position outside the table.
         """
         if not self.takes_rotary_embedding(query, key, cos_sin_cache):
-            raise ValueError("rotary_embedding: float32 or bfloat16 query/key [T, heads * D], a float32 table")
+            raise ValueError(
+                f"rotary_embedding: float32 or bfloat16 query/key [T, heads * D], a float32 table of at most "
+                f"{ROPE_MAX_ROT} columns"
+            )
         t, rot = query.shape[0], cos_sin_cache.shape[1]
         pos = positions.to(torch.int64).contiguous()
         q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape, dtype=key.dtype)
@@ -393,6 +400,8 @@ class CpuKernels:
             pos.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], t, query.shape[1] // head_size,
             key.shape[1] // head_size, head_size, rot, int(is_neox), _CACHE_DTYPES[query.dtype],
         )  # fmt: skip
+        if bad < 0:  # refused dtype or width, which takes_rotary_embedding already excludes
+            raise ValueError("rotary_embedding: the C kernel refused these tensors")
         if bad:
             raise ValueError(
                 f"rotary_embedding: positions must lie in [0, {cos_sin_cache.shape[0]}), got {pos[bad - 1].item()}"

@@ -258,7 +258,7 @@ static inline __attribute__((always_inline)) void rope_head_to(
 
 /* qo[t, hq * d] / ko[t, hk * d] (contiguous) = q / k (rows ldq / ldk elements apart) with RoPE
  * at positions pos[t] of the float32 table cache [max_pos, rot]; float32 (DT_F32) or bf16
- * (DT_BF16) rows; rot <= 512. Returns 0, -1 for another dtype or rot, or 1 + the first token whose position lies
+ * (DT_BF16) rows; rot <= 512 (ROPE_MAX_ROT in the bindings). Returns 0, -1 for another dtype or rot, or 1 + the first token whose position lies
  * outside [0, max_pos) (nothing is written then). */
 int64_t pkgd_rotary_embedding(void* qo, void* ko, const void* q, int64_t ldq, const void* k, int64_t ldk,
                               const int64_t* pos, const float* cache, int64_t max_pos, int64_t t, int64_t hq,
