@@ -299,6 +299,15 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 
 typedef _Float16 h16u __attribute__((vector_size(32), aligned(2)));
 typedef uint16_t u16x16u __attribute__((vector_size(32), aligned(2)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+/* 16 bf16 values widened to float32 (exact). */
+static inline v16 load_bf16x16(const uint16_t* p) {
+    const u32x16 u = __builtin_convertvector(*(const u16x16u*)p, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
 
 /* Row `idx` of a cache viewed as [rows, d], as floats (converted into tmp for 16-bit caches;
  * d % 16 == 0). */
@@ -311,12 +320,7 @@ static inline __attribute__((always_inline)) const float* cache_row(
         return tmp;
     }
     const uint16_t* p = (const uint16_t*)base + idx * d;
-    for (int64_t i = 0; i < d; i += 16) {
-        u32x16 u = __builtin_convertvector(*(const u16x16u*)(p + i), u32x16) << 16;
-        v16 f;
-        memcpy(&f, &u, sizeof f);
-        STOREV(tmp + i, f);
-    }
+    for (int64_t i = 0; i < d; i += 16) STOREV(tmp + i, load_bf16x16(p + i));
     return tmp;
 }
 
@@ -515,16 +519,7 @@ static inline void add_row(float* ro, const float* a, const float* c, const floa
     }
 }
 
-/* ---- bf16 rows: 16 lanes widened to float32 and rounded back (round to nearest even) ---- */
-
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-static inline v16 load_bf16x16(const uint16_t* p) {
-    const u32x16 u = __builtin_convertvector(*(const u16x16u*)p, u32x16) << 16;
-    v16 f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+/* ---- bf16 rows: 16 lanes (load_bf16x16) rounded back to bf16 (to nearest even) -------- */
 
 static inline void store_bf16x16(uint16_t* p, v16 f) { /* finite inputs, as f32_to_bf16 */
     u32x16 u;
