@@ -62,3 +62,30 @@ async def test_an_engine_that_never_answers_times_out(tokenizer):
     llm = AsyncLLM(VllmConfig(), ["ipc:///x"], tokenizer=tokenizer, client_factory=lambda sink: LoadingClient(sink, 60))
     with pytest.raises(TimeoutError, match="no engine core answered within 1 s"):
         await llm.start(handshake_timeout=1)
+
+
+@pytest.mark.parametrize("converted", [True, False])
+async def test_the_tokenizer_loads_while_the_engine_does_once_the_model_is_converted(tokenizer, monkeypatch, converted):
+    """A model already resolvable (converted by an earlier start) has its tokenizer read while
+    the engine core loads; a GGUF's first conversion is left to the engine and the tokenizer
+    is read after its handshake (this process never converts)."""
+    from pkgd.model_files.resolve import NotConverted
+
+    client: list[LoadingClient] = []
+    calls: list[tuple[bool, bool]] = []  # (convert, engine answered yet)
+
+    def load(config, *, convert=True):
+        calls.append((convert, client[0].handshake is not None))
+        if not convert and not converted:
+            raise NotConverted("cold cache")
+        return tokenizer, {}
+
+    def factory(sink):
+        client.append(LoadingClient(sink, 0.5))
+        return client[0]
+
+    monkeypatch.setattr(async_llm, "load_frontend_model", load)
+    llm = AsyncLLM(VllmConfig(), ["ipc:///loading"], client_factory=factory)
+    await llm.start(handshake_timeout=5)
+    assert llm.is_ready() and llm.tokenizer is tokenizer
+    assert calls == ([(False, False)] if converted else [(False, False), (True, True)])

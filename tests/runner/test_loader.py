@@ -101,6 +101,20 @@ def test_second_resolve_reuses_cache_without_parsing(tiny_gguf, tmp_path, monkey
     assert _resolve(path, tmp_path).model_dir == first.model_dir
 
 
+def test_resolve_without_converting_says_so_and_writes_nothing(tiny_gguf, tmp_path):
+    """``convert=False`` (the API server's early tokenizer load) never converts: NotConverted
+    on a cold cache, which it leaves empty; the same files as a converting call once warm."""
+    from pkgd.model_files.resolve import NotConverted
+
+    path, _ = tiny_gguf["llama"]
+    cfg = ModelConfig(source=str(path), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(NotConverted):
+        resolve_model(cfg, convert=False)
+    assert not (tmp_path / "cache").exists()
+    first = resolve_model(cfg)
+    assert resolve_model(cfg, convert=False) == first
+
+
 def test_interrupted_conversion_leaves_no_usable_dir(tiny_gguf, tmp_path):
     """A conversion killed half-way (SIGKILL after config.json is written) leaves only a
     temporary directory; the next resolve converts again and cleans it up."""

@@ -124,10 +124,11 @@ class AsyncLLM:
             TimeoutError: no engine core answered within ``handshake_timeout`` seconds.
             pkgd.frontend.tokenizer.TokenizerError: the tokenizer cannot be loaded.
         """
-        # The heavy imports run while the engine cores load; the tokenizer itself is read only
-        # after a handshake, when the engine has resolved (for a GGUF: converted) the model, so
-        # this process never converts weights nor imports torch.
-        preload = asyncio.ensure_future(asyncio.to_thread(_import_frontend))
+        # The heavy imports, and the tokenizer where the model's files are there already (an
+        # HF directory, a GGUF converted by an earlier start), run while the engine cores load;
+        # a GGUF's first conversion is the engine's, so this process never converts nor
+        # imports torch, and reads that tokenizer after the handshake.
+        preload = asyncio.ensure_future(asyncio.to_thread(_prepare_frontend, self.config, self.tokenizer is None))
         # Loading takes seconds to minutes on a cold cache: say so once, as information
         # (nothing is wrong until engine_ready_timeout passes), and wait.
         all_cores = asyncio.ensure_future(self.client.start(timeout=min(handshake_timeout, ALL_CORES_WAIT_S)))
@@ -145,10 +146,12 @@ class AsyncLLM:
                 preload.cancel()
                 raise TimeoutError(f"no engine core answered within {handshake_timeout:.0f} s")
             await asyncio.sleep(0.05)
-        InputProcessor, OutputProcessor = await preload  # noqa: N806 - classes
+        (InputProcessor, OutputProcessor), early = await preload  # noqa: N806 - classes
         self.handshake = hs = self.client.handshake
         if self.tokenizer is None:
-            self.tokenizer, self.generation_defaults = await asyncio.to_thread(load_frontend_model, self.config)
+            if early is None:
+                early = await asyncio.to_thread(load_frontend_model, self.config)
+            self.tokenizer, self.generation_defaults = early
         self.input_processor = InputProcessor(
             self.tokenizer,
             max_model_len=hs.max_model_len,
@@ -360,6 +363,20 @@ def _import_frontend() -> tuple[type, type]:
     return InputProcessor, OutputProcessor
 
 
+def _prepare_frontend(config: VllmConfig, load: bool) -> tuple[tuple[type, type], tuple[Any, dict[str, Any]] | None]:
+    """`_import_frontend`, then `load_frontend_model` when ``load`` and the model resolves
+    without a conversion (else None: `NotConverted`). Raises what `load_frontend_model` raises."""
+    from pkgd.model_files.resolve import NotConverted
+
+    classes = _import_frontend()
+    if not load:
+        return classes, None
+    try:
+        return classes, load_frontend_model(config, convert=False)
+    except NotConverted:
+        return classes, None
+
+
 def load_frontend_tokenizer(config: VllmConfig) -> Any:
     """The served model's tokenizer, from the directory ``model.source`` resolves to.
 
@@ -369,13 +386,14 @@ def load_frontend_tokenizer(config: VllmConfig) -> Any:
     return load_frontend_model(config)[0]
 
 
-def load_frontend_model(config: VllmConfig) -> tuple[Any, dict[str, Any]]:
+def load_frontend_model(config: VllmConfig, *, convert: bool = True) -> tuple[Any, dict[str, Any]]:
     """The served model's tokenizer and the sampling defaults of ``model.generation_config``
-    (`pkgd.model_files.generation`), from the resolved model directory."""
+    (`pkgd.model_files.generation`), from the resolved model directory (``convert``: as in
+    `pkgd.model_files.resolve.resolve_model`, whose errors it raises, with the tokenizer's)."""
     from pkgd.frontend.tokenizer import load_tokenizer
     from pkgd.model_files.generation import generation_defaults
     from pkgd.model_files.resolve import resolve_model
 
-    files = resolve_model(config.model)
+    files = resolve_model(config.model, convert=convert)
     tokenizer = load_tokenizer(files.tokenizer_dir, chat_template=config.model.chat_template)
     return tokenizer, generation_defaults(config.model.generation_config, files.model_dir)

@@ -51,6 +51,10 @@ FLOAT_WEIGHTS = "model.safetensors"
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d[\w]*|F16|F32|BF16)$", re.IGNORECASE)
 
 
+class NotConverted(Exception):
+    """`resolve_model` with ``convert=False`` found a GGUF whose conversion is not cached yet."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFiles:
     """A resolved model: where its HF-layout files are and what it is called.
@@ -78,22 +82,24 @@ class ModelFiles:
     gguf_path: Path | None = None
 
 
-def resolve_model(model_cfg: ModelConfig) -> ModelFiles:
+def resolve_model(model_cfg: ModelConfig, *, convert: bool = True) -> ModelFiles:
     """Resolve ``model_cfg.source`` (and ``model_cfg.tokenizer``) to local HF-layout files.
 
     Converts a GGUF's config and tokenizer on first use (about a second; later calls reuse the
-    cache); its float weights are `ensure_float_weights`' business.
+    cache); its float weights are `ensure_float_weights`' business. With ``convert=False`` a
+    GGUF not converted yet raises `NotConverted` instead (nothing is written).
 
     Raises:
         ModelSourceError: the path is missing, not a model, or a corrupt GGUF.
+        NotConverted: ``convert`` is False and a GGUF's conversion is not in the cache.
     """
     cache_dir = default_cache_dir(model_cfg.cache_dir)
     path = _locate(model_cfg.source)
-    model_dir, gguf_path = _as_hf_dir(path, model_cfg.source, cache_dir)
+    model_dir, gguf_path = _as_hf_dir(path, model_cfg.source, cache_dir, convert=convert)
     tokenizer_dir = model_dir
     if model_cfg.tokenizer:
         tok_path = _locate(model_cfg.tokenizer)
-        tokenizer_dir, _ = _as_hf_dir(tok_path, model_cfg.tokenizer, cache_dir, need_weights=False)
+        tokenizer_dir, _ = _as_hf_dir(tok_path, model_cfg.tokenizer, cache_dir, need_weights=False, convert=convert)
     return ModelFiles(
         source=model_cfg.source,
         model_dir=model_dir,
@@ -179,12 +185,14 @@ def _locate_in_package(source: str) -> Path:
     raise ModelSourceError(f"model source {source!r}: {' or '.join(tried)} does not exist")
 
 
-def _as_hf_dir(path: Path, source: str, cache_dir: Path, *, need_weights: bool = True) -> tuple[Path, Path | None]:
+def _as_hf_dir(
+    path: Path, source: str, cache_dir: Path, *, need_weights: bool = True, convert: bool = True
+) -> tuple[Path, Path | None]:
     if path.is_dir():
         _check_hf_dir(path, source, need_weights)
         return path, None
     if path.name.lower().endswith(".gguf"):
-        return converted_dir(path, cache_dir), path
+        return converted_dir(path, cache_dir, convert=convert), path
     raise ModelSourceError(
         f"model source {source!r}: {path} is neither a directory with config.json and *.safetensors nor a .gguf file"
     )
@@ -216,19 +224,23 @@ def content_hash(path: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    """The cached HF directory of a GGUF file, converting it first if needed.
+def converted_dir(gguf_path: Path, cache_dir: Path, *, convert: bool = True) -> Path:
+    """The cached HF directory of a GGUF file, converting it first if needed (or raising
+    `NotConverted` when ``convert`` is False).
 
     Concurrent callers (several engine cores) serialise on a lock file; the first converts,
     the others find the finished directory.
 
     Raises:
         ModelSourceError: the GGUF is corrupt or unsupported, or the cache is not writable.
+        NotConverted: ``convert`` is False and the cache has no finished conversion.
     """
     key = content_hash(gguf_path)
     final = cache_dir / key
     if _is_complete(final):
         return final
+    if not convert:
+        raise NotConverted(f"{gguf_path} has no finished conversion in {cache_dir}")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         lock = open(cache_dir / f".{key}.lock", "w")  # noqa: SIM115 - held until converted
