@@ -84,7 +84,7 @@ def _paged(num_seqs, hkv, d, bs, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 16), (9, 3, 64), (4, 4, 32), (16, 2, 128)])
 @pytest.mark.parametrize("num_seqs", [1, 3, 40])  # 40: work split by sequence, else by KV head
-@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("bs", [1, 16, 32])  # 32: two groups of 16 keys per block
 def test_decode_attention_matches_the_reference(kernels, dtype, hq, hkv, d, num_seqs, bs):
     kc, vc, tables, lens = _paged(num_seqs, hkv, d, bs, dtype, seed=hq * d + num_seqs + bs)
     # queries as the model hands them over: the Q part of a [T, Hq + Hkv, D] rotary output

@@ -324,6 +324,63 @@ static inline __attribute__((always_inline)) const float* cache_row(
     return tmp;
 }
 
+/* Elements [i, i + 16) of a cache of `dtype` as floats (widened in registers). */
+static inline __attribute__((always_inline)) v16 load_kv16(const void* base, int64_t i, const int dtype) {
+    if (dtype == DT_F32) return LOADV((const float*)base + i);
+    if (dtype == DT_F16) return __builtin_convertvector(*(const h16u*)((const _Float16*)base + i), v16);
+    return load_bf16x16((const uint16_t*)base + i);
+}
+
+/* Lane j of the result = the sum of p[j]'s 16 lanes: sixteen horizontal sums as one tree of
+ * pairwise shuffles and adds (15 steps in four rounds, each round halving the vectors and
+ * doubling the keys per vector), where hsum takes four dependent steps for each sum. */
+static inline __attribute__((always_inline)) v16 hsum16(const v16 p[16]) {
+    v16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* lane 2u + t: key 2i + t, lanes 2u and 2u + 1 added */
+        a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                       14, 30) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                       15, 31);
+    for (int i = 0; i < 4; i++) /* lane 4u + t: key 4i + t */
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                                       28, 29) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                                       30, 31);
+    for (int i = 0; i < 2; i++) /* lane 8u + t: key 8i + t */
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                                       26, 27) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                                       30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(c[0], c[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Scores of one query head (D floats in registers, D a compile-time 64 or 128) against the K rows
+ * of m <= 16 consecutive cached tokens of one head (token j's row at element (row + j * hkv) * D),
+ * times scale, written to s[0, m). */
+static inline __attribute__((always_inline)) void scores16(float* s, const v16* qv, const void* kc, int64_t row,
+                                                           int64_t hkv, int64_t m, float scale, const int D,
+                                                           const int dtype) {
+    v16 p[16];
+    for (int j = 0; j < 16; j++) {
+        v16 x = (v16){0}, y = (v16){0};
+        if (j < m) {
+            const int64_t e = (row + j * hkv) * D;
+            for (int c = 0; c < D / 16; c += 2) {
+                x += qv[c] * load_kv16(kc, e + c * 16, dtype);
+                y += qv[c + 1] * load_kv16(kc, e + c * 16 + 16, dtype);
+            }
+        }
+        p[j] = x + y;
+    }
+    const v16 r = hsum16(p) * scale;
+    if (m == 16) {
+        STOREV(s, r);
+    } else {
+        for (int64_t j = 0; j < m; j++) s[j] = r[j];
+    }
+}
+
 /* Accumulate p * row into acc (d floats, d % 16 == 0); four registers at a time. */
 static inline void axpy(float* acc, float p, const float* row, int64_t d) {
     for (int64_t i = 0; i < d; i += 64) {
@@ -405,6 +462,24 @@ static inline __attribute__((always_inline)) void attend_span(
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
         prefetch_nth(kc, vc, table, b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
+        if (d == 64 || d == 128) {
+            /* the query head in registers, 16 keys at a time (one reduction tree, hsum16) */
+            for (int64_t h = h0; h < h1; h++)
+                for (int64_t gi = 0; gi < g; gi++) {
+                    const int64_t qi = (h - h0) * g + gi;
+                    v16 qv[8];
+                    for (int64_t c = 0; c < d / 16; c++) qv[c] = LOADV(q + qi * d + c * 16);
+                    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                        const int64_t m = n - j0 < 16 ? n - j0 : 16;
+                        float* sd = scores + qi * sstride + t0 + j0;
+                        if (d == 64)
+                            scores16(sd, qv, kc, row0 + j0 * hkv + h, hkv, m, scale, 64, dtype);
+                        else
+                            scores16(sd, qv, kc, row0 + j0 * hkv + h, hkv, m, scale, 128, dtype);
+                    }
+                }
+            continue;
+        }
         for (int64_t j = 0; j < n; j++) {
             for (int64_t h = h0; h < h1; h++) {
                 const float* kr = cache_row(kc, row0 + j * hkv + h, d, dtype, tmp);
@@ -435,9 +510,10 @@ static inline __attribute__((always_inline)) void attend_span(
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
         prefetch_nth(kc, vc, table, nblocks + b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
-        if (dtype == DT_F32 && d % 64 == 0) {
+        if (d % 64 == 0) {
             /* 64 output floats of one query head held in registers over the block's tokens
-             * (accumulating through memory chained each token's add on the last one's store) */
+             * (accumulating through memory chained each token's add on the last one's store);
+             * 16-bit values widened in registers */
             for (int64_t h = h0; h < h1; h++)
                 for (int64_t gi = 0; gi < g; gi++) {
                     const int64_t qi = (h - h0) * g + gi;
@@ -446,11 +522,11 @@ static inline __attribute__((always_inline)) void attend_span(
                         float* a = acc + qi * d + i;
                         v16 a0 = LOADV(a), a1 = LOADV(a + 16), a2 = LOADV(a + 32), a3 = LOADV(a + 48);
                         for (int64_t j = 0; j < n; j++) {
-                            const float* vr = (const float*)vc + (row0 + j * hkv + h) * d + i;
-                            a0 += p[j] * LOADV(vr);
-                            a1 += p[j] * LOADV(vr + 16);
-                            a2 += p[j] * LOADV(vr + 32);
-                            a3 += p[j] * LOADV(vr + 48);
+                            const int64_t e = (row0 + j * hkv + h) * d + i;
+                            a0 += p[j] * load_kv16(vc, e, dtype);
+                            a1 += p[j] * load_kv16(vc, e + 16, dtype);
+                            a2 += p[j] * load_kv16(vc, e + 32, dtype);
+                            a3 += p[j] * load_kv16(vc, e + 48, dtype);
                         }
                         STOREV(a, a0);
                         STOREV(a + 16, a1);
