@@ -420,10 +420,15 @@ def test_the_bf16_path_is_chosen_by_the_cpu_and_a_missing_one_refused(kernels):
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-def test_decode_attention_takes_16_bit_queries(kernels, q_dtype):
-    kc, vc, tables, lens = _paged(5, 2, 64, 16, q_dtype, seed=3)
-    q = torch.randn(5, 8, 64).to(q_dtype)
+@pytest.mark.parametrize("num_seqs", [5, 40])  # 40: work split by sequence, else by KV head
+def test_decode_attention_takes_16_bit_queries(kernels, q_dtype, num_seqs):
+    """16-bit queries (strided, as the rotary output hands them over) are widened in the kernel
+    and the result is the float32 computation rounded once: bit-equal to the float32 query's."""
+    kc, vc, tables, lens = _paged(num_seqs, 2, 64, 16, q_dtype, seed=3)
+    q = torch.randn(num_seqs, 10, 64).to(q_dtype)[:, :8]
     out = kernels.paged_attention_decode(q, kc, vc, tables, lens, 0.125)
-    assert out.dtype == q_dtype
+    assert out.dtype == q_dtype and out.is_contiguous()
+    wide = kernels.paged_attention_decode(q.float(), kc, vc, tables, lens, 0.125)
+    torch.testing.assert_close(out, wide.to(q_dtype), atol=0, rtol=0)
     want = paged_attention_decode_ref(q.float(), kc.float(), vc.float(), tables, lens, 0.125)
     torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)

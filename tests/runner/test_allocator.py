@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pkgd.runner.allocator import tensor_span, tune_cpu_allocator
+from pkgd.runner.allocator import step_heap, tensor_span, tune_cpu_allocator
 
 # A child process: mallopt changes the whole process, and the test must not change pytest's.
 PROBE = """
@@ -38,9 +38,46 @@ def test_threshold_stays_fixed_so_freed_blocks_go_back():
     assert probe("tune") == ["True", "True"]
 
 
+STEP_PROBE = """
+import ctypes, sys
+from pkgd.runner.allocator import step_heap, tune_cpu_allocator
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def mmapped(p):  # glibc's own mmap (IS_MMAPPED) or the heap
+    return bool(ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+tune_cpu_allocator()
+p = libc.malloc(3 << 19)
+out = [mmapped(p)]  # loading: 1.5 MiB mmapped
+libc.free(p)
+out.append(step_heap())
+blocks = [libc.malloc(40 << 20) for _ in range(5)]  # steps: a batch's logits, from the heap
+out.append(any(mmapped(b) for b in blocks))
+for b in blocks:
+    ctypes.memset(b, 1, 40 << 20)
+before = resident_mib()
+for b in blocks:
+    libc.free(b)
+kept = resident_mib()  # freed, kept for the next step
+step_heap()  # as after a reload: the free memory handed back
+print(*out, before - kept < 20, kept - resident_mib() > 150)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_steps_keep_their_temporaries_in_the_heap_until_handed_back():
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    out = subprocess.run([sys.executable, "-c", STEP_PROBE], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["True", "True", "False", "True", "True"]
+
+
 def test_operator_setting_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(4 << 20))
     assert tune_cpu_allocator() is False
+    assert step_heap() is False
     assert os.environ["MALLOC_MMAP_THRESHOLD_"] == str(4 << 20)
 
 

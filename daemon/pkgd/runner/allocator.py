@@ -1,17 +1,26 @@
-"""The C heap of a CPU engine process (glibc ``malloc``), tuned before the weights load.
+"""The C heap of a CPU engine process (glibc ``malloc``): one policy while the weights load,
+another for the steps after.
 
 glibc serves a request above ``M_MMAP_THRESHOLD`` with its own ``mmap`` and unmaps it on
-``free``; below it, from a heap that only shrinks from the top. By default the threshold
-starts at 128 KiB and rises to the size of any mmapped block that is freed (up to 32 MiB), so
-after the first large temporary every weight, activation and logits buffer under that size
-lands in the heap: the dense weights freed after oneDNN packing, and activations of batch
-sizes that vary every step, leave holes that are never returned. Measured on SmolLM2
-(``benchmarks``, 2 threads): resident after loading 842 -> 805 MiB, and a 256-request
-mixed-length run's growth after start-up ~130 -> ~75 MiB, with a fixed 1 MiB threshold; the
-page faults on the larger temporaries were within run-to-run noise.
+``free``; below it, from a heap that only shrinks from the top (past ``M_TRIM_THRESHOLD``).
+By default the threshold starts at 128 KiB and rises to the size of any mmapped block that is
+freed (up to 32 MiB).
 
-An operator's own ``MALLOC_MMAP_THRESHOLD_`` (glibc's tunable) wins; on other C libraries
-this does nothing.
+* Loading (`tune_cpu_allocator`): a fixed 1 MiB threshold, so the big
+  temporaries of loading (the float copies of weights, freed after oneDNN packing) are
+  unmapped when freed instead of leaving heap holes that are never returned. Measured on
+  SmolLM2 (``benchmarks``, 2 threads): resident after loading 842 -> 805 MiB.
+* Steps (`step_heap`, once loading is done, and again after a reload): the free memory of
+  what ran before is handed back (``malloc_trim``), then every temporary under
+  `STEP_MMAP_THRESHOLD_BYTES` comes from the heap and freed memory stays there for the next
+  step. A batched step's temporaries (the linears' outputs, the MLP's gate, the logits: MBs
+  to tens of MBs) are the same sizes step after step; mmapped, each was page-faulted in
+  afresh every step, and a fresh page's first touch is the dearer the more the host
+  virtualises memory. The price: the heap keeps its high-water mark of temporaries resident
+  (the peak memory `pkgd bench throughput` prints).
+
+An operator's own ``MALLOC_MMAP_THRESHOLD_`` (glibc's tunable) wins over both; on other C
+libraries this does nothing.
 
 After loading, the weights are moved onto 2 MiB huge pages (`collapse_to_huge_pages`): decode
 reads them from DRAM every step. The KV cache comes from `lazy_zeroed_buffers` instead: fresh
@@ -30,21 +39,45 @@ import sys
 import torch
 
 MMAP_THRESHOLD_BYTES = 1 << 20
-_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+# Steps: below this from the heap (mallopt takes an int; glibc's main arena accepts it).
+STEP_MMAP_THRESHOLD_BYTES = 1 << 30
+STEP_TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # never shrink the heap's top between steps
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library if it has glibc's mallopt and malloc_trim, else None."""
+    try:
+        libc = ctypes.CDLL(None)  # the process namespace: glibc when that is the C library
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def tune_cpu_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes for this process; True if applied."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    """Fix glibc's mmap threshold at ``threshold`` bytes for this process (the loading
+    policy); True if applied, False where the operator set ``MALLOC_MMAP_THRESHOLD_`` or the C
+    library is not glibc."""
+    libc = None if "MALLOC_MMAP_THRESHOLD_" in os.environ else _libc()
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+
+
+def step_heap() -> bool:
+    """Switch this process to the steps' policy (module docstring): the free memory of what
+    ran before handed back to the OS, then temporaries under `STEP_MMAP_THRESHOLD_BYTES` kept
+    in the heap. True if applied (as `tune_cpu_allocator`)."""
+    libc = None if "MALLOC_MMAP_THRESHOLD_" in os.environ else _libc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(None)  # the process namespace: glibc when that is the C library
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+    libc.malloc_trim(0)
+    return (
+        libc.mallopt(_M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD_BYTES) == 1
+        and libc.mallopt(_M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD_BYTES) == 1
+    )
 
 
 # ---- huge pages -----------------------------------------------------------------------------

@@ -31,7 +31,13 @@ from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.logprobs import TokenLogprobs
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
-from pkgd.runner.allocator import collapse_to_huge_pages, lazy_zeroed_buffers, tensor_span, tune_cpu_allocator
+from pkgd.runner.allocator import (
+    collapse_to_huge_pages,
+    lazy_zeroed_buffers,
+    step_heap,
+    tensor_span,
+    tune_cpu_allocator,
+)
 from pkgd.runner.attention import AttentionMetadata
 from pkgd.runner.distributed import TPGroup
 from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
@@ -175,6 +181,7 @@ class ModelRunner:
             self.model: Any = self._load_model(progress=p)
         if self.device.type == "cpu":
             self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
+            step_heap()  # loading's garbage handed back; the steps' temporaries stay in the heap
         if self.cpu_kernels is not None:
             logger.info(
                 "cpu_kernels_loaded",
@@ -364,6 +371,7 @@ class ModelRunner:
                 self.model = self._load_model()
                 if self.device.type == "cpu":
                     self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
+                    step_heap()  # the reload's garbage handed back
             elif self._offloaded is not None:
                 for t, host in self._offloaded.items():
                     t.data = host.to(self.device)

@@ -52,7 +52,7 @@ from pkgd_kernels.cpu.build import (
 )
 
 SOURCE = Path(__file__).with_name("kernels.c")
-KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=8)
+KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=9)
 """The generic library (``kernels.c``): exports only pointers and scalars, so no structs."""
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -91,7 +91,7 @@ class CpuKernels:
         self._gemv.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64]
         self._gemv.restype = None
         self._attn = lib.pkgd_paged_attention_decode
-        self._attn.argtypes = [_p, _p, _i64, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]
+        self._attn.argtypes = [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]
         self._attn.restype = ctypes.c_int
         lib.pkgd_num_threads.restype = ctypes.c_int
         self._rms = lib.pkgd_rms_norm
@@ -437,8 +437,8 @@ class CpuKernels:
         contiguous, any token stride), one token per sequence at position ``seq_lens[s] - 1``,
         over caches ``[num_blocks, block_size, Hkv, D]`` (float32, float16 or bfloat16;
         contiguous) through ``block_tables`` int32 ``[S, max_blocks]``; ``seq_lens`` int32
-        ``[S]``. Computes in float32 (16-bit queries widened); returns ``[S, Hq, D]`` in the
-        query dtype.
+        ``[S]``. Computes in float32 (16-bit queries widened in the kernel); returns a new
+        ``[S, Hq, D]`` in the query dtype (16-bit: rounded once, to nearest even).
 
         Raises:
             ValueError: a layout or dtype `takes_paged_attention_decode` refuses.
@@ -446,22 +446,19 @@ class CpuKernels:
         """
         if not self.takes_paged_attention_decode(query, key_cache):
             raise ValueError("paged_attention_decode: unsupported layout or dtype")
-        q_dtype = query.dtype
-        if q_dtype != torch.float32:
-            query = query.float()
         s, hq, d = query.shape
         _, bs, hkv, _ = key_cache.shape
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        out = torch.empty(s, hq, d, dtype=torch.float32)
+        out = torch.empty(s, hq, d, dtype=query.dtype)
         rc = self._attn(
-            out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-            _CACHE_DTYPES[key_cache.dtype], tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-            s, hq, hkv, d, bs, scale,
+            out.data_ptr(), query.data_ptr(), query.stride(0), _CACHE_DTYPES[query.dtype], key_cache.data_ptr(),
+            value_cache.data_ptr(), _CACHE_DTYPES[key_cache.dtype], tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), s, hq, hkv, d, bs, scale,
         )  # fmt: skip
         if rc:
             raise MemoryError("paged_attention_decode: out of memory for scratch buffers")
-        return out if q_dtype == torch.float32 else out.to(q_dtype)
+        return out
 
 
 def load(cache_dir: Path | None = None) -> CpuKernels:

@@ -27,7 +27,7 @@
  */
 #include "kernels.h"
 
-#define PKGD_KERNELS_ABI_VERSION 8
+#define PKGD_KERNELS_ABI_VERSION 9
 
 int pkgd_abi_version(void) { return PKGD_KERNELS_ABI_VERSION; }
 
@@ -111,13 +111,15 @@ int pkgd_gather_packed64(float* out, const float* w, const int64_t* ids, int64_t
     return 0;
 }
 
-/* out: [ns, hq, d] contiguous; q: [ns, hq, d] with token stride q_stride (heads contiguous);
+/* out: [ns, hq, d] contiguous, of q_dtype; q: [ns, hq, d] of q_dtype (float32, float16 or
+ * bfloat16) with token stride q_stride (heads contiguous), widened to float32 per work item;
  * kc/vc: [num_blocks, bs, hkv, d] of `dtype`; block_tables: int32 [ns, bt_stride];
- * seq_lens: int32 [ns]. Requires d % 16 == 0, hq % hkv == 0, hq <= 256.
+ * seq_lens: int32 [ns]. Computes in float32; a 16-bit out is rounded once (bf16: to nearest
+ * even). Requires d % 16 == 0, hq % hkv == 0, hq <= 256.
  * Work is split by sequence when there are enough sequences for every thread, else by
  * (sequence, KV head); below 8192 token-heads of context in all, the calling thread does it
  * alone (waking the pool costs more than the work). Returns 0, or -1 when scratch memory could not be allocated. */
-int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, const void* kc,
+int pkgd_paged_attention_decode(void* out, const void* q, int64_t q_stride, int q_dtype, const void* kc,
                                 const void* vc, int dtype, const int32_t* block_tables,
                                 int64_t bt_stride, const int32_t* seq_lens, int64_t ns, int64_t hq,
                                 int64_t hkv, int64_t d, int64_t bs, float scale) {
@@ -133,19 +135,29 @@ int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, co
 #pragma omp parallel if (work > 8192)
     {
         const int64_t nq = hper * g;
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(nq * sstride + nq * d + d + 16));
+        /* scores, acc, tmp (one row), then for 16-bit queries the widened query heads and the
+         * float32 output before rounding */
+        const int64_t wide = q_dtype == DT_F32 ? 0 : 2 * nq * d;
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(nq * sstride + nq * d + d + 16 + wide));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
         float* acc = scores ? scores + nq * sstride : NULL;
         float* tmp = acc ? acc + nq * d : NULL;
+        float* qf = tmp ? tmp + d + 16 : NULL;
+        float* of = qf ? qf + nq * d : NULL;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < ns * split; w++) {
             if (!scores) continue;
             const int64_t s = w / split, h0 = (w % split) * hper, h1 = h0 + hper;
-            const float* qs = q + s * q_stride + h0 * g * d;
-            float* os = out + (s * hq + h0 * g) * d;
+            const int64_t qoff = s * q_stride + h0 * g * d, ooff = (s * hq + h0 * g) * d;
+            const float* qs = (const float*)q + qoff;
+            float* os = (float*)out + ooff;
+            if (q_dtype != DT_F32) {
+                for (int64_t i = 0; i < nq * d; i += 16) STOREV(qf + i, load_kv16(q, qoff + i, q_dtype));
+                qs = qf, os = of;
+            }
             const int32_t* table = block_tables + s * bt_stride;
             const int64_t len = seq_lens[s];
             if (dtype == DT_F32)
@@ -154,6 +166,11 @@ int pkgd_paged_attention_decode(float* out, const float* q, int64_t q_stride, co
                 attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_F16);
             else
                 attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_BF16);
+            if (q_dtype == DT_BF16)
+                for (int64_t i = 0; i < nq * d; i += 16) store_bf16x16((uint16_t*)out + ooff + i, LOADV(of + i));
+            else if (q_dtype == DT_F16)
+                for (int64_t i = 0; i < nq * d; i += 16)
+                    *(h16u*)((_Float16*)out + ooff + i) = __builtin_convertvector(LOADV(of + i), h16u);
         }
         free(scores);
     }
