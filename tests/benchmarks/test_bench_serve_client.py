@@ -54,3 +54,56 @@ def test_a_timeout_is_not_sent_again():
 def test_an_answer_is_counted_as_one_request():
     res, calls = drive([])
     assert (res.ok, res.retried, res.prompt_tokens, calls) == (True, False, 3, 1)
+
+
+# ---- the command line: vllm bench serve's target flags, no configuration, a clear failure ----
+
+
+def run_pkgd(*argv: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    pkgd = Path(sys.executable).with_name("pkgd")  # the console script, as a user runs it
+    return subprocess.run([str(pkgd), "bench", "serve", *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_host_port_and_model_name_the_target_as_vllm_bench_serve_reads_them():
+    import argparse
+
+    def args(**kw):
+        return argparse.Namespace(**{"base_url": None, "model": None, **kw})
+
+    a = args()
+    assert bench_serve.apply_target_flags(a, ["--host", "10.0.0.2", "--port=8107", "--model", "m"]) == []
+    assert (a.base_url, a.model) == ("http://10.0.0.2:8107", "m")
+    a = args(base_url="http://x:1", model="given")  # --base-url and --model-name win, as in vLLM
+    assert bench_serve.apply_target_flags(a, ["--port", "8107", "--model", "m", "--max-num-seqs", "4"]) == [
+        "--max-num-seqs",
+        "4",
+    ]
+    assert (a.base_url, a.model) == ("http://x:1", "given")
+    for bad in (["--port", "abc"], ["--port", "0"], ["--host"]):
+        try:
+            bench_serve.apply_target_flags(args(), bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")
+
+
+def test_server_settings_are_refused_and_an_unreachable_server_is_one_line():
+    refused = run_pkgd("--max-num-seqs", "0", "schedulr.x=1", "--num-prompts", "1")
+    assert refused.returncode == 2
+    assert "reads no configuration: --max-num-seqs 0 schedulr.x=1" in refused.stderr
+    # a port nothing listens on (bound, not listening)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        gone = run_pkgd("--port", str(port), "--num-prompts", "1", "--warmup", "0")
+    assert gone.returncode == 1
+    assert gone.stderr.strip().splitlines() == [
+        f"pkgd bench serve: error: cannot reach http://127.0.0.1:{port}: All connection attempts failed"
+    ]

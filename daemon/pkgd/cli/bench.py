@@ -474,13 +474,36 @@ class BenchSubcommand(CLISubcommand):
 
     def validate(self, args: argparse.Namespace) -> None:
         """``--plot`` without matplotlib, or a ``--compare`` file that is no earlier run, stops
-        before the benchmark runs (exit 2)."""
+        before the benchmark runs (exit 2); so does a configuration argument given to ``bench
+        serve``, which reads none (but vllm bench serve's ``--host``, ``--port``, ``--model``)."""
         from pkgd.cli.main import UsageError
 
         try:
             args.previous_runs = plot.check_plot_args(args)
         except (plot.PlotUnavailable, ValueError) as e:
             raise UsageError(str(e)) from None
+        request = getattr(args, "compose_request", None)
+        if args.bench_command != "serve" or request is None:
+            return
+        from pkgd.cli import bench_serve
+
+        try:
+            unused = bench_serve.apply_target_flags(args, request.flags)
+        except ValueError as e:
+            raise UsageError(f"bench serve: {e}") from None
+        unused += request.overrides
+        for flag, value in (
+            ("--config-dir", request.config_dir),
+            ("--config-name", request.config_name),
+            ("--config", request.vllm_config),
+        ):
+            if value:
+                unused.append(f"{flag} {value}")
+        if unused:
+            raise UsageError(
+                f"bench serve loads a running server and reads no configuration: {' '.join(unused)} "
+                "(server settings go to pkgd serve; name the server with --base-url, or --host and --port)"
+            )
 
     def cmd(self, args: argparse.Namespace) -> int:
         return args.bench_dispatch(args)

@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -45,10 +46,24 @@ examples:
   pkgd bench serve --compare vllm.json --plot serve.png   (this server against that run)"""
 
 
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (without /v1)")
-    # Not --model / --api-key / --seed: under `pkgd` those are config flags (frontend, model).
-    p.add_argument("--model-name", dest="model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help=f"server URL (without /v1); default http://HOST:PORT from --host/--port "
+        f"(vllm bench serve's; default {DEFAULT_HOST}:{DEFAULT_PORT})",
+    )
+    # Not --model / --api-key / --seed: under `pkgd` those are config flags (frontend, model);
+    # --host, --port and --model reach `apply_target_flags` that way.
+    p.add_argument(
+        "--model-name",
+        dest="model",
+        default=None,
+        help="model name to send (default: --model, else the server's first)",
+    )
     p.add_argument(
         "--bearer-token",
         dest="api_key",
@@ -154,13 +169,29 @@ def _bodies(args: argparse.Namespace, model: str, n: int, rng: random.Random) ->
     ]
 
 
+class ServerAnswerError(Exception):
+    """The server answered ``/v1/models`` with something other than a model list."""
+
+
+async def _first_model(http: httpx.AsyncClient) -> str:
+    """The first model ``/v1/models`` lists. Raises `ServerAnswerError` for another answer."""
+    r = await http.get("/v1/models")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerAnswerError(
+            f"{http.base_url}v1/models answered {r.status_code} without a model: {r.text[:200]}"
+        ) from None
+
+
 async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     """Run the load and return the figures."""
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=None) as http:
-        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+    base_url = args.base_url or f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=None) as http:
+        model = args.model or await _first_model(http)
         rng = random.Random(args.seed)
         for body in _bodies(args, model, args.warmup, rng):
             await _one(http, body)
@@ -227,8 +258,45 @@ def print_report(fig: dict[str, Any]) -> None:
         print(f"error: {err}")
 
 
+def apply_target_flags(args: argparse.Namespace, flags: Sequence[str]) -> list[str]:
+    """vllm bench serve's ``--host``, ``--port`` and ``--model`` (which `pkgd` parses as config
+    flags): the server ``args.base_url`` names when ``--base-url`` was not given, and the model
+    name sent when ``--model-name`` was not. Returns the flags left over (no bench serve
+    option), for the caller to refuse.
+
+    Raises:
+        ValueError: a flag without its value, or a port that is not a number in [1, 65535].
+    """
+    values: dict[str, str] = {}
+    rest: list[str] = []
+    tokens = list(flags)
+    i = 0
+    while i < len(tokens):
+        name, eq, value = tokens[i].partition("=")
+        if name not in ("--host", "--port", "--model"):
+            rest.append(tokens[i])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                raise ValueError(f"{name} needs a value")
+            value = tokens[i + 1]
+            i += 1
+        values[name] = value
+        i += 1
+    port = values.get("--port", str(DEFAULT_PORT))
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--port {port!r}: expected a port number in [1, 65535]")
+    if args.base_url is None:
+        args.base_url = f"http://{values.get('--host', DEFAULT_HOST)}:{port}"
+    if args.model is None:
+        args.model = values.get("--model")
+    return rest
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """``pkgd bench serve`` (also ``python -m pkgd.cli.bench_serve``): exit 1 if any request failed."""
+    """``pkgd bench serve`` (also ``python -m pkgd.cli.bench_serve``): exit 1 if any request
+    failed or the server cannot be reached (one line, no traceback)."""
     previous = getattr(args, "previous_runs", None)
     if previous is None:  # run as python -m pkgd.cli.bench_serve: nothing checked it yet
         try:
@@ -236,7 +304,16 @@ def run_serve(args: argparse.Namespace) -> int:
         except (plot.PlotUnavailable, ValueError) as e:
             print(f"pkgd bench serve: error: {e}", file=sys.stderr)
             return 2
-    fig = asyncio.run(run_load(args))
+    if args.base_url is None:
+        args.base_url = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+    try:
+        fig = asyncio.run(run_load(args))
+    except httpx.TransportError as e:
+        print(f"pkgd bench serve: error: cannot reach {args.base_url}: {e or type(e).__name__}", file=sys.stderr)
+        return 1
+    except ServerAnswerError as e:
+        print(f"pkgd bench serve: error: {e}", file=sys.stderr)
+        return 1
     print_report(fig)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
