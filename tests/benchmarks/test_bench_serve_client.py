@@ -2,7 +2,12 @@
 retried once on a new one (llama-server ends kept-alive connections); any other failure is
 counted, never retried."""
 
+import argparse
 import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 
@@ -59,19 +64,12 @@ def test_an_answer_is_counted_as_one_request():
 # ---- the command line: vllm bench serve's target flags, no configuration, a clear failure ----
 
 
-def run_pkgd(*argv: str) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-    import sys
-
-    from pathlib import Path
-
+def run_pkgd(*argv: str) -> subprocess.CompletedProcess[str]:
     pkgd = Path(sys.executable).with_name("pkgd")  # the console script, as a user runs it
     return subprocess.run([str(pkgd), "bench", "serve", *argv], capture_output=True, text=True, timeout=60)
 
 
 def test_host_port_and_model_name_the_target_as_vllm_bench_serve_reads_them():
-    import argparse
-
     def args(**kw):
         return argparse.Namespace(**{"base_url": None, "model": None, **kw})
 
@@ -97,8 +95,6 @@ def test_server_settings_are_refused_and_an_unreachable_server_is_one_line():
     assert refused.returncode == 2
     assert "reads no configuration: --max-num-seqs 0 schedulr.x=1" in refused.stderr
     # a port nothing listens on (bound, not listening)
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
