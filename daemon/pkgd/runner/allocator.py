@@ -46,7 +46,10 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 
 
 def _libc() -> ctypes.CDLL | None:
-    """The C library if it has glibc's mallopt and malloc_trim, else None."""
+    """The C library if it has glibc's mallopt and malloc_trim and the operator did not set
+    ``MALLOC_MMAP_THRESHOLD_``, else None."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return None
     try:
         libc = ctypes.CDLL(None)  # the process namespace: glibc when that is the C library
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -62,7 +65,7 @@ def tune_cpu_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes for this process (the loading
     policy); True if applied, False where the operator set ``MALLOC_MMAP_THRESHOLD_`` or the C
     library is not glibc."""
-    libc = None if "MALLOC_MMAP_THRESHOLD_" in os.environ else _libc()
+    libc = _libc()
     return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
@@ -70,7 +73,7 @@ def step_heap() -> bool:
     """Switch this process to the steps' policy (module docstring): the free memory of what
     ran before handed back to the OS, then temporaries under `STEP_MMAP_THRESHOLD_BYTES` kept
     in the heap. True if applied (as `tune_cpu_allocator`)."""
-    libc = None if "MALLOC_MMAP_THRESHOLD_" in os.environ else _libc()
+    libc = _libc()
     if libc is None:
         return False
     libc.malloc_trim(0)

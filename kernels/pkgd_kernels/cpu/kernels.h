@@ -309,26 +309,20 @@ static inline v16 load_bf16x16(const uint16_t* p) {
     return f;
 }
 
-/* Row `idx` of a cache viewed as [rows, d], as floats (converted into tmp for 16-bit caches;
- * d % 16 == 0). */
-static inline __attribute__((always_inline)) const float* cache_row(
-    const void* base, int64_t idx, int64_t d, const int dtype, float* tmp) {
-    if (dtype == DT_F32) return (const float*)base + idx * d;
-    if (dtype == DT_F16) {
-        const _Float16* p = (const _Float16*)base + idx * d;
-        for (int64_t i = 0; i < d; i += 16) STOREV(tmp + i, __builtin_convertvector(*(const h16u*)(p + i), v16));
-        return tmp;
-    }
-    const uint16_t* p = (const uint16_t*)base + idx * d;
-    for (int64_t i = 0; i < d; i += 16) STOREV(tmp + i, load_bf16x16(p + i));
-    return tmp;
-}
-
 /* Elements [i, i + 16) of a cache of `dtype` as floats (widened in registers). */
 static inline __attribute__((always_inline)) v16 load_kv16(const void* base, int64_t i, const int dtype) {
     if (dtype == DT_F32) return LOADV((const float*)base + i);
     if (dtype == DT_F16) return __builtin_convertvector(*(const h16u*)((const _Float16*)base + i), v16);
     return load_bf16x16((const uint16_t*)base + i);
+}
+
+/* Row `idx` of a cache viewed as [rows, d], as floats (converted into tmp for 16-bit caches;
+ * d % 16 == 0). */
+static inline __attribute__((always_inline)) const float* cache_row(
+    const void* base, int64_t idx, int64_t d, const int dtype, float* tmp) {
+    if (dtype == DT_F32) return (const float*)base + idx * d;
+    for (int64_t i = 0; i < d; i += 16) STOREV(tmp + i, load_kv16(base, idx * d + i, dtype));
+    return tmp;
 }
 
 /* Lane j of the result = the sum of p[j]'s 16 lanes: sixteen horizontal sums as one tree of
