@@ -15,6 +15,7 @@ from ipc.launch import listen_socket, spawn_api_server, spawn_engine, write_conf
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.ipc import transport
 from pkgd.ipc.messages import ApiServerReady, ChildFailed
+from pkgd.supervisor.sockets import refuse_new_connections
 
 FAKE_ENV = {"FAKE_VOCAB": "49152", "FAKE_MAX_MODEL_LEN": "8192"}
 
@@ -255,16 +256,17 @@ def test_sigterm_stops_accepting_but_answers_keep_alive_stragglers(tmp_path, pro
 
 def test_connections_made_after_sigterm_are_answered_or_refused_never_reset(tmp_path, procs, tokenizer_ready):
     """At shutdown the API server holds the last copy of the listening socket (the
-    supervisor closed its own): a client connecting during the first 0.6 s after SIGTERM, and
-    sending its request a moment later, gets a whole HTTP answer or 'connection refused',
-    never a reset or a closed connection without an answer."""
+    supervisor made it drop new SYNs and closed its own copy): a client connecting during
+    the first 0.6 s after SIGTERM, and sending its request a moment later, gets a whole HTTP
+    answer or 'connection refused', never a reset or a closed connection without an answer."""
     import socket
     import threading
 
     cfg, address = start_fake_engine(tmp_path, procs)
     api, sock, url = start_api_on_tcp(cfg, address, procs)
     port = sock.getsockname()[1]
-    sock.close()  # as the supervisor does when it stops
+    refuse_new_connections(sock)  # as the supervisor does when it stops
+    sock.close()
     outcomes: list[str] = []
 
     def attempt() -> None:

@@ -76,3 +76,64 @@ def test_systemd_fds_only_for_this_pid_and_count_must_match():
     [listener] = adopt([ListenSpec("h", 1, None)], [fd])
     assert listener.from_systemd and listener.url.startswith("http://127.0.0.1:")
     listener.close()
+
+
+def test_refuse_new_connections_drops_syns_keeps_open_connections_then_refuses(tmp_path):
+    """After `refuse_new_connections` a new connect gets no answer while the socket is open
+    (its SYN is dropped, so the accept queue stops growing), an open connection still carries
+    data both ways, and once the socket closes the waiting client is refused, not reset."""
+    import threading
+    import time
+
+    from pkgd.supervisor.sockets import refuse_new_connections
+
+    listener = bind(ListenSpec("127.0.0.1", 0, None))
+    port = listener.sock.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    served, _ = listener.sock.accept()
+    listener.refuse_new_connections()
+    client.sendall(b"ping")
+    assert served.recv(4) == b"ping"
+    served.sendall(b"pong")
+    assert client.recv(4) == b"pong"
+
+    late = socket.socket()
+    late.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        late.connect(("127.0.0.1", port))  # no SYN-ACK: the SYN was dropped
+    late.close()
+
+    outcome: list[str] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            outcome.append("connected")
+        except OSError as exc:
+            outcome.append(type(exc).__name__)
+
+    waiting = threading.Thread(target=connect)
+    waiting.start()
+    time.sleep(0.2)
+    listener.close()
+    waiting.join(10)
+    assert outcome == ["ConnectionRefusedError"]  # its retransmitted SYN found the port closed
+    client.close()
+    served.close()
+
+    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    unix.bind(str(tmp_path / "s"))
+    unix.listen()
+    assert refuse_new_connections(unix) is False  # not TCP: nothing to filter
+    unix.close()
+
+
+def test_a_socket_from_systemd_keeps_taking_connections(monkeypatch):
+    """systemd queues connections on its socket while pkgd is down (and starts pkgd on them):
+    pkgd's stop must not make that socket drop SYNs."""
+    held = bind(ListenSpec("127.0.0.1", 0, None))
+    (adopted,) = adopt([held.spec], [os.dup(held.fileno())])
+    adopted.refuse_new_connections()
+    adopted.close()
+    socket.create_connection(("127.0.0.1", held.sock.getsockname()[1]), timeout=2).close()
+    held.close()

@@ -14,16 +14,33 @@ with API servers, except the external load balancer, where DP rank ``r`` listens
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import os
 import socket
 import stat
+import struct
 
 from pkgd.config.vllm_config import ServePlan, VllmConfig
 
 LISTEN_BACKLOG = 1024
 SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): passed sockets start at fd 3
+SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>; Python's socket module does not export it
+
+# Classic BPF (linux/filter.h) run on a TCP listener's packets, offsets from the TCP header:
+# drop a segment whose SYN flag is set and ACK flag clear (a new connection's first packet),
+# pass everything else (the final ACK of a handshake already under way, and, in connections
+# accepted later, which inherit the filter, every data segment).
+_TCP_FLAGS_OFFSET = 13  # RFC 9293 section 3.1: the flags byte of the TCP header
+_SYN, _ACK = 0x02, 0x10
+_DROP_NEW_SYNS = (
+    (0x30, 0, 0, _TCP_FLAGS_OFFSET),  # BPF_LD | BPF_B | BPF_ABS: A = flags byte
+    (0x54, 0, 0, _SYN | _ACK),  # BPF_ALU | BPF_AND | BPF_K: A &= SYN | ACK
+    (0x15, 0, 1, _SYN),  # BPF_JMP | BPF_JEQ | BPF_K: A == SYN (a bare SYN)?
+    (0x06, 0, 0, 0),  # BPF_RET | BPF_K: drop
+    (0x06, 0, 0, 0xFFFFFFFF),  # BPF_RET | BPF_K: pass whole
+)
 
 
 class BindError(Exception):
@@ -55,6 +72,15 @@ class Listener:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def refuse_new_connections(self) -> None:
+        """Stop new TCP connections before the socket closes (see `refuse_new_connections`).
+
+        A socket systemd passed is left as it is: systemd keeps listening on it, queues what
+        comes while pkgd is down and starts pkgd again on it.
+        """
+        if not self.from_systemd:
+            refuse_new_connections(self.sock)
+
     def close(self) -> None:
         """Close the socket (and remove a Unix socket file we created)."""
         self.sock.close()
@@ -64,6 +90,29 @@ class Listener:
                     os.unlink(self.spec.uds)
             except FileNotFoundError:
                 pass
+
+
+def refuse_new_connections(sock: socket.socket) -> bool:
+    """Make a TCP listening socket drop new connections' SYNs from now on; False if not TCP.
+
+    Used when the daemon stops, before the last copies of the socket close: closing a
+    listener resets every connection still in its accept queue (Linux ``inet_csk_listen_stop``),
+    so a connection completed between an API server's last ``accept`` and its ``close`` would
+    be reset instead of answered or refused. With the SYNs dropped, the queue stops growing, the
+    API servers accept what it holds, and a client that connects meanwhile retransmits its SYN
+    (after ~1 s, RFC 6298's initial RTO) to a closed port and is refused. The filter is on the
+    socket, not the descriptor, so every process sharing it sees it.
+
+    Raises OSError when the kernel refuses the filter.
+    """
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    program = b"".join(struct.pack("HBBI", *insn) for insn in _DROP_NEW_SYNS)
+    buf = ctypes.create_string_buffer(program)
+    # struct sock_fprog: unsigned short len; struct sock_filter *filter (padded to a pointer)
+    fprog = struct.pack("HP", len(_DROP_NEW_SYNS), ctypes.addressof(buf))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+    return True
 
 
 def listen_specs(config: VllmConfig, plan: ServePlan) -> list[ListenSpec]:

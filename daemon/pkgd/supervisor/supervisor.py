@@ -14,7 +14,9 @@ Life cycle, as a state machine (``state``): ``starting`` → ``running`` ⇄ ``r
   SIGHUP/``pkgd reload`` queue a reload, SIGTERM/SIGINT request the stop; crashes are handled
   by `Fleet`. ``WATCHDOG=1`` goes out every half ``WATCHDOG_USEC`` while the children are
   healthy; ``/health`` of each endpoint is probed for ``pkgd status`` and the watchdog.
-* ``stopping``: ``STOPPING=1``; close the supervisor's copies of the listeners; SIGTERM the
+* ``stopping``: ``STOPPING=1``; make the TCP listeners drop new connections' SYNs (a client
+  retries and is refused once the socket is closed; none is reset in the accept queue) and
+  close the supervisor's copies; SIGTERM the
   API servers, which stop accepting and drain for up to ``supervisor.drain_timeout`` s; then
   the engine cores; SIGKILL whatever outlives its grace (at once on a second signal); exit 0,
   or 1 after a crash loop or a failed start.
@@ -289,6 +291,11 @@ class Supervisor:
         for task in self._loops:
             task.cancel()
         for listener in self.listeners:
+            # before the API servers' last accepts, so none of their closes resets a connection
+            try:
+                listener.refuse_new_connections()
+            except OSError as exc:  # only the reset-free close is lost
+                logger.warning("listener_filter_failed", url=listener.url, error=exc.strerror)
             listener.close()
         started = time.monotonic()
         await self.stop_in_order(self.fleet.alive())
