@@ -89,7 +89,7 @@ def test_max_model_len_above_the_models_limit_is_refused():
         files, runner = fake_factory()(VllmConfig())  # the model's limit: 256
         return files, runner
 
-    with pytest.raises(ValueError, match="model.max_model_len 1024 is greater than the model's limit of 256 tokens"):
+    with pytest.raises(ValueError, match="model.max_model_len: 1024 is greater than the model's limit of 256 tokens"):
         EngineCore(cfg, runner_factory=clamping)
     assert (
         EngineCore(

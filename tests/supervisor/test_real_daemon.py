@@ -193,3 +193,20 @@ def test_sigterm_while_the_model_loads_exits_within_2s(start_daemon):
     assert d.wait_exit(10) == 0
     assert time.monotonic() - t0 < 2.0
     assert not [p for p in d.all_child_pids() if pid_alive(p)] and not pid_alive(engine)
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "wording"),
+    [
+        ({"model": {"max_model_len": 100000}}, "model.max_model_len", "greater than the model's limit of 8192"),
+        ({"parallel": {"tp": 2}}, "parallel.tp", "num_attention_heads (9) is not divisible"),
+    ],
+)
+def test_a_config_the_model_rules_out_exits_2_naming_the_key(start_daemon, override, path, wording):
+    """A value only the model's own sizes rule out is still an invalid config: exit 2 (which
+    systemd's RestartPreventExitStatus=2 does not restart), the dotted path in the error."""
+    d = start_daemon(merge(REAL, override), real=True)
+    assert d.wait_exit(300) == 2
+    (failed,) = d.find("startup_failed")
+    assert f"invalid config for this model: {path}:" in failed["error"] and wording in failed["error"]
+    assert not d.find("ready")

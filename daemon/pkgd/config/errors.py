@@ -35,6 +35,14 @@ class ConfigError(Exception):
         super().__init__("\n".join(self.problems))
 
 
+class ModelConfigMismatch(ValueError):
+    """A config value the model itself rules out, found only once the model is read (a
+    ``model.max_model_len`` above the model's limit, a ``parallel.tp`` that does not divide its
+    heads). The message starts with the dotted path. The engine core reports it as a usage
+    error, so the daemon exits 2, as for any invalid config, and systemd does not restart it.
+    """
+
+
 def closest(word: str, candidates: Iterable[str]) -> str | None:
     """The candidate closest to ``word`` (difflib ratio at least 0.6), or None."""
     match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from pkgd import host
+from pkgd.config.errors import ModelConfigMismatch
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.engine.kv_cache_manager import KVCacheManager
@@ -225,8 +226,8 @@ class EngineCore:
         info = self.model_runner.model_info
         configured = config.model.max_model_len
         if configured is not None and configured > info.max_model_len:
-            raise ValueError(
-                f"model.max_model_len {configured} is greater than the model's limit of {info.max_model_len} "
+            raise ModelConfigMismatch(
+                f"model.max_model_len: {configured} is greater than the model's limit of {info.max_model_len} "
                 "tokens (max_position_embeddings in its config); lower model.max_model_len or leave it null"
             )
         self.max_model_len: int = info.max_model_len

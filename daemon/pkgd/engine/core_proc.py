@@ -35,6 +35,7 @@ import msgspec
 import zmq
 
 from pkgd import host, log, phases
+from pkgd.config.errors import ModelConfigMismatch
 from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
@@ -384,7 +385,10 @@ def main(argv: list[str] | None = None, *, core_factory: Callable[[Any, int], An
             logger.info("engine_load_cancelled")
             os._exit(0)  # the loader thread may sit in C code; do not wait for it
         logger.error("engine_load_failed", error=f"{type(error).__name__}: {error}")
-        ready.failed(ROLE, f"engine core {args.engine_index} failed to load: {type(error).__name__}: {error}")
+        if isinstance(error, ModelConfigMismatch):
+            ready.failed(ROLE, f"engine core {args.engine_index}: invalid config for this model: {error}", usage=True)
+        else:
+            ready.failed(ROLE, f"engine core {args.engine_index} failed to load: {type(error).__name__}: {error}")
         return 1
     proc = EngineCoreProc(core, sock, args.engine_index)
     hs = proc.handshake()

@@ -143,9 +143,10 @@ class ReadyPipe:
         finally:
             os.close(fd)
 
-    def failed(self, role: str, message: str) -> None:
-        """Report a start-up failure (`ChildFailed`); the caller then exits 1."""
-        self.send(ChildFailed(role=role, message=message))
+    def failed(self, role: str, message: str, *, usage: bool = False) -> None:
+        """Report a start-up failure (`ChildFailed`; ``usage``: the config is at fault); the
+        caller then exits 1."""
+        self.send(ChildFailed(role=role, message=message, usage=usage))
 
 
 class SignalState:

@@ -225,10 +225,15 @@ class ApiServerReady(Message, tag="api_ready"):
 
 
 class ChildFailed(Message, tag="failed"):
-    """A child could not start (model missing, bad address …); ``message`` is for the log."""
+    """A child could not start (model missing, bad address …); ``message`` is for the log.
+
+    ``usage``: the configuration is at fault (`pkgd.config.errors.ModelConfigMismatch`), so
+    the daemon exits 2 instead of 1.
+    """
 
     role: str
     message: str
+    usage: bool = False
 
 
 ClientMessage = Hello | AddRequest | AbortRequests | UtilityRequest | Shutdown

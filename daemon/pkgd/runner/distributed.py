@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from pkgd.config.errors import ModelConfigMismatch
+
 
 @dataclasses.dataclass(frozen=True)
 class TPGroup:
@@ -44,9 +46,12 @@ class TPGroup:
         return x
 
     def shard(self, total: int, what: str) -> int:
-        """``total // size``; raises `ValueError` naming ``what`` when it does not divide."""
+        """``total // size``; raises `ModelConfigMismatch` naming ``what`` when it does not divide."""
         if total % self.size:
-            raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size ({self.size})")
+            raise ModelConfigMismatch(
+                f"parallel.tp: {what} ({total}) is not divisible by the tensor-parallel size ({self.size}); "
+                "choose a tensor-parallel size that divides it"
+            )
         return total // self.size
 
 

@@ -38,7 +38,14 @@ _EXPECTED_FRAME = {"engine-core": messages.Handshake, "api-server": messages.Api
 
 
 class ChildStartError(Exception):
-    """A child failed before it reported ready (its own message, or how it died)."""
+    """A child failed before it reported ready (its own message, or how it died).
+
+    ``usage``: the child said its configuration is at fault (the daemon exits 2).
+    """
+
+    def __init__(self, message: str, *, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +177,9 @@ class Child:
 
     def _resolve(self, frame: messages.ReadyMessage) -> None:
         if isinstance(frame, messages.ChildFailed):
-            self.ready.set_exception(ChildStartError(f"{self.name} failed to start: {frame.message}"))
+            self.ready.set_exception(
+                ChildStartError(f"{self.name} failed to start: {frame.message}", usage=frame.usage)
+            )
         elif not isinstance(frame, _EXPECTED_FRAME[self.spec.role]):
             self.ready.set_exception(ChildStartError(f"{self.name} sent {type(frame).__name__} as its ready frame"))
         else:

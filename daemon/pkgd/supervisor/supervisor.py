@@ -151,7 +151,7 @@ class Supervisor:
             pass
         except (ChildStartError, OSError) as exc:  # OSError: a child program cannot be executed
             logger.error("startup_failed", error=str(exc))
-            self.exit_code = EXIT_FAILURE
+            self.exit_code = EXIT_USAGE if getattr(exc, "usage", False) else EXIT_FAILURE
         except reloading.RollbackFailed as exc:
             logger.error("reload_rollback_failed", error=str(exc))
             self.exit_code = EXIT_FAILURE

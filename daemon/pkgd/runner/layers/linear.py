@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pkgd_kernels as pk
+from pkgd.config.errors import ModelConfigMismatch
 from pkgd.runner.distributed import SINGLE, TPGroup
 
 ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -277,9 +278,12 @@ class RowParallelLinear(nn.Module):
 
 
 def tp_shard(total: int, shards: int, what: str) -> int:
-    """Size of one of ``shards`` equal parts of ``total``; `ValueError` when it does not divide."""
+    """Size of one of ``shards`` equal parts of ``total``; `ModelConfigMismatch` when it does not divide."""
     if total % shards:
-        raise ValueError(f"{what} ({total}) is not divisible into {shards} tensor-parallel shards")
+        raise ModelConfigMismatch(
+            f"parallel.tp: {what} ({total}) is not divisible into {shards} tensor-parallel shards; "
+            "choose a tensor-parallel size that divides it"
+        )
     return total // shards
 
 
