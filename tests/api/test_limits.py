@@ -122,6 +122,27 @@ async def test_a_lone_surrogate_is_malformed_json(tokenizer, text):
     async with served(tokenizer) as (http, _state, fake):
         r = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+        assert "surrogate" in r.json()["error"]["message"]  # the reason, not "truncated"
+        assert fake.added == []
+
+
+async def test_a_lone_surrogate_just_before_the_end_is_not_called_truncated(tokenizer):
+    """msgspec reports a lone high surrogate within its 6-byte look-ahead of the end of the
+    body as truncated input; the answer names the surrogate instead."""
+    async with served(tokenizer) as (http, _state, fake):
+        r = await http.post(
+            "/v1/completions", content='{"prompt": "\\ud800"}', headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+        assert fake.added == []
+
+
+async def test_a_truncated_body_is_still_called_truncated(tokenizer):
+    async with served(tokenizer) as (http, _state, fake):
+        r = await http.post(
+            "/v1/completions", content='{"prompt": "\\ud800', headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and "truncated" in r.json()["error"]["message"]
         assert fake.added == []
 
 

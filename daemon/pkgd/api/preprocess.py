@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import json
 import multiprocessing
 import os
 import pickle
@@ -274,12 +275,26 @@ def decode_body(raw: bytes, limits: FrontendLimits, max_model_len: int | None = 
     try:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
-        raise APIError(400, f"malformed JSON body: {exc}") from None
+        raise APIError(400, f"malformed JSON body: {_decode_problem(raw, exc)}") from None
     except RecursionError:  # msgspec recurses per nesting level: '{"a":' * 100000 ran out of stack
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     if isinstance(data, dict):
         check_limits(data, limits, max_model_len)
     return data
+
+
+def _decode_problem(raw: bytes, exc: msgspec.DecodeError) -> str:
+    """msgspec's reason, except for a lone high surrogate escape (``"\\ud800"``), which
+    msgspec reports as truncated input: the stdlib parser, which accepts lone surrogates,
+    tells that case apart (only on this error path; the body is already size-limited)."""
+    if str(exc) == "Input data was truncated":
+        try:
+            json.loads(raw)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            return "invalid utf-16 surrogate pair (a \\uD800-\\uDBFF escape without its low half)"
+    return str(exc)
 
 
 def check_limits(data: dict[str, Any], limits: FrontendLimits, max_model_len: int | None = None) -> None:
