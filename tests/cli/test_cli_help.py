@@ -100,3 +100,33 @@ def test_unknown_arguments_message_skips_an_unknown_options_value():
 def test_configuration_reference_in_docs_is_current():
     doc = REPO / "docs" / "configuration.md"
     assert doc.read_text() == keys_markdown(), "regenerate: pkgd config keys --format markdown > docs/configuration.md"
+
+
+@pytest.mark.parametrize(
+    ("topic", "shown", "not_shown"),
+    [
+        ("max-model-len", "model.max_model_len", "scheduler.max_num_seqs"),  # a vLLM flag's words
+        ("--max-num-seqs", "scheduler.max_num_seqs", "model.max_model_len"),
+        ("ModelConfig", "model.source", "parallel.tp:"),  # vLLM's group name: pkgd's section
+        ("parallel.tp", "--tensor-parallel-size", "model.source"),
+        ("listgroup", "supervisor:", "model.source"),
+    ],
+)
+def test_help_topic_as_vllm_serve_help_equals(capsys, topic, shown, not_shown):
+    """`vllm serve --help=TOPIC` lines work: a section, a key, or the keys a word names."""
+    assert main(["serve", f"--help={topic}"]) == 0
+    out = capsys.readouterr().out
+    assert shown in out and not_shown not in out
+
+
+def test_help_all_is_the_usual_help_then_every_key(capsys):
+    assert main(["serve", "--help=all"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: pkgd serve")
+    assert "model.source" in out and "logging.level" in out and "supervisor.drain_timeout" in out
+
+
+def test_help_topic_that_matches_nothing_exits_2_with_a_did_you_mean(capsys):
+    assert main(["serve", "--help=listgrup"]) == 2
+    err = capsys.readouterr().err
+    assert "--help=listgrup: no section, key or flag matches; did you mean listgroup?" in err

@@ -90,16 +90,16 @@ def by_section(leaves: Iterable[Any]) -> dict[str, list[Any]]:
     return groups
 
 
-def keys_text(selector: str | None = None, width: int | None = None) -> str:
+def keys_text(selector: str | None = None, width: int | None = None, *, leaves: Sequence[Any] | None = None) -> str:
     """The reference as ``pkgd config keys`` prints it: per key its type, default, flags,
-    reload class and description."""
+    reload class and description; of ``leaves`` when given, else of ``selector``."""
     from pkgd.config import schema
 
     width = width or min(shutil.get_terminal_size((100, 24)).columns, 120)
     lines = textwrap.wrap(SETTING_A_KEY, width=width)
-    if not selector:
+    if not selector and leaves is None:
         lines += ["", groups_text()]
-    for section, leaves in by_section(select_leaves(selector)).items():
+    for section, leaves in by_section(select_leaves(selector) if leaves is None else leaves).items():
         lines += ["", f"{section}: {schema.sections().get(section, '')}"]
         for leaf in leaves:
             head = f"  {leaf.key}: {leaf.type_label} = {default_text(leaf.default)}"
@@ -109,6 +109,42 @@ def keys_text(selector: str | None = None, width: int | None = None) -> str:
             body = f"{leaf.description} [reload: {leaf.reload.value}]"
             lines += textwrap.wrap(body, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines)
+
+
+def help_topic_text(topic: str) -> str:
+    """What ``pkgd serve --help=TOPIC`` prints, as vLLM's ``--help=`` does: ``all`` every key;
+    ``listgroup`` the sections; a section or key (``model``, ``parallel.tp``; vLLM's group
+    names ``ModelConfig``, ``CacheConfig`` … name pkgd's sections) its keys; any other word
+    the keys whose name or vLLM flag contains it (``max-model-len``, ``--max-num-seqs``).
+
+    Raises:
+        ValueError: nothing matches ``topic`` (with a did-you-mean).
+    """
+    from pkgd.config import schema
+
+    top = [s for s in schema.sections() if "." not in s]
+    if topic == "all":
+        return keys_text()
+    if topic == "listgroup":
+        return "sections (pkgd serve --help=SECTION):\n" + "\n".join(
+            f"  {name}: {schema.sections()[name]}" for name in top
+        )
+    section = topic.lower().removesuffix("config").removesuffix("args")
+    for selector in (topic, section):
+        if selector in schema.sections() or selector in schema.leaves():
+            return keys_text(selector)
+    word = topic.lstrip("-").replace("-", "_").lower()
+    found = [
+        leaf
+        for leaf in schema.leaves().values()
+        if word and (word in leaf.key.lower() or any(word in a.lstrip("-").replace("-", "_") for a in leaf.aliases))
+    ]
+    if not found:
+        names = ["all", "listgroup", *schema.sections(), *schema.leaves()]
+        raise ValueError(
+            f"--help={topic}: no section, key or flag matches{did_you_mean(topic, names)} (try --help=listgroup)"
+        )
+    return keys_text(leaves=found)
 
 
 def groups_text() -> str:

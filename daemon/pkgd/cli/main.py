@@ -8,6 +8,7 @@ usage (one line per problem, no traceback), 130 on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -52,6 +53,7 @@ examples:
   pkgd +model=qwen parallel.tp=2           choose a preset, set a key
   pkgd config show --sources               the composed tree and each value's layer
   pkgd config keys frontend                the keys of one section, with flags and defaults
+  pkgd serve --help=max-model-len          the keys a word or vLLM flag names (--help=all: every key)
   pkgd config validate ./deploy            check a config tree (exit 0 or 2)
   pkgd bench throughput --num-prompts 64   offline throughput of the engine"""
 
@@ -146,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if topic := next((t.partition("=")[2] for t in argv if t.startswith("--help=")), None):
+            return _help_topic(argv, topic)
         split = split_argv(argv, commands=available_subcommands())
         rest, command = _command_of(split.rest, list(available_subcommands()))
         wants_help = any(t in (*_HELP, "--version") for t in rest)
@@ -172,6 +176,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `pkgd config show | head`: stop quietly, as other tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _help_topic(argv: list[str], topic: str) -> int:
+    """vLLM's ``vllm serve --help=all|GROUP|KEYWORD``: ``all`` is the command's ``--help``
+    followed by every key; other topics print their keys (`pkgd.cli.keys.help_topic_text`)."""
+    from pkgd.cli.keys import help_topic_text
+
+    try:
+        text = help_topic_text(topic)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if topic == "all":
+        with contextlib.suppress(SystemExit):  # argparse exits after printing the help
+            main([t for t in argv if not t.startswith("--help=")] + ["--help"])
+        print()
+    print(text)
+    return 0
 
 
 def print_problems(problems: Sequence[str], *, file: TextIO | None = None) -> None:
