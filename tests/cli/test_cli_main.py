@@ -125,3 +125,19 @@ def test_usage_errors_exit_2(pkgd):
     assert r.rc == 2 and "invalid choice" in r.err
     r = pkgd("config", "show", "--port")
     assert r.rc == 2 and "--port: expects a value" in r.err
+
+
+def test_python_dash_m_exits_2_on_a_usage_error_as_the_console_script():
+    """Run as ``python -m pkgd.cli.main`` the module is __main__ and also imported as
+    pkgd.cli.main; a subcommand's UsageError must still be the one caught (exit 2)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pkgd.cli.main", "bench", "serve", "--max-num-seqs", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("pkgd: error: bench serve") and "Traceback" not in done.stderr

@@ -204,4 +204,8 @@ def print_problems(problems: Sequence[str], *, file: TextIO | None = None) -> No
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m pkgd.cli.main`: run the module as imported under its own name, so the
+    # `UsageError` the subcommands import from it is the class `main` catches (exit 2, not 1).
+    from pkgd.cli.main import main as _main
+
+    sys.exit(_main())
