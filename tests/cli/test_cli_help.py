@@ -130,3 +130,9 @@ def test_help_topic_that_matches_nothing_exits_2_with_a_did_you_mean(capsys):
     assert main(["serve", "--help=listgrup"]) == 2
     err = capsys.readouterr().err
     assert "--help=listgrup: no section, key or flag matches; did you mean listgroup?" in err
+
+
+def test_help_with_an_empty_topic_is_the_usual_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help="])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: pkgd serve")

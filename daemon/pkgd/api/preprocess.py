@@ -294,7 +294,7 @@ def _decode_problem(raw: bytes, exc: msgspec.DecodeError) -> str:
             pass
         else:
             return "invalid utf-16 surrogate pair (a \\uD800-\\uDBFF escape without its low half)"
-    return str(exc)
+    return str(exc).removeprefix("JSON is malformed: ")  # the caller's words already say so
 
 
 def check_limits(data: dict[str, Any], limits: FrontendLimits, max_model_len: int | None = None) -> None:

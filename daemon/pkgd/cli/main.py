@@ -147,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pkgd.config.compose import ComposeRequest
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = ["--help" if t == "--help=" else t for t in argv]  # an empty topic: the usual help
     try:
         if topic := next((t.partition("=")[2] for t in argv if t.startswith("--help=")), None):
             return _help_topic(argv, topic)
