@@ -122,12 +122,11 @@ def help_topic_text(topic: str) -> str:
     """
     from pkgd.config import schema
 
-    top = [s for s in schema.sections() if "." not in s]
     if topic == "all":
         return keys_text()
     if topic == "listgroup":
         return "sections (pkgd serve --help=SECTION):\n" + "\n".join(
-            f"  {name}: {schema.sections()[name]}" for name in top
+            f"  {name}: {text}" for name, text in schema.sections().items() if "." not in name
         )
     section = topic.lower().removesuffix("config").removesuffix("args")
     for selector in (topic, section):
