@@ -118,3 +118,49 @@ def test_tied_lm_head_is_packed_once_and_the_embedding_reads_its_rows(cpu_path):
         torch.testing.assert_close(head(h), h @ w.t(), atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match="already packed") if head.packed else _nothing():
         head.load(w)
+
+
+def _packed_bytes(packed: torch.Tensor) -> bytes:
+    import ctypes
+
+    n = torch.ops.mkldnn._nbytes(packed)
+    return ctypes.string_at(torch.ops.mkldnn.data_ptr(packed), n)
+
+
+@pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transposed_weight_packs_to_the_bytes_of_its_contiguous_copy(dtype):
+    """The column-parallel layers hand their ``[in, out]`` storage to oneDNN as a ``[out, in]``
+    view; the packing must be byte for byte the one of a contiguous copy."""
+    from pkgd.runner.layers.linear import pack_for_onednn
+
+    if dtype == torch.bfloat16 and not onednn_packs_bf16():
+        pytest.skip("oneDNN does not pack bf16 weights on this CPU")
+    w_in_out = torch.randn(576, 960, generator=torch.Generator().manual_seed(1)).to(dtype)
+    strided, contiguous = pack_for_onednn(w_in_out.t()), pack_for_onednn(w_in_out.t().contiguous())
+    assert strided is not None and contiguous is not None
+    assert _packed_bytes(strided) == _packed_bytes(contiguous)
+
+
+@pytest.mark.skipif(not ONEDNN_LINEAR, reason="this torch build has no oneDNN packed linear")
+def test_the_packed_layout_is_checked_once_per_shape_and_not_decided_by_zeros(monkeypatch):
+    from pkgd.runner.layers import linear as L
+
+    monkeypatch.setattr(L, "_LAYOUTS", {})
+    checks = []
+    real = L._check_layouts
+    monkeypatch.setattr(L, "_check_layouts", lambda *a: checks.append(a[-1]) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    zeros = L.pack_for_onednn(torch.zeros(128, 48))
+    assert L.packed_view(zeros, 128, 48) is not None and checks == [48]  # any candidate fits zeros
+    views = []
+    for _ in range(3):
+        w = torch.randn(128, 48, generator=g)
+        packed = L.pack_for_onednn(w)
+        view = L.packed_view(packed, 128, 48)  # valid while packed lives
+        assert view is not None
+        torch.testing.assert_close(view.permute(0, 2, 1).reshape(128, 48), w, rtol=0, atol=0)  # [n/64, k, 64]
+        views.append(packed)
+    assert checks == [48, 48]  # the zero weight decided nothing; the first random one did
+    assert L.packed_view(L.pack_for_onednn(torch.randn(64, 48, generator=g)), 64, 48) is not None
+    assert checks == [48, 48, 48]  # another shape is checked on its own

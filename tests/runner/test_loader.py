@@ -221,3 +221,44 @@ def test_corrupt_safetensors_is_a_clear_error(tiny_dirs, tmp_path):
     weights.write_bytes(b"\xff" * 64)
     with pytest.raises(ModelSourceError, match="not a valid safetensors"):
         make_runner(d)
+
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file with the tensors packed back to back in order (no alignment)."""
+    header, blobs, offset = {}, [], 0
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.uint8: "U8"}
+    for name, t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as the format's writers do
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def test_safetensors_reads_mapped_and_misaligned_tensors_exactly(tmp_path):
+    """Tensors at aligned offsets come from the memory map, one at an offset that is not a
+    multiple of its element size is read into a fresh tensor; every value is exact, and a view
+    kept past the iteration (its pages dropped from the process) still reads the file."""
+    from pkgd.runner.loader.weights import iter_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    want = [
+        ("a", torch.randn(64, 48, generator=g)),  # bytes [0, 12288) of the data
+        ("d", torch.randn(2048, generator=g).to(torch.bfloat16)),  # [12288, 16384)
+        ("b", torch.randint(0, 255, (3,), dtype=torch.uint8, generator=g)),  # the next is misaligned
+        ("c", torch.randn(5, 7, generator=g)),  # at 16387
+    ]
+    _write_safetensors(tmp_path / "model.safetensors", want)
+    kept = {}
+    for name, t in iter_safetensors(tmp_path):
+        kept[name] = t.clone(), t
+    assert list(kept) == [n for n, _ in want]
+    for name, w in want:
+        copy, view = kept[name]
+        assert copy.dtype == w.dtype and torch.equal(copy, w), name
+        assert torch.equal(view, w), name  # read again after its pages were dropped
+    # a, d and b view one map of the file, at their offsets; c, misaligned, was read elsewhere
+    at = {n: kept[n][1].data_ptr() - kept["a"][1].data_ptr() for n in "dbc"}
+    assert (at["d"], at["b"]) == (12288, 16384) and at["c"] != 16387

@@ -63,7 +63,7 @@ def onednn_packs_bf16() -> bool:
 
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight [out, in]`` float32 or bfloat16 on CPU repacked for `onednn_linear`; None when
+    """``weight [out, in]`` float32 or bfloat16 on CPU (any strides) repacked for `onednn_linear`; None when
     oneDNN's packed linear is unavailable or does not apply (device, dtype, a bf16 weight where
     `onednn_packs_bf16` is False: it stays a plain tensor for ``F.linear``)."""
     if not ONEDNN_LINEAR or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
@@ -73,7 +73,10 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     # Read by oneDNN when it creates its first primitive, which is after loading; an
     # operator's own setting wins.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVE_CACHE_CAPACITY)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT)
+    # A transposed view (the column-parallel layers' ``[in, out]`` storage) is passed as is:
+    # oneDNN's reorder reads it through its strides, bit-equal to the packing of a contiguous
+    # copy, without making that copy (half of a bf16 load's packing time).
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
 
 
 class GemvLayer(Protocol):
@@ -100,9 +103,8 @@ def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     ``pkgd_kernels.gemv_packed`` reads: float32 ``[n/64, k, 64]`` or bfloat16 ``[n/B, k/2, B, 2]``
     (B = 32 or 64: oneDNN's block width depends on the CPU), when oneDNN laid it out so (checked
     by comparing ``gemv_packed_ref`` on three blocks of the view with oneDNN's product on a
-    random input; oneDNN
-    picks other layouts for some shapes and CPUs); None otherwise. Valid while ``packed``
-    lives."""
+    random input, once per shape and dtype in a process; oneDNN picks other layouts for some
+    shapes and CPUs); None otherwise. Valid while ``packed`` lives."""
     dtype = packed.dtype
     if dtype not in (torch.float32, torch.bfloat16) or torch.ops.mkldnn._nbytes(packed) != n * k * dtype.itemsize:
         return None
@@ -117,6 +119,30 @@ def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
     buf = (ctype * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
     raw = torch.frombuffer(buf, dtype=torch.float32 if dtype == torch.float32 else torch.int16)
     flat = raw if dtype == torch.float32 else raw.view(torch.bfloat16)
+    key = (n, k, dtype)
+    if key in _LAYOUTS:
+        found = _LAYOUTS[key]
+        return flat.view(found) if found is not None else None
+    found, decisive = _check_layouts(packed, flat, candidates, dtype, k)
+    if decisive:
+        _LAYOUTS[key] = found
+    return flat.view(found) if found is not None else None
+
+
+# (n, k, dtype) -> the view shape `packed_view` verified for oneDNN's packing of that shape, or
+# None. oneDNN picks the packed layout from the shape, the dtype, the batch hint and the CPU
+# alone, so one check per shape holds for every weight of it (a model has ~5 shapes and
+# ~120 weights; checking each took ~0.2 s of every start). An all-zero weight decides nothing
+# (every candidate computes its zeros) and is not remembered.
+_LAYOUTS: dict[tuple[int, int, torch.dtype], tuple[int, ...] | None] = {}
+
+
+def _check_layouts(
+    packed: torch.Tensor, flat: torch.Tensor, candidates: list[tuple[int, ...]], dtype: torch.dtype, k: int
+) -> tuple[tuple[int, ...] | None, bool]:
+    """The first of ``candidates`` whose view of ``flat`` (the packed buffer) computes oneDNN's
+    own product of ``packed`` on a random input, or None; and whether the product was nonzero
+    (else the check tells the layouts apart nowhere)."""
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(0)).to(dtype)
     ref = onednn_linear(x, packed, None).float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the two round their outputs apart
@@ -132,8 +158,8 @@ def packed_view(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
         got = pk.gemv_packed_ref(x, view[blocks], None).float()
         want = ref[:, cols]
         if (got - want).abs().max() <= tol * want.abs().max() + 1e-6:
-            return view
-    return None
+            return shape, bool(want.abs().max() > 0)
+    return None, True
 
 
 def small_batch_gemv(layer: GemvLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
