@@ -161,6 +161,7 @@ def test_the_runner_puts_weights_on_huge_pages_and_the_kv_cache_in_lazy_zero_mem
     first = runner.kv_caches[0][0].data_ptr()
     assert all(c.data_ptr() % (2 << 20) == 0 for pair in runner.kv_caches for c in pair)  # whole huge pages each
     assert _smaps_kib(first, span, "Rss:") * 1024 < span // 8  # read (above), never written: not resident
+    assert all("nh" in _vm_flags(c.data_ptr()) for pair in runner.kv_caches for c in pair)  # the first blocks: 4 KiB
     v0[:64].fill_(1.0)  # the first 64 blocks of one layer's V written
     written = v0[:64].numel() * v0.element_size()
     assert written <= _smaps_kib(v0.data_ptr(), written, "Rss:") * 1024 < span // 8
@@ -200,3 +201,35 @@ def test_torch_huge_pages_follow_the_config_unless_the_operator_chose(monkeypatc
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
     host.set_torch_huge_pages(True)  # the first choice (or the operator's) stands
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def _vm_flags(addr: int) -> set[str]:
+    """The ``VmFlags`` of the mapping holding ``addr`` (``hg``: MADV_HUGEPAGE, ``nh``: NOHUGEPAGE)."""
+    inside = False
+    for line in open("/proc/self/smaps", encoding="ascii", errors="replace"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise only")
+def test_lazy_buffers_keep_a_small_page_head_and_huge_pages_after_it():
+    from pkgd.runner.allocator import lazy_zeroed_buffers
+
+    mib = 1 << 20
+    bufs = lazy_zeroed_buffers([8 * mib, 8 * mib, 4096], huge_pages=True, small_head=2 * mib)
+    if "hg" not in _vm_flags(bufs[0].data_ptr() + 4 * mib):
+        pytest.skip("this kernel has no transparent huge pages")
+    for b in bufs[:2]:
+        assert "nh" in _vm_flags(b.data_ptr()) and "nh" in _vm_flags(b.data_ptr() + 2 * mib - 1)
+        assert "hg" in _vm_flags(b.data_ptr() + 2 * mib) and "hg" in _vm_flags(b.data_ptr() + 8 * mib - 1)
+        b[0] = 1  # a first write in the head: 4 KiB, not a huge page
+        assert _smaps_kib(b.data_ptr(), 2 * mib, "AnonHugePages:") == 0
+        assert int(b[:4096].sum()) == 1 and int(b.sum()) == 1  # zero elsewhere, head or not
+    assert "nh" in _vm_flags(bufs[2].data_ptr())  # a buffer smaller than the head: all of it
+    plain = lazy_zeroed_buffers([8 * mib], huge_pages=True)
+    assert "hg" in _vm_flags(plain[0].data_ptr())  # no head asked: huge pages from the start

@@ -25,12 +25,13 @@ libraries this does nothing.
 After loading, the weights are moved onto 2 MiB huge pages (`collapse_to_huge_pages`): decode
 reads them from DRAM every step. The KV cache comes from `lazy_zeroed_buffers` instead: fresh
 anonymous memory that is zero without being written and becomes resident (on huge pages where
-the kernel allows) only as blocks are first written, so a cache sized for the worst case costs
-only what the workload uses.
+the kernel allows, past a small head of each buffer) only as blocks are first written, so a
+cache sized for the worst case costs only what the workload uses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -141,7 +142,7 @@ def collapse_to_huge_pages(spans: list[tuple[int, int]]) -> int:
 
 
 def lazy_zeroed_buffers(
-    sizes: list[int], *, align: int = HUGE_PAGE_BYTES, huge_pages: bool = True
+    sizes: list[int], *, align: int = HUGE_PAGE_BYTES, huge_pages: bool = True, small_head: int = 0
 ) -> list[torch.Tensor]:
     """Zero-filled ``uint8`` CPU tensors of the given byte sizes that take no memory until written.
 
@@ -150,8 +151,10 @@ def lazy_zeroed_buffers(
     write, which then faults in a page of its own, so resident memory follows the bytes written,
     not the size. The region is ``madvise(MADV_HUGEPAGE)`` when ``huge_pages`` is true: a first
     write faults in a 2 MiB page where THP allows it, as `collapse_to_huge_pages` gives the
-    weights. The tensors keep the mapping alive; it is unmapped when the last one is freed.
-    View them as the dtype and shape needed (``t.view(dtype).view(shape)``).
+    weights. The first ``small_head`` bytes of each buffer (rounded up to 4 KiB pages) are
+    ``MADV_NOHUGEPAGE`` instead: a first write there faults in 4 KiB, not 2 MiB. The tensors keep
+    the mapping alive; it is unmapped when the last one is freed. View them as the dtype and
+    shape needed (``t.view(dtype).view(shape)``).
 
     Raises:
         OSError: the mapping cannot be created (address space or overcommit limits).
@@ -171,4 +174,10 @@ def lazy_zeroed_buffers(
             pass
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     shift = -whole.data_ptr() % align
+    head = -(-small_head // mmap.PAGESIZE) * mmap.PAGESIZE
+    if huge_pages and head > 0 and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        for n, off in zip(sizes, offsets):
+            if n:
+                with contextlib.suppress(OSError):
+                    mm.madvise(mmap.MADV_NOHUGEPAGE, shift + off, min(head, -(-n // mmap.PAGESIZE) * mmap.PAGESIZE))
     return [whole[shift + off : shift + off + n] for n, off in zip(sizes, offsets)]

@@ -58,6 +58,9 @@ logger = log.get_logger("pkgd.runner")
 _DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)  # broadcast between TP ranks by index
 
 # Prompt-logprob rows go through the LM head in slices of this many (bounds the [n, V] logits).
+# The head of each CPU KV buffer kept on 4 KiB pages (`initialize_kv_cache`): one huge page's
+# worth, the blocks of the first requests (SmolLM2, bf16 KV: ~340 blocks of 16 tokens).
+KV_SMALL_PAGE_HEAD_BYTES = 2 << 20
 PROMPT_LOGPROBS_SLICE = 256
 
 
@@ -308,7 +311,8 @@ class ModelRunner:
 
         On CPU the cache is fresh anonymous memory (`pkgd.runner.allocator.lazy_zeroed_buffers`):
         zero without being written, resident only as blocks are first written, so the budget
-        can be sized for the worst case while memory follows the blocks the scheduler uses."""
+        can be sized for the worst case while memory follows the blocks the scheduler uses.
+        The first `KV_SMALL_PAGE_HEAD_BYTES` of each buffer stay on 4 KiB pages."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         shape = (num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
@@ -325,7 +329,15 @@ class ModelRunner:
             self.kv_caches = []
             if self.device.type == "cpu":
                 nbytes = num_blocks * self.kv_cache_bytes_per_block(block_size) // (2 * layers)
-                raw = lazy_zeroed_buffers([nbytes] * (2 * layers), huge_pages=self.config.parallel.cpu_huge_pages)
+                # The first requests get the lowest block ids (`BlockPool`): on 4 KiB pages, their
+                # first writes fault in a few KiB per layer instead of a 2 MiB huge page each
+                # (2 x layers faults of several ms each on a virtualised host: SmolLM2's first
+                # answer took ~0.3 s longer). Blocks past the head stay on huge pages.
+                raw = lazy_zeroed_buffers(
+                    [nbytes] * (2 * layers),
+                    huge_pages=self.config.parallel.cpu_huge_pages,
+                    small_head=KV_SMALL_PAGE_HEAD_BYTES,
+                )
                 bufs = [b.view(self.kv_dtype).view(shape) for b in raw]
                 self.kv_caches = list(zip(bufs[0::2], bufs[1::2]))
                 p.advance(layers)
