@@ -26,11 +26,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pkgd.model_files.errors import ModelSourceError
+
+if TYPE_CHECKING:
+    from pkgd.model_files.gguf_index import GGUFTensor
 
 # GGUF general.architecture -> (HF architectures name, HF model_type, undo Q/K permutation).
 _ARCHES = {
@@ -110,13 +113,33 @@ def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], str]:
         meta = {name: field.contents() for name, field in reader.fields.items()}
     except Exception as e:  # the gguf package raises ValueError/struct errors/IndexError
         raise ModelSourceError(f"model source {str(gguf_path)!r}: {gguf_path} is not a valid GGUF file ({e})") from e
-    arch = meta.get("general.architecture")
+    return reader, meta, _supported_arch(gguf_path, meta.get("general.architecture"))
+
+
+def read_gguf_tensors(gguf_path: Path) -> tuple[list[GGUFTensor], str]:
+    """``(tensors, architecture)`` of a GGUF file, without its other metadata
+    (`pkgd.model_files.gguf_index.scan_gguf`: the same tensors as `read_gguf`'s reader, seconds
+    sooner for a file with a tokenizer).
+
+    Raises:
+        ModelSourceError: as `read_gguf`.
+    """
+    from pkgd.model_files.gguf_index import scan_gguf  # imports gguf, as read_gguf does
+
+    try:
+        index = scan_gguf(gguf_path)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"model source {str(gguf_path)!r}: {gguf_path} is not a valid GGUF file ({e})") from e
+    return index.tensors, _supported_arch(gguf_path, index.architecture)
+
+
+def _supported_arch(gguf_path: Path, arch: Any) -> str:
     if arch not in _ARCHES:
         raise ModelSourceError(
             f"model source {str(gguf_path)!r}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(_ARCHES))}"
         )
-    return reader, meta, arch
+    return str(arch)
 
 
 def permutes_qk(arch: str) -> bool:

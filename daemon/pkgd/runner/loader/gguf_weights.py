@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pkgd.model_files.gguf_convert import hf_name, permutes_qk, read_gguf, unpermute_qk
+from pkgd.model_files.gguf_convert import hf_name, permutes_qk, read_gguf_tensors, unpermute_qk
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
@@ -55,10 +55,10 @@ class GGUFWeights:
     def __init__(self, path: Path, cfg: ArchConfig) -> None:
         self.path = path
         self.cfg = cfg
-        self._reader, _, arch = read_gguf(path)
+        tensors, arch = read_gguf_tensors(path)
         self._permute = permutes_qk(arch)
-        self.tensors = {hf_name(t.name) or t.name: t for t in self._reader.tensors}
-        self._unknown = [t.name for t in self._reader.tensors if hf_name(t.name) is None]
+        self.tensors = {hf_name(t.name) or t.name: t for t in tensors}
+        self._unknown = [t.name for t in tensors if hf_name(t.name) is None]
 
     def qtype(self, name: str) -> int:
         """GGML type id of tensor ``name`` (HF name)."""
@@ -104,7 +104,6 @@ class GGUFWeights:
     def close(self) -> None:
         """Drop the file mapping (its pages stop counting towards the process's memory)."""
         self.tensors = {}
-        self._reader = None
 
 
 def _type_name(qt: int) -> str:
