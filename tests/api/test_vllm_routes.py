@@ -149,3 +149,19 @@ async def test_dev_routes_need_dev_mode_and_call_every_engine(tokenizer):
         ) in fake.utility_calls
         fake.utility_answers["is_sleeping"] = UtilityResult(call_id=0, engine_index=0, result=True)
         assert (await http.get("/is_sleeping", headers=auth)).json() == {"is_sleeping": True}
+
+
+async def test_the_model_source_as_given_is_a_name_as_vllm_serves_it(tokenizer):
+    """vLLM serves ``--model PATH`` as ``PATH``; pkgd lists the file's stem, and accepts the path
+    as given (answered under it) while no name is set, and only then."""
+    source = VllmConfig().model.source
+    async with served(tokenizer) as (http, _s, _f):
+        listed = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+        assert source not in listed
+        r = await http.post("/v1/completions", json={"model": source, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == source
+        r = await http.post("/v1/completions", json={"model": source + "x", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 404
+    async with served(tokenizer, config=_cfg(served_model_names=["smol"])) as (http, _s, _f):
+        r = await http.post("/v1/completions", json={"model": source, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -58,7 +58,10 @@ class ServerState:
         return [hs.model_name] if hs is not None else [self.config.model.source]
 
     def resolve_model(self, name: str | None) -> str:
-        """The served name a request asked for (the first one when it gave none).
+        """The served name a request asked for (the first one when it gave none). With no
+        name set (``frontend.served_model_names``, ``model.name``), ``model.source`` as given
+        is accepted too and answered under that name: vLLM serves the ``--model`` value itself
+        by default, so a vLLM client sends the path it launched with.
 
         Raises:
             APIError: 404 for a name that is not served.
@@ -66,6 +69,12 @@ class ServerState:
         names = self.served_model_names()
         if name is None or name in names:
             return name or names[0]
+        if (
+            name == self.config.model.source
+            and not self.config.frontend.served_model_names
+            and not self.config.model.name
+        ):
+            return name
         raise APIError(
             404, f"the model {name!r} does not exist; served: {', '.join(names)}", param="model", code="model_not_found"
         )
