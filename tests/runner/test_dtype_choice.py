@@ -32,8 +32,8 @@ class Measure:
     def __init__(self, batched: float, decode: float) -> None:
         self.figures, self.calls = _figures(batched, decode), 0
 
-    def __call__(self, shapes, kernels):
-        assert shapes == SHAPES
+    def __call__(self, shapes, kernels, layers):
+        assert shapes == SHAPES and layers == 1
         self.calls += 1
         return self.figures
 
@@ -106,7 +106,8 @@ def test_the_measurement_on_this_host(monkeypatch):
     torch.set_num_threads(2)
     figures = D.measure_bf16_speedup([(128, 64), (64, 96)], repeat=2)
     assert torch.get_num_threads() == 2
-    assert set(figures) == {f"{k}_{x}" for k in ("batched", "decode") for x in ("fp32_ms", "bf16_ms", "speedup")}
+    keys = {f"{k}_{x}" for k in ("batched", "decode") for x in ("fp32_ms", "bf16_ms", "speedup")}
+    assert set(figures) == keys | {"decode_copies"} and figures["decode_copies"] == 1
     assert all(v > 0 for v in figures.values())
     choice = D.choose_dtype("auto", "float32", "cpu", shapes=[(128, 64)])
     if D.cpu_has_native_bf16():
@@ -114,6 +115,37 @@ def test_the_measurement_on_this_host(monkeypatch):
         assert (choice.dtype == torch.bfloat16) == faster
     else:
         assert choice.dtype == torch.float32 and not choice.figures
+
+
+def test_the_decode_measurement_streams_past_the_last_level_cache(monkeypatch):
+    """Enough copies of a layer to read twice the cache's bytes, never more than the model's
+    layers, at least one; the real run times a pass over them per layer."""
+    layer = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2: 14.2 MB of float32
+    mib = 1 << 20
+    assert D.decode_copies(layer, 30, cache_bytes=32 * mib) == 5  # 64 MiB / 14.2 MB, rounded up
+    assert D.decode_copies(layer, 3, cache_bytes=32 * mib) == 3  # the whole model fits: as it runs
+    assert D.decode_copies(layer, 30, cache_bytes=0) == 1
+    assert D.decode_copies([(64, 64)], 1000, cache_bytes=mib) == 128
+    assert D.last_level_cache_bytes() >= 0
+    seen = []
+    monkeypatch.setattr(D, "last_level_cache_bytes", lambda: 2 * 4 * 128 * 64)  # two copies of the layer
+    real = D._measure
+    monkeypatch.setattr(D, "_measure", lambda *a: seen.append(a[3]) or real(*a))
+    figures = D.measure_bf16_speedup([(128, 64)], None, 8, repeat=1)
+    assert seen == [4] and figures["decode_copies"] == 4
+    assert figures["decode_fp32_ms"] > 0 and figures["decode_bf16_ms"] > 0
+
+
+def test_the_runner_passes_the_models_layer_count(tiny_dirs, tmp_path, monkeypatch):
+    from tests.runner.factory import make_runner
+
+    copies = []
+    monkeypatch.setattr(D, "cpu_flags", lambda: AMX)
+    monkeypatch.setattr(D, "last_level_cache_bytes", lambda: 1 << 40)  # all layers
+    monkeypatch.setattr(D, "_measure", lambda shapes, kernels, repeat, n: copies.append(n) or _figures(0.5, 0.5))
+    model_dir, _ = tiny_dirs("qwen2")
+    runner = make_runner(model_dir, dtype="auto", cache_dir=str(tmp_path))
+    assert copies == [runner.arch.num_hidden_layers]
 
 
 def test_the_runner_logs_its_choice(tiny_dirs):
@@ -155,6 +187,7 @@ def test_the_cache_key_covers_what_the_figures_depend_on(tmp_path):
     assert key == cache.key(list(SHAPES), None, frozenset(AMX))
     assert key != cache.key(SHAPES[:2], None, AMX)
     assert key != cache.key(SHAPES, None, AVX512_BF16)
+    assert key != cache.key(SHAPES, None, AMX, layers=30)
     from types import SimpleNamespace
 
     kernels = SimpleNamespace(path="/c/libpkgd-abc.so", bf16_impl="dpbf16")
@@ -168,7 +201,7 @@ def test_the_cache_key_covers_what_the_figures_depend_on(tmp_path):
         measure = Measure(4.0, 1.5)
         measure_shapes = shapes
 
-        def call(s, k, measure=measure, expected=measure_shapes):
+        def call(s, k, layers, measure=measure, expected=measure_shapes):
             assert s == list(expected)
             measure.calls += 1
             return measure.figures
@@ -207,7 +240,7 @@ def test_the_runner_keeps_its_measurement_in_the_model_cache(tiny_dirs, tmp_path
 
     calls = []
 
-    def fake_measure(shapes, kernels, repeat):
+    def fake_measure(shapes, kernels, repeat, copies):
         calls.append(shapes)
         return _figures(0.5, 0.5)  # float32 wins: the runner needs no bf16 packing path here
 

@@ -235,6 +235,7 @@ class ModelRunner:
                 self.arch.checkpoint_dtype,
                 self.device.type,
                 shapes=linear_shapes(self.arch, self.tp.size) if first else (),
+                layers=self.arch.num_hidden_layers,
                 kernels=self.cpu_kernels,
                 cache=MeasurementCache(default_cache_dir(self.config.model.cache_dir) / "dtype-choice"),
             )

@@ -63,11 +63,11 @@ int pkgd_gemv_bf16_packed(const float* x, int64_t ldx, const uint16_t* w, const 
     uint32_t* xp = (uint32_t*)malloc(sizeof(uint32_t) * (size_t)(m * (k / 2) + 1));
     if (!xp) return -1;
     pack_x_bf16(xp, x, ldx, m, k);
-    const int64_t nblk = n / 32;
+    const int64_t nblk = n / bb; /* whole blocks, each read front to back (gemv_bf16_rows) */
 #pragma omp parallel for schedule(static) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
-        gemv_bf16_rows(xp, k / 2, bf16_block32(w, b, k, bb), 2 * bb, 0, k / 2, y + b * 32, n,
-                       bias ? bias + b * 32 : NULL, m, impl);
+        gemv_bf16_rows(xp, k / 2, w + b * k * bb, 2 * bb, 0, k / 2, y + b * bb, n, bias ? bias + b * bb : NULL, m,
+                       impl, bb);
     free(xp);
     return 0;
 }

@@ -90,8 +90,8 @@ static inline void gemv_rows(const float* x, int64_t ldx, const float* wb, int64
  * w[((v / B) * (k / 2) + c / 2) * 2B + (v % B) * 2 + c % 2], so each 32-bit lane holds the pair
  * (W[v, 2j], W[v, 2j + 1]) of one output v: the operand layout of AVX512-BF16's vdpbf16ps.
  * oneDNN picks B by the CPU (32 on the AMX hosts seen, 64 on an AVX512-BF16 one without AMX), so the loops
- * below take 32 outputs at a time from a block of either width: 32 outputs are 64 contiguous
- * elements per pair j, the next pair 2B elements on (bf16_block32). x is rounded to bf16 pairs
+ * below take a whole block of either width at a time: its B outputs are 2B contiguous elements
+ * per pair j, the next pair right after, so a block is read front to back. x is rounded to bf16 pairs
  * first (xp[j] = bf16(x[2j]) | bf16(x[2j+1]) << 16), as a bf16 GEMM rounds its input; products
  * are summed in float32. Two ways to the same sums, chosen at run time (impl): vdpbf16ps where
  * the CPU has it (BF16_DP), else widening each bf16 to float32 by a shift (BF16_WIDEN:
@@ -127,54 +127,62 @@ static inline void pack_x_bf16(uint32_t* xp, const float* x, int64_t ldx, int64_
 
 #define GEMV_BF16_PREFETCH 2048 /* bf16 elements ahead: 4 KiB, as the float32 GEMV */
 
-/* The first element of 32-output block b (outputs [32b, 32b + 32)) of a [n/bb][k/2][bb][2]
- * packing; its pair j is 2 * bb elements after pair j - 1. */
-static inline const uint16_t* bf16_block32(const uint16_t* w, int64_t b, int64_t k, int64_t bb) {
-    return w + (b / (bb / 32)) * k * bb + (b % (bb / 32)) * 64;
-}
-
-/* The 32 outputs at wb (bf16_block32; pairs ldj elements apart) for `rows` rows of xp over
- * pairs [j0, j1). */
+/* The 16 * nv outputs at wb (pairs ldj elements apart; nv = 2, or 4 for a whole
+ * 64-wide block) for `rows` rows of xp over pairs [j0, j1). */
 static inline __attribute__((always_inline)) void gemv_bf16_block_widen(
     const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0, int64_t j1, float* y, int64_t ldy,
-    const float* bias, const int rows) {
-    v16 acc[4][2];
+    const float* bias, const int rows, const int nv) {
+    v16 acc[4][4];
 #pragma GCC unroll 4
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (v16){0};
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < nv; i++) acc[r][i] = (v16){0};
     for (int64_t j = j0; j < j1; j++) {
         const uint16_t* wr = wb + j * ldj;
-        __builtin_prefetch(wr + GEMV_BF16_PREFETCH, 0, 1);
-        __builtin_prefetch(wr + GEMV_BF16_PREFETCH + 32, 0, 1);
-        const u32x16 w0 = LOADU32(wr), w1 = LOADU32(wr + 32);
-        const v16 e0 = (v16)(w0 << 16), o0 = (v16)(w0 & 0xffff0000u);
-        const v16 e1 = (v16)(w1 << 16), o1 = (v16)(w1 & 0xffff0000u);
+        v16 e[4], o[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < nv; i++) {
+            __builtin_prefetch(wr + GEMV_BF16_PREFETCH + 32 * i, 0, 1);
+            const u32x16 w = LOADU32(wr + 32 * i);
+            e[i] = (v16)(w << 16);
+            o[i] = (v16)(w & 0xffff0000u);
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             const uint32_t p = xp[r * ldxp + j];
             const float xe = bf16_to_f32(p & 0xffffu), xo = bf16_to_f32(p >> 16);
-            acc[r][0] += xe * e0 + xo * o0;
-            acc[r][1] += xe * e1 + xo * o1;
+#pragma GCC unroll 4
+            for (int i = 0; i < nv; i++) acc[r][i] += xe * e[i] + xo * o[i];
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
-        for (int i = 0; i < 2; i++) {
-            v16 o = acc[r][i];
-            if (bias) o += LOADV(bias + 16 * i);
-            STOREV(y + r * ldy + 16 * i, o);
+        for (int i = 0; i < nv; i++) {
+            v16 out = acc[r][i];
+            if (bias) out += LOADV(bias + 16 * i);
+            STOREV(y + r * ldy + 16 * i, out);
         }
 }
 
-static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj,
-                                        int64_t j0, int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m) {
+static inline __attribute__((always_inline)) void gemv_bf16_rows_widen_nv(
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const float* bias, int64_t m, const int nv) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 4);
+    for (; r + 4 <= m; r += 4)
+        gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 4, nv);
     switch (m - r) {
-        case 3: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 3); break;
-        case 2: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 2); break;
-        case 1: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        case 3: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 3, nv); break;
+        case 2: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 2, nv); break;
+        case 1: gemv_bf16_block_widen(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 1, nv); break;
         default: break;
     }
+}
+
+static void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0,
+                                 int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m, int64_t outs) {
+    if (outs == 64)
+        gemv_bf16_rows_widen_nv(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m, 4);
+    else
+        gemv_bf16_rows_widen_nv(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m, 2);
 }
 
 #if defined(__x86_64__) && (__GNUC__ >= 10 || defined(__clang__))
@@ -186,41 +194,54 @@ static inline void gemv_bf16_rows_widen(const uint32_t* xp, int64_t ldxp, const 
  * whatever -march says, called only where the CPU has it (pkgd_bf16_dot_native). */
 static inline __attribute__((always_inline)) void gemv_bf16_block_dp(
     const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0, int64_t j1, float* y, int64_t ldy,
-    const float* bias, const int rows) {
-    __m512 acc[4][2];
+    const float* bias, const int rows, const int nv) {
+    __m512 acc[4][4];
 #pragma GCC unroll 4
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < nv; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t j = j0; j < j1; j++) {
         const uint16_t* wr = wb + j * ldj;
-        _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH), _MM_HINT_T1);
-        _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH + 32), _MM_HINT_T1);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr), w1 = (__m512bh)_mm512_loadu_si512(wr + 32);
+        __m512bh w[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < nv; i++) {
+            _mm_prefetch((const char*)(wr + GEMV_BF16_PREFETCH + 32 * i), _MM_HINT_T1);
+            w[i] = (__m512bh)_mm512_loadu_si512(wr + 32 * i);
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < rows; r++) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + j]);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+#pragma GCC unroll 4
+            for (int i = 0; i < nv; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w[i], xb);
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < rows; r++)
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < nv; i++) {
             __m512 o = acc[r][i];
             if (bias) o = _mm512_add_ps(o, _mm512_loadu_ps(bias + 16 * i));
             _mm512_storeu_ps(y + r * ldy + 16 * i, o);
         }
 }
 
-static void gemv_bf16_rows_dp(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0,
-                              int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m) {
+static inline __attribute__((always_inline)) void gemv_bf16_rows_dp_nv(
+    const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0, int64_t j1, float* y, int64_t ldy,
+    const float* bias, int64_t m, const int nv) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 4);
+    for (; r + 4 <= m; r += 4) gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 4, nv);
     switch (m - r) {
-        case 3: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 3); break;
-        case 2: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 2); break;
-        case 1: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 1); break;
+        case 3: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 3, nv); break;
+        case 2: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 2, nv); break;
+        case 1: gemv_bf16_block_dp(xp + r * ldxp, ldxp, wb, ldj, j0, j1, y + r * ldy, ldy, bias, 1, nv); break;
         default: break;
     }
+}
+
+static void gemv_bf16_rows_dp(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0,
+                              int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m, int64_t outs) {
+    if (outs == 64)
+        gemv_bf16_rows_dp_nv(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m, 4);
+    else
+        gemv_bf16_rows_dp_nv(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m, 2);
 }
 #pragma GCC pop_options
 #endif
@@ -235,19 +256,22 @@ static inline int bf16_dot_native(void) {
 #endif
 }
 
-/* 32 outputs of the bf16 GEMV (at wb, pairs ldj apart) by `impl` (BF16_DP falls back to
- * widening where the CPU lacks it, so a wrong request never faults). */
+/* `outs` (32, or 64 = a whole block of a 64-wide packing, read front to back rather than as two
+ * half-blocks of 128 bytes in every 256, which measured ~2x slower from DRAM) outputs of the bf16
+ * GEMV (at wb, pairs ldj apart) by `impl` (BF16_DP falls back to widening where the CPU lacks
+ * it, so a wrong request never faults). */
 static inline void gemv_bf16_rows(const uint32_t* xp, int64_t ldxp, const uint16_t* wb, int64_t ldj, int64_t j0,
-                                  int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m, int impl) {
+                                  int64_t j1, float* y, int64_t ldy, const float* bias, int64_t m, int impl,
+                                  int64_t outs) {
 #ifdef PKGD_HAVE_BF16_DP
     if (impl == BF16_DP) {
-        gemv_bf16_rows_dp(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m);
+        gemv_bf16_rows_dp(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m, outs);
         return;
     }
 #else
     (void)impl;
 #endif
-    gemv_bf16_rows_widen(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m);
+    gemv_bf16_rows_widen(xp, ldxp, wb, ldj, j0, j1, y, ldy, bias, m, outs);
 }
 
 /* ---- paged decode attention ----------------------------------------------------------- */
@@ -665,10 +689,13 @@ enum { W_F32 = 0, W_BF16 = 1, W_BF16_64 = 3 };
 
 static inline int is_bf16(int wdt) { return wdt == W_BF16 || wdt == W_BF16_64; }
 
+/* Outputs a gemv_team block holds for weights of dtype wdt (not W_QUANT): 64 in float32 and in
+ * a 64-wide bf16 packing (the whole block, front to back), 32 in a 32-wide one. */
+static inline int64_t block_outputs(int wdt) { return wdt == W_BF16 ? 32 : 64; }
+
 /* Inside a parallel region, every thread calling: y[m, n] = x[m, k] W^T (+ bias) on the packed
  * W (of dtype wdt; for bf16 weights, xp holds x as bf16 pairs, see pack_x_bf16). The buffer is cut
- * into one contiguous range of block rows per thread (64 outputs a block in float32, 32 in
- * bf16), equal to within a row, so each thread streams its own part of memory front to back and
+ * into one contiguous range of block rows per thread (block_outputs(wdt) outputs a block), equal to within a row, so each thread streams its own part of memory front to back and
  * none waits on a leftover block (9 blocks on 2 threads would otherwise leave one idle for a
  * ninth of the time). A block a thread enters mid-way is summed into part[t] (m x 64, part_blk[t]
  * = the block, else -1) rather than into y: after the caller's barrier, a reader takes y
@@ -678,8 +705,8 @@ static inline void gemv_team(const float* x, int64_t ldx, const uint32_t* xp, co
                              int64_t* part_blk) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int bf16 = is_bf16(wdt);
-    const int64_t bw = bf16 ? 32 : 64, kk = bf16 ? k / 2 : k; /* outputs, rows a block */
-    const int64_t bb = wdt == W_BF16_64 ? 64 : 32;            /* oneDNN's bf16 block width */
+    const int64_t bw = block_outputs(wdt), kk = bf16 ? k / 2 : k; /* outputs, rows a block */
+    const int64_t bb = wdt == W_BF16_64 ? 64 : 32;                /* oneDNN's bf16 block width */
     const int64_t units = (n / bw) * kk;
     const int64_t u1 = units * (t + 1) / nt;
     int64_t u = units * t / nt;
@@ -691,8 +718,7 @@ static inline void gemv_team(const float* x, int64_t ldx, const uint32_t* xp, co
         const int64_t ldo = k0 == 0 ? n : 64;
         const float* bo = k0 == 0 && bias ? bias + b * bw : NULL;
         if (bf16)
-            gemv_bf16_rows(xp, k / 2, bf16_block32((const uint16_t*)w, b, k, bb), 2 * bb, k0, k1, out, ldo, bo, m,
-                           impl);
+            gemv_bf16_rows(xp, k / 2, (const uint16_t*)w + b * k * bw, 2 * bb, k0, k1, out, ldo, bo, m, impl, bw);
         else
             gemv_rows(x, ldx, (const float*)w + b * k * 64, k0, k1, out, ldo, bo, m);
         if (k0 != 0) part_blk[t] = b;

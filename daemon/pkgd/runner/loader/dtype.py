@@ -6,7 +6,9 @@
 * CPU: bfloat16 when the CPU computes bf16 natively (x86 ``amx_bf16`` or ``avx512_bf16``, Arm
   ``bf16``) **and** a start-up measurement on this model's shapes confirms it: oneDNN's packed
   GEMMs at the batch sizes the scheduler builds (`BATCH_SIZES` rows) and the decode GEMV (one
-  row, through the C kernel where it is loaded), each at least `BF16_MIN_SPEEDUP` times faster
+  row, through the C kernel where it is loaded, over as many copies of a layer's weights as
+  the model has layers, up to twice the last-level cache: read from DRAM as a decode step
+  reads them), each at least `BF16_MIN_SPEEDUP` times faster
   than float32; float32 otherwise, whatever the checkpoint's dtype (vLLM also runs a float32
   checkpoint in 16 bits by default; SmolLM2's GGUF is 4-bit, so its float32 copy holds nothing
   bf16 loses). Without those instructions bf16 GEMMs go through conversion paths (measured on
@@ -21,8 +23,8 @@ The measurement is kept in a small JSON file per host and shapes (`MeasurementCa
 ``model.cache_dir``'s ``dtype-choice/``): a restart reuses the first start's figures, so on a
 host where bf16's gain sits near `BF16_MIN_SPEEDUP` every start runs the same dtype (measured
 on one shared host: two starts 30 s apart chose differently). The key covers what the figures
-depend on (the CPU's model name and flags, torch's version, the shapes, the C kernel library
-and its bf16 path, `MEASUREMENT_VERSION`); deleting the file measures again.
+depend on (the CPU's model name and flags, torch's version, the shapes and layer count, the C
+kernel library and its bf16 path, `MEASUREMENT_VERSION`); deleting the file measures again.
 """
 
 from __future__ import annotations
@@ -61,9 +63,14 @@ BF16_MIN_SPEEDUP = 1.1
 """bf16 must beat float32 by this factor on both measurements: a smaller gain is within the
 noise of a shared host and not worth bf16's rounding."""
 
-MEASUREMENT_VERSION = 1
+MEASUREMENT_VERSION = 2
 """Part of a cached measurement's key: raise it when `measure_bf16_speedup` changes what it
-times, so figures of the old method are not reused."""
+times, so figures of the old method are not reused (2: the decode GEMV reads its weights from
+DRAM; version 1 timed one layer's, which sit in the last-level cache and hid bf16's gain)."""
+
+DECODE_READ_CACHE_MULTIPLE = 2
+"""The decode measurement streams at least this many times the last-level cache's bytes of
+float32 weights (when the model has that many), so neither dtype's weights stay cached."""
 
 Shape = tuple[int, int]  # (out_features, in_features) of one linear
 
@@ -94,6 +101,32 @@ def cpu_model_name() -> str:
     """The CPU's name in ``/proc/cpuinfo`` (x86 ``model name``, Arm ``CPU part``); empty where
     unreadable."""
     return _cpuinfo_field("model name", "CPU part") or ""
+
+
+def last_level_cache_bytes() -> int:
+    """Bytes of the largest CPU cache sysfs lists for cpu0 (``/sys/devices/system/cpu/cpu0/
+    cache/index*/size``); 0 where unreadable."""
+    sizes = [0]
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text(encoding="ascii").strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes)
+
+
+def decode_copies(shapes: Sequence[Shape], layers: int, cache_bytes: int | None = None) -> int:
+    """How many copies of one layer's linears (``shapes``) the decode measurement reads in
+    turn: enough float32 bytes to exceed `DECODE_READ_CACHE_MULTIPLE` x ``cache_bytes``
+    (default: `last_level_cache_bytes`), at most ``layers`` (a model that fits in the cache is
+    measured in the cache, as it runs), at least 1."""
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    layer_bytes = 4 * sum(n * k for n, k in shapes) or 1
+    return max(1, min(layers, -(-DECODE_READ_CACHE_MULTIPLE * cache // layer_bytes)))
 
 
 def cpu_has_native_bf16(flags: frozenset[str] | set[str] | None = None) -> bool:
@@ -142,7 +175,7 @@ class MeasurementCache:
         self.directory = Path(directory)
 
     @staticmethod
-    def key(shapes: Sequence[Shape], kernels: Any = None, flags: frozenset[str] | None = None) -> str:
+    def key(shapes: Sequence[Shape], kernels: Any = None, flags: frozenset[str] | None = None, layers: int = 1) -> str:
         """A 16-hex-digit digest of what the figures depend on (module docstring)."""
         ident = {
             "version": MEASUREMENT_VERSION,
@@ -150,6 +183,7 @@ class MeasurementCache:
             "cpu": cpu_model_name(),
             "flags": sorted(cpu_flags() if flags is None else flags),
             "shapes": [list(s) for s in shapes],
+            "layers": layers,
             "kernels": None if kernels is None else [Path(kernels.path).name, kernels.bf16_impl],
         }
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -189,7 +223,7 @@ def linear_shapes(arch: Any, tp_size: int = 1) -> list[Shape]:
 
 
 def measure_bf16_speedup(
-    shapes: Sequence[Shape], kernels: Any = None, *, repeat: int = 5, threads: int = 1
+    shapes: Sequence[Shape], kernels: Any = None, layers: int = 1, *, repeat: int = 5, threads: int = 1
 ) -> dict[str, float]:
     """Time one layer's linears in float32 and bfloat16 as the model would run them: oneDNN's
     packed GEMM at each of `BATCH_SIZES` rows, and one row through the C GEMV of ``kernels``
@@ -198,50 +232,67 @@ def measure_bf16_speedup(
     times, the float32 and bf16 forms of one call back to back (in alternating order), so a
     burst of load from other processes hits both alike; a call's best time counts.
 
+    The decode GEMV runs over `decode_copies` copies of the layer (``layers``: the model's
+    layer count), one after another as a decode step runs its layers: a model larger than the
+    last-level cache streams its weights from DRAM, where bf16 reads half the bytes, and one
+    layer's weights alone would sit in the cache (measured on a 32 MiB-L3 host: 1.09-1.13x
+    from the cache where the whole model decodes 1.5x faster in bf16).
+
     On ``threads`` torch threads (restored after): the ratio is the instruction set's, not the
     thread count's, and on a shared host a 2-thread OpenMP region stalls whenever another
     process takes a core (measured here: the same bf16 GEMMs 3-30x slower on two threads
-    than on one in a busy minute), which one thread does not. One layer's weights may sit in
-    the last-level cache, so the decode figure understates bf16's gain from DRAM (half the
-    bytes): a conservative check.
+    than on one in a busy minute), which one thread does not.
 
     Returns:
         ``{"batched_fp32_ms", "batched_bf16_ms", "batched_speedup", "decode_fp32_ms",
-        "decode_bf16_ms", "decode_speedup"}``: milliseconds for the whole layer (batched: summed
-        over the batch sizes), speedups as fp32 time / bf16 time.
+        "decode_bf16_ms", "decode_speedup", "decode_copies"}``: milliseconds for one layer
+        (batched: summed over the batch sizes; decode: a pass over the copies divided by
+        their number), speedups as fp32 time / bf16 time.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _measure(shapes, kernels, repeat)
+        return _measure(shapes, kernels, repeat, decode_copies(shapes, layers))
     finally:
         torch.set_num_threads(before)
 
 
-def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int) -> dict[str, float]:
+def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int, copies: int = 1) -> dict[str, float]:
     import pkgd_kernels as pk
     from pkgd.runner.layers.linear import onednn_linear, pack_for_onednn, packed_view
 
     g = torch.Generator().manual_seed(0)
+    dtypes = (torch.float32, torch.bfloat16)
+    plain = [{dt: torch.randn(n, k, generator=g).to(dt) for dt in dtypes} for n, k in shapes]
+    alive: list[torch.Tensor] = []  # the packed weights the GEMV views read, until the end
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
+        """The packed oneDNN call the model makes on ``weight``, or ``F.linear`` where none."""
+        pack = pack_for_onednn(weight)
+        if pack is None:
+            return functools.partial(torch.nn.functional.linear, x, weight)
+        n, k = weight.shape
+        view = packed_view(pack, n, k) if kernels is not None and x.shape[0] == 1 else None
+        if view is None:
+            return functools.partial(onednn_linear, x, pack, None)
+        alive.append(pack)
+        return functools.partial(pk.gemv_packed, x, view, None, kernels=kernels)
+
     pairs: dict[str, list[list[Callable[[], object]]]] = {"batched": [], "decode": []}
-    for n, k in shapes:
-        weights = {dt: torch.randn(n, k, generator=g).to(dt) for dt in (torch.float32, torch.bfloat16)}
-        packed = {dt: pack_for_onednn(w) for dt, w in weights.items()}
-
-        def gemm(dt, m):
-            x = torch.randn(m, k, generator=g).to(dt)
-            if packed[dt] is None:
-                return functools.partial(torch.nn.functional.linear, x, weights[dt])
-            return functools.partial(onednn_linear, x, packed[dt], None)
-
-        def gemv(dt):
-            view = packed_view(packed[dt], n, k) if packed[dt] is not None else None
-            if kernels is None or view is None:
-                return gemm(dt, 1)
-            return functools.partial(pk.gemv_packed, torch.randn(1, k, generator=g).to(dt), view, None, kernels=kernels)
-
-        pairs["batched"] += [[gemm(dt, m) for dt in (torch.float32, torch.bfloat16)] for m in BATCH_SIZES]
-        pairs["decode"].append([gemv(dt) for dt in (torch.float32, torch.bfloat16)])
+    for w in plain:
+        for m in BATCH_SIZES:
+            pairs["batched"].append(
+                [linear(torch.randn(m, w[dt].shape[1], generator=g).to(dt), w[dt]) for dt in dtypes]
+            )
+    # One decode pass runs layer after layer: every linear of copy 0, then of copy 1, ...; a
+    # copy beyond the first is a fresh buffer, so each is read from memory, not the cache.
+    passes: dict[torch.dtype, list[Callable[[], object]]] = {dt: [] for dt in dtypes}
+    for c in range(copies):
+        for w in plain:
+            for dt in dtypes:
+                weight = w[dt] if c == 0 else w[dt].clone()
+                passes[dt].append(linear(torch.randn(1, weight.shape[1], generator=g).to(dt), weight))
+    pairs["decode"].append([functools.partial(_run_all, passes[dt]) for dt in dtypes])
     out: dict[str, float] = {}
     for kind, calls in pairs.items():
         total = [0.0, 0.0]
@@ -255,9 +306,17 @@ def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int) -> dict[str, fl
                     pair[i]()
                     best[i] = min(best[i], time.perf_counter() - t0)
             total = [total[0] + best[0], total[1] + best[1]]
-        out[f"{kind}_fp32_ms"], out[f"{kind}_bf16_ms"] = round(total[0] * 1e3, 3), round(total[1] * 1e3, 3)
+        per = copies if kind == "decode" else 1
+        out[f"{kind}_fp32_ms"] = round(total[0] * 1e3 / per, 3)
+        out[f"{kind}_bf16_ms"] = round(total[1] * 1e3 / per, 3)
         out[f"{kind}_speedup"] = round(total[0] / total[1], 3)
+    out["decode_copies"] = copies
     return out
+
+
+def _run_all(calls: Sequence[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
 
 
 def choose_dtype(
@@ -266,6 +325,7 @@ def choose_dtype(
     device_type: str,
     *,
     shapes: Sequence[Shape] = (),
+    layers: int = 1,
     kernels: Any = None,
     flags: frozenset[str] | set[str] | None = None,
     measure: Callable[..., dict[str, float]] = measure_bf16_speedup,
@@ -279,9 +339,11 @@ def choose_dtype(
         device_type: ``"cpu"`` or ``"cuda"``.
         shapes: one layer's linears (`linear_shapes`), measured on a bf16-capable CPU; with
             none given there is nothing to confirm bf16 by, so ``auto`` stays float32.
+        layers: the model's decoder layers (how much the decode measurement may stream).
         kernels: the loaded `pkgd_kernels.cpu.CpuKernels` (the decode GEMV measured through it).
         flags: CPU feature flags (tests); default: this machine's.
-        measure: the measurement (tests pass a fake): ``measure(shapes, kernels) -> figures``.
+        measure: the measurement (tests pass a fake): ``measure(shapes, kernels, layers) ->
+            figures``.
         cache: where the figures are looked up before measuring, and stored after; None
             measures every time.
 
@@ -301,13 +363,13 @@ def choose_dtype(
         return DtypeChoice(torch.float32, requested, "no native bf16", features)
     if not shapes:
         return DtypeChoice(torch.float32, requested, "nothing measured", features)
-    key = MeasurementCache.key(shapes, kernels, have) if cache is not None else ""
+    key = MeasurementCache.key(shapes, kernels, have, layers) if cache is not None else ""
     figures = cache.load(key) if cache is not None else None
     if figures is not None:
         assert cache is not None
         source = f"cached {cache.path(key)}"
     else:
-        figures, source = measure(list(shapes), kernels), "measured now"
+        figures, source = measure(list(shapes), kernels, layers), "measured now"
         if cache is not None:
             cache.store(key, figures)
     faster = figures["batched_speedup"] >= BF16_MIN_SPEEDUP and figures["decode_speedup"] >= BF16_MIN_SPEEDUP
@@ -327,5 +389,11 @@ def probe_cpu_dtype(
     features, choice and figures a ``collect-env`` report shows (from ``cache`` where the
     engine stored them, so the report shows the engine's choice)."""
     return choose_dtype(
-        requested, arch.checkpoint_dtype, "cpu", shapes=linear_shapes(arch, tp_size), kernels=kernels, cache=cache
+        requested,
+        arch.checkpoint_dtype,
+        "cpu",
+        shapes=linear_shapes(arch, tp_size),
+        layers=arch.num_hidden_layers,
+        kernels=kernels,
+        cache=cache,
     )

@@ -145,7 +145,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
     const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
     const int64_t rot = md->rot_dim, bs = md->block_size;
     const int wdt = md->weight_dtype, kvdt = md->kv_dtype, impl = md->bf16_impl, qimpl = quant_usable_impl(md->quant_impl);
-    const int64_t bw = wdt == W_QUANT ? QROWS : is_bf16(wdt) ? 32 : 64; /* outputs per packed block */
+    const int64_t bw = wdt == W_QUANT ? QROWS : block_outputs(wdt); /* outputs per packed block */
     const int64_t maxk = H > qd ? (H > I ? H : I) : (qd > I ? qd : I);
     const int nt = omp_get_max_threads();
     const int split_silu = m > 2; /* else every thread computes all of SiLU*mul itself */
