@@ -423,12 +423,39 @@ def test_the_bf16_path_is_chosen_by_the_cpu_and_a_missing_one_refused(kernels):
 @pytest.mark.parametrize("num_seqs", [5, 40])  # 40: work split by sequence, else by KV head
 def test_decode_attention_takes_16_bit_queries(kernels, q_dtype, num_seqs):
     """16-bit queries (strided, as the rotary output hands them over) are widened in the kernel
-    and the result is the float32 computation rounded once: bit-equal to the float32 query's."""
+    and the result is the float32 computation rounded once: bit-equal to the float32 query's
+    (by widening; vdpbf16ps sums in another order, next test)."""
     kc, vc, tables, lens = _paged(num_seqs, 2, 64, 16, q_dtype, seed=3)
     q = torch.randn(num_seqs, 10, 64).to(q_dtype)[:, :8]
-    out = kernels.paged_attention_decode(q, kc, vc, tables, lens, 0.125)
+    before = kernels.bf16_impl
+    kernels.use_bf16_impl("widen")
+    try:
+        out = kernels.paged_attention_decode(q, kc, vc, tables, lens, 0.125)
+    finally:
+        kernels.use_bf16_impl(before)
     assert out.dtype == q_dtype and out.is_contiguous()
     wide = kernels.paged_attention_decode(q.float(), kc, vc, tables, lens, 0.125)
     torch.testing.assert_close(out, wide.to(q_dtype), atol=0, rtol=0)
     want = paged_attention_decode_ref(q.float(), kc.float(), vc.float(), tables, lens, 0.125)
     torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(3, 3, 64), (4, 2, 64), (9, 3, 64), (10, 2, 128), (16, 2, 128), (8, 2, 32)])
+@pytest.mark.parametrize("num_seqs", [3, 40])
+def test_bf16_decode_attention_by_each_dot_product(bf16_impl, hq, hkv, d, num_seqs):
+    """bf16 queries over a bf16 cache, by each path this CPU runs (scores by vdpbf16ps where it
+    has it; the values of up to four query heads per cached row, GQA groups of 1-8): the float32
+    reference of the same bf16 values, rounded once; the two paths within a bf16 rounding."""
+    kernels = bf16_impl
+    kc, vc, tables, lens = _paged(num_seqs, hkv, d, 16, torch.bfloat16, seed=hq + d + num_seqs)
+    q = torch.randn(num_seqs, hq + hkv, d).to(torch.bfloat16)[:, :hq]
+    want = paged_attention_decode_ref(q.float().contiguous(), kc.float(), vc.float(), tables, lens, d**-0.5)
+    outs = []
+    for impl in _bf16_impls(kernels):
+        kernels.use_bf16_impl(impl)
+        out = kernels.paged_attention_decode(q, kc, vc, tables, lens, d**-0.5)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+        outs.append(out.float())
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], atol=8e-3, rtol=8e-3)  # one bf16 ulp: 2^-7 relative

@@ -52,7 +52,7 @@ from pkgd_kernels.cpu.build import (
 )
 
 SOURCE = Path(__file__).with_name("kernels.c")
-KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=9)
+KERNELS = LibrarySpec("cpu-kernels", SOURCE, abi_version=10)
 """The generic library (``kernels.c``): exports only pointers and scalars, so no structs."""
 
 _CACHE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -91,7 +91,7 @@ class CpuKernels:
         self._gemv.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64]
         self._gemv.restype = None
         self._attn = lib.pkgd_paged_attention_decode
-        self._attn.argtypes = [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32]
+        self._attn.argtypes = [_p, _p, _i64, _i32, _p, _p, _i32, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _f32, _i32]
         self._attn.restype = ctypes.c_int
         lib.pkgd_num_threads.restype = ctypes.c_int
         self._rms = lib.pkgd_rms_norm
@@ -454,7 +454,7 @@ class CpuKernels:
         rc = self._attn(
             out.data_ptr(), query.data_ptr(), query.stride(0), _CACHE_DTYPES[query.dtype], key_cache.data_ptr(),
             value_cache.data_ptr(), _CACHE_DTYPES[key_cache.dtype], tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), s, hq, hkv, d, bs, scale,
+            lens.data_ptr(), s, hq, hkv, d, bs, scale, BF16_IMPLS[self.bf16_impl],
         )  # fmt: skip
         if rc:
             raise MemoryError("paged_attention_decode: out of memory for scratch buffers")

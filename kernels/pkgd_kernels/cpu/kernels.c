@@ -27,7 +27,7 @@
  */
 #include "kernels.h"
 
-#define PKGD_KERNELS_ABI_VERSION 9
+#define PKGD_KERNELS_ABI_VERSION 10
 
 int pkgd_abi_version(void) { return PKGD_KERNELS_ABI_VERSION; }
 
@@ -115,15 +115,17 @@ int pkgd_gather_packed64(float* out, const float* w, const int64_t* ids, int64_t
  * bfloat16) with token stride q_stride (heads contiguous), widened to float32 per work item;
  * kc/vc: [num_blocks, bs, hkv, d] of `dtype`; block_tables: int32 [ns, bt_stride];
  * seq_lens: int32 [ns]. Computes in float32; a 16-bit out is rounded once (bf16: to nearest
- * even). Requires d % 16 == 0, hq % hkv == 0, hq <= 256.
+ * even). bf16 queries over a bf16 cache take the scores by vdpbf16ps when impl is BF16_DP and
+ * the CPU has it (attend_span), else by widening. Requires d % 16 == 0, hq % hkv == 0, hq <= 256.
  * Work is split by sequence when there are enough sequences for every thread, else by
  * (sequence, KV head); below 8192 token-heads of context in all, the calling thread does it
  * alone (waking the pool costs more than the work). Returns 0, or -1 when scratch memory could not be allocated. */
 int pkgd_paged_attention_decode(void* out, const void* q, int64_t q_stride, int q_dtype, const void* kc,
                                 const void* vc, int dtype, const int32_t* block_tables,
                                 int64_t bt_stride, const int32_t* seq_lens, int64_t ns, int64_t hq,
-                                int64_t hkv, int64_t d, int64_t bs, float scale) {
+                                int64_t hkv, int64_t d, int64_t bs, float scale, int impl) {
     const int64_t g = hq / hkv;
+    const int dp = impl == BF16_DP && q_dtype == DT_BF16 && dtype == DT_BF16 && bf16_dot_native();
     int64_t maxl = 1;
     for (int64_t s = 0; s < ns; s++) maxl = seq_lens[s] > maxl ? seq_lens[s] : maxl;
     const int64_t sstride = (maxl + 15) & ~(int64_t)15;
@@ -158,14 +160,15 @@ int pkgd_paged_attention_decode(void* out, const void* q, int64_t q_stride, int 
                 for (int64_t i = 0; i < nq * d; i += 16) STOREV(qf + i, load_kv16(q, qoff + i, q_dtype));
                 qs = qf, os = of;
             }
+            const uint16_t* qb = dp ? (const uint16_t*)q + qoff : NULL;
             const int32_t* table = block_tables + s * bt_stride;
             const int64_t len = seq_lens[s];
             if (dtype == DT_F32)
-                attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_F32);
+                attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_F32, qb);
             else if (dtype == DT_F16)
-                attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_F16);
+                attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_F16, qb);
             else
-                attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_BF16);
+                attend_heads(os, qs, kc, vc, table, len, g, hkv, h0, h1, d, bs, scale, scores, sstride, acc, tmp, DT_BF16, qb);
             if (q_dtype == DT_BF16)
                 for (int64_t i = 0; i < nq * d; i += 16) store_bf16x16((uint16_t*)out + ooff + i, LOADV(of + i));
             else if (q_dtype == DT_F16)

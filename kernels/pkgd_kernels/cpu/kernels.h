@@ -424,6 +424,87 @@ static inline float dot(const float* a, const float* b, int64_t d) {
     return hsum(s0 + s1);
 }
 
+#ifdef PKGD_HAVE_BF16_DP
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+/* Pass 1 of attend_span on one block by vdpbf16ps, for bf16 queries (qb: query head h0 * g's
+ * first element, heads d apart) over a bf16 K cache: both operands are bf16 already, so each
+ * product is exact in float32 and only the order of the float32 sums differs from the widening
+ * form; two instructions per key and head for D = 64 where widening takes four conversions and
+ * four FMAs. Scores of the block's n tokens (from token t0 of the span) times scale into scores
+ * (rows sstride apart). d is 64 or 128. */
+static void scores_block_dp(float* scores, int64_t sstride, const uint16_t* qb, const uint16_t* kc, int64_t row0,
+                            int64_t hkv, int64_t h0, int64_t h1, int64_t g, int64_t n, int64_t t0, float scale,
+                            int64_t d) {
+    const int nv = (int)(d / 32);
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t gi = 0; gi < g; gi++) {
+            const int64_t qi = (h - h0) * g + gi;
+            __m512bh qv[4];
+            for (int c = 0; c < nv; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qb + qi * d + 32 * c);
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                const int64_t m = n - j0 < 16 ? n - j0 : 16;
+                v16 p[16];
+                for (int j = 0; j < 16; j++) {
+                    __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
+                    if (j < m) {
+                        const uint16_t* kr = kc + (row0 + (j0 + j) * hkv + h) * d;
+                        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(kr), qv[0]);
+                        y = _mm512_dpbf16_ps(y, (__m512bh)_mm512_loadu_si512(kr + 32), qv[1]);
+                        if (nv == 4) {
+                            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(kr + 64), qv[2]);
+                            y = _mm512_dpbf16_ps(y, (__m512bh)_mm512_loadu_si512(kr + 96), qv[3]);
+                        }
+                    }
+                    p[j] = (v16)_mm512_add_ps(x, y);
+                }
+                const v16 r = hsum16(p) * scale;
+                float* sd = scores + qi * sstride + t0 + j0;
+                if (m == 16) {
+                    STOREV(sd, r);
+                } else {
+                    for (int64_t j = 0; j < m; j++) sd[j] = r[j];
+                }
+            }
+        }
+}
+#pragma GCC pop_options
+#endif
+
+/* Pass 2 of attend_span for nb (1-4, a compile-time constant) query heads of one KV head h,
+ * heads qi0 .. qi0 + nb - 1, over a block's n tokens (rows from row0; d % 64 == 0): each
+ * cached value row is loaded (and widened) once for the nb heads that read it, 64 floats of
+ * each head's output held in registers over the tokens. */
+static inline __attribute__((always_inline)) void values_heads(
+    float* acc, const float* scores, int64_t sstride, const void* vc, int64_t row0, int64_t hkv, int64_t h, int64_t d,
+    int64_t n, int64_t t0, int64_t qi0, const int nb, const int dtype) {
+    for (int64_t i = 0; i < d; i += 64) {
+        v16 a[4][4];
+        const float* p[4];
+#pragma GCC unroll 4
+        for (int gg = 0; gg < nb; gg++) {
+            p[gg] = scores + (qi0 + gg) * sstride + t0;
+            for (int c = 0; c < 4; c++) a[gg][c] = LOADV(acc + (qi0 + gg) * d + i + 16 * c);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t e = (row0 + j * hkv + h) * d + i;
+            const v16 v0 = load_kv16(vc, e, dtype), v1 = load_kv16(vc, e + 16, dtype);
+            const v16 v2 = load_kv16(vc, e + 32, dtype), v3 = load_kv16(vc, e + 48, dtype);
+#pragma GCC unroll 4
+            for (int gg = 0; gg < nb; gg++) {
+                const float pj = p[gg][j];
+                a[gg][0] += pj * v0;
+                a[gg][1] += pj * v1;
+                a[gg][2] += pj * v2;
+                a[gg][3] += pj * v3;
+            }
+        }
+#pragma GCC unroll 4
+        for (int gg = 0; gg < nb; gg++)
+            for (int c = 0; c < 4; c++) STOREV(acc + (qi0 + gg) * d + i + 16 * c, a[gg][c]);
+    }
+}
+
 /* Bytes of K/V asked for ahead of use, per sequence being attended: about a quarter of a core's
  * L2, so what arrives early is still there when it is read. */
 #define KV_PREFETCH_BYTES (128 * 1024)
@@ -454,12 +535,14 @@ static inline void prefetch_nth(const void* kc, const void* vc, const int32_t* t
  * cached tokens of its blocks [b0, b1) (tokens b0*bs .. min(b1*bs, len) - 1), unnormalised:
  * for each query head qi, mx[qi] = max score, sum[qi] = sum of exp(score - mx[qi]) and
  * acc[qi] (d floats) = the exp-weighted sum of the values. An empty span gives mx = -inf,
- * sum = 0, acc = 0. q points at query head h0 * g; scores holds (h1 - h0) * g rows of sstride
+ * sum = 0, acc = 0. q points at query head h0 * g (float32); qb, when not NULL, at the same
+ * heads as bf16 (exactly q's values), and a bf16 cache then takes pass 1 by vdpbf16ps
+ * (scores_block_dp; callers pass it only where the CPU has the instruction); scores holds (h1 - h0) * g rows of sstride
  * floats (sstride >= the span's tokens), acc as many rows of d. Each cached token's K (then V)
  * rows of those heads are adjacent in memory, so a block is read front to back. */
 static inline __attribute__((always_inline)) void attend_span(
-    float* acc, float* mx_out, float* sum_out, const float* q, const void* kc, const void* vc,
-    const int32_t* table, int64_t b0, int64_t b1, int64_t len, int64_t g, int64_t hkv, int64_t h0,
+    float* acc, float* mx_out, float* sum_out, const float* q, const uint16_t* qb, const void* kc,
+    const void* vc, const int32_t* table, int64_t b0, int64_t b1, int64_t len, int64_t g, int64_t hkv, int64_t h0,
     int64_t h1, int64_t d, int64_t bs, float scale, float* scores, int64_t sstride, float* tmp,
     const int dtype) {
     const int64_t nq = (h1 - h0) * g;
@@ -480,6 +563,12 @@ static inline __attribute__((always_inline)) void attend_span(
         const int64_t row0 = (int64_t)table[b] * bs * hkv;
         prefetch_nth(kc, vc, table, b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
+#ifdef PKGD_HAVE_BF16_DP
+        if (dtype == DT_BF16 && qb && (d == 64 || d == 128)) {
+            scores_block_dp(scores, sstride, qb, (const uint16_t*)kc, row0, hkv, h0, h1, g, n, t0, scale, d);
+            continue;
+        }
+#endif
         if (d == 64 || d == 128) {
             /* the query head in registers, 16 keys at a time (one reduction tree, hsum16) */
             for (int64_t h = h0; h < h1; h++)
@@ -529,27 +618,15 @@ static inline __attribute__((always_inline)) void attend_span(
         prefetch_nth(kc, vc, table, nblocks + b + ahead, nblocks, bs, hkv, h0, h1, d, esz);
         const int64_t t0 = b * bs, n = ntok - t0 < bs ? ntok - t0 : bs;
         if (d % 64 == 0) {
-            /* 64 output floats of one query head held in registers over the block's tokens
-             * (accumulating through memory chained each token's add on the last one's store);
-             * 16-bit values widened in registers */
+            /* up to four query heads of a KV head at a time (values_heads) */
             for (int64_t h = h0; h < h1; h++)
-                for (int64_t gi = 0; gi < g; gi++) {
-                    const int64_t qi = (h - h0) * g + gi;
-                    const float* p = scores + qi * sstride + t0;
-                    for (int64_t i = 0; i < d; i += 64) {
-                        float* a = acc + qi * d + i;
-                        v16 a0 = LOADV(a), a1 = LOADV(a + 16), a2 = LOADV(a + 32), a3 = LOADV(a + 48);
-                        for (int64_t j = 0; j < n; j++) {
-                            const int64_t e = (row0 + j * hkv + h) * d + i;
-                            a0 += p[j] * load_kv16(vc, e, dtype);
-                            a1 += p[j] * load_kv16(vc, e + 16, dtype);
-                            a2 += p[j] * load_kv16(vc, e + 32, dtype);
-                            a3 += p[j] * load_kv16(vc, e + 48, dtype);
-                        }
-                        STOREV(a, a0);
-                        STOREV(a + 16, a1);
-                        STOREV(a + 32, a2);
-                        STOREV(a + 48, a3);
+                for (int64_t gi = 0; gi < g; gi += 4) {
+                    const int64_t qi0 = (h - h0) * g + gi;
+                    switch (g - gi < 4 ? g - gi : 4) {
+                        case 4: values_heads(acc, scores, sstride, vc, row0, hkv, h, d, n, t0, qi0, 4, dtype); break;
+                        case 3: values_heads(acc, scores, sstride, vc, row0, hkv, h, d, n, t0, qi0, 3, dtype); break;
+                        case 2: values_heads(acc, scores, sstride, vc, row0, hkv, h, d, n, t0, qi0, 2, dtype); break;
+                        default: values_heads(acc, scores, sstride, vc, row0, hkv, h, d, n, t0, qi0, 1, dtype); break;
                     }
                 }
             continue;
@@ -566,15 +643,16 @@ static inline __attribute__((always_inline)) void attend_span(
     }
 }
 
-/* attend_span over a whole sequence of len tokens, normalised into out ((h1 - h0) * g rows of d);
+/* attend_span over a whole sequence of len tokens, normalised into out ((h1 - h0) * g rows of d;
+ * qb as there);
  * mx/sum scratch of 256 floats each on the stack (hq <= 256). */
 static inline __attribute__((always_inline)) void attend_heads(
     float* out, const float* q, const void* kc, const void* vc, const int32_t* table,
     int64_t len, int64_t g, int64_t hkv, int64_t h0, int64_t h1, int64_t d, int64_t bs,
-    float scale, float* scores, int64_t sstride, float* acc, float* tmp, const int dtype) {
+    float scale, float* scores, int64_t sstride, float* acc, float* tmp, const int dtype, const uint16_t* qb) {
     float mx[256], sum[256];
     const int64_t nq = (h1 - h0) * g;
-    attend_span(acc, mx, sum, q, kc, vc, table, 0, (len + bs - 1) / bs, len, g, hkv, h0, h1, d, bs, scale,
+    attend_span(acc, mx, sum, q, qb, kc, vc, table, 0, (len + bs - 1) / bs, len, g, hkv, h0, h1, d, bs, scale,
                 scores, sstride, tmp, dtype);
     for (int64_t qi = 0; qi < nq; qi++) {
         const v16 iv = (v16){0} + 1.0f / sum[qi];

@@ -60,11 +60,14 @@ static void attend_span_any(float* acc, float* mx, float* sum, const float* q, c
                             const int32_t* table, int64_t b0, int64_t b1, int64_t len, int64_t g, int64_t hkv,
                             int64_t d, int64_t bs, float scale, float* scores, int64_t sstride, float* tmp, int dtype) {
     if (dtype == DT_F32)
-        attend_span(acc, mx, sum, q, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores, sstride, tmp, DT_F32);
+        attend_span(acc, mx, sum, q, NULL, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores,
+                    sstride, tmp, DT_F32);
     else if (dtype == DT_F16)
-        attend_span(acc, mx, sum, q, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores, sstride, tmp, DT_F16);
+        attend_span(acc, mx, sum, q, NULL, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores,
+                    sstride, tmp, DT_F16);
     else
-        attend_span(acc, mx, sum, q, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores, sstride, tmp, DT_BF16);
+        attend_span(acc, mx, sum, q, NULL, kc, vc, table, b0, b1, len, g, hkv, 0, hkv, d, bs, scale, scores,
+                    sstride, tmp, DT_BF16);
 }
 
 int pkgd_abi_version(void) { return PKGD_LLAMA_DECODE_ABI_VERSION; }
