@@ -193,6 +193,10 @@ def _prefill_one(q, key_cache, value_cache, seq: PrefillSeq, scale: float) -> to
         ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
     if qs.shape[2] == 0:
         return q[seq.token_start : seq.token_end].clone()
+    # Head-major copies: torch's CPU flash attention in bf16 reads transposed (token-major)
+    # views far slower than it makes the copies (measured: a 16 x 128-token bf16 prefill's
+    # attention 1.4x faster with them; float32 about the same).
+    qs, ks, vs = qs.contiguous(), ks.contiguous(), vs.contiguous()
     out = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=hq != hkv
     )
