@@ -15,7 +15,8 @@ PyTorch form, which computes the same thing:
   (`CpuKernels.bf16_impl`, chosen at load; both give the same sums up to their order);
 * `CpuKernels.gather_packed`: rows of such a packed weight (a tied embedding's lookup);
 * `CpuKernels.paged_attention_decode`: one query token per sequence over the paged KV cache,
-  read in place through the block table instead of gathering K/V copies;
+  read in place through the block table instead of gathering K/V copies (bf16 queries over a
+  bf16 cache: scores by `CpuKernels.bf16_impl` too);
 * `CpuKernels.rms_norm` / `CpuKernels.fused_add_rms_norm`: RMSNorm (with the residual add
   fused), one pass over each float32 or bf16 row (at batch 1 PyTorch's composite op cost ~25 us
   a call; on bf16 it also converts each way), bf16 with the reference's roundings;
@@ -115,7 +116,8 @@ class CpuKernels:
         return self._lib.pkgd_num_threads()
 
     def use_bf16_impl(self, impl: str) -> None:
-        """Make bf16 GEMVs use ``impl`` (`BF16_IMPLS`).
+        """Make bf16 GEMVs, and the scores of bf16 decode attention over a bf16 cache, use
+        ``impl`` (`BF16_IMPLS`).
 
         Raises:
             ValueError: an unknown name, or ``dpbf16`` on a CPU without AVX512-BF16.
@@ -437,7 +439,8 @@ class CpuKernels:
         contiguous, any token stride), one token per sequence at position ``seq_lens[s] - 1``,
         over caches ``[num_blocks, block_size, Hkv, D]`` (float32, float16 or bfloat16;
         contiguous) through ``block_tables`` int32 ``[S, max_blocks]``; ``seq_lens`` int32
-        ``[S]``. Computes in float32 (16-bit queries widened in the kernel); returns a new
+        ``[S]``. Computes in float32 (16-bit queries widened in the kernel; bf16 queries over a
+        bf16 cache take their scores by `bf16_impl`, exact products in another order); returns a new
         ``[S, Hq, D]`` in the query dtype (16-bit: rounded once, to nearest even).
 
         Raises:
