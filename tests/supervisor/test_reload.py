@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -74,6 +75,34 @@ def test_frontend_change_rolls_api_servers_without_a_failed_request(start_daemon
         time.sleep(0.1)
     assert not pid_alive(before["api-server-0"])  # the old one drained and left
     assert d.status()["api_generation"] == 1
+
+
+@pytest.mark.parametrize("reload_class", ["api", "engine"])
+def test_a_replaced_generation_keeps_its_requests_past_drain_timeout(start_daemon, reload_class):
+    """drain_timeout (1 s here) bounds a shutdown only: a request of 4 s on the replaced API
+    server ends normally, the drain key changed by the same reload reaches the old generation,
+    and ``pkgd status`` lists the draining generation with the request it holds."""
+    d = start_daemon({"supervisor": {"drain_timeout": 1}, "model": {"source": "fake:load=0.2"}})
+    url = d.wait_ready()
+    before = d.child_pids()
+    answer: dict = {}
+    slow = threading.Thread(target=lambda: answer.update(r=httpx.get(url + "/slow?s=4", timeout=30)))
+    slow.start()
+    time.sleep(0.5)
+    change = {"frontend": {"api_server_count": 2}} if reload_class == "api" else {"model": {"source": "fake:load=0.3"}}
+    outcome = reload_and_wait(d, {**change, "supervisor": {"drain_timeout": 1, "reload_drain_timeout": 300}})
+    assert outcome["event"] == "reload_applied" and outcome["reload_class"] == reload_class
+    time.sleep(1.5)  # past drain_timeout + its grace would have been: 1 + 0.5 s
+    draining = d.status()["draining"]
+    assert [g["generation"] for g in draining] == [0] and draining[0]["requests"] == 1, draining
+    assert pid_alive(before["api-server-0"])
+    slow.join(30)
+    assert answer["r"].status_code == 200, answer["r"].text
+    assert answer["r"].json() == {"pid": before["api-server-0"], "slept": 4.0, "reload_drain_timeout": 300.0}
+    d.wait_event("generation_retired", timeout=15, generation=0)
+    assert not pid_alive(before["api-server-0"]) and d.status()["draining"] == []
+    if reload_class == "engine":
+        assert not pid_alive(before["engine-core-0"])  # stopped once its API servers left
 
 
 @pytest.mark.parametrize("swap", ["overlap", "stop_first"])

@@ -23,12 +23,19 @@ module owns the listening socket and the connections:
   ``LINGER_S`` later.
 * **Errors of the protocol itself** (a malformed request line: 400; headers over
   hypercorn's ``h11_max_incomplete_size``: 431) answer an OpenAI-shaped JSON body.
-* **Drain** (`HttpServer.serve`'s ``stop``): first every connection already queued on the
-  socket is accepted, then this process's copy of the socket is closed, so a connection made
-  after that is refused (or taken by another API server), never reset; requests on open
-  connections are still served, each response with ``Connection: close`` (set by the app
-  while ``state.draining``), until the connections close, at most ``drain_timeout`` seconds;
-  then ``on_drain_timeout`` fails what is still in flight, and the rest is closed.
+* **Drain** (`HttpServer.begin_drain`, or `HttpServer.serve`'s ``stop``): this process's copy
+  of the socket is closed — on a shutdown after accepting every connection already queued (the
+  socket itself is closing: a connection made after that is refused, never reset), on a retire
+  without (the queue is the next generation's, which accepts on the same socket). A retire
+  takes no new request on any connection: idle keep-alive connections are closed at once
+  (hypercorn's ``terminated``; one whose next request has already arrived is served instead,
+  so none is read and dropped). A shutdown still answers requests on open connections (a load
+  balancer may route a few more while it learns of the stop). Either way each response is
+  sent with ``Connection: close`` (set by the
+  app while ``state.draining``) and its connection closed after it. The drain ends when the
+  last connection does, or at its deadline (none, or one that a later `begin_drain` moves
+  closer): ``on_drain_timeout`` then fails what is in flight (each stream ends with an error
+  event and ``[DONE]``), and what is still open ``CLOSE_GRACE_S`` later is closed.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import contextlib
 import errno
 import functools
 import json
+import select
 import socket
 from collections.abc import Callable
 from ssl import SSLError
@@ -79,8 +87,9 @@ class HttpServer:
 
     ``frontend`` returns the current ``frontend`` config section (read at each use, so live
     reloads of the limits apply to new connections). ``shared``: other processes accept on
-    the same socket. ``on_drain_timeout`` is called when connections are still open at the
-    drain deadline (the caller fails its requests in flight).
+    the same socket. ``on_drain_timeout(reason)`` is called when connections are still open at
+    the drain deadline (the caller fails its requests in flight; ``reason`` is the
+    ``cut_reason`` of the `begin_drain` that set the deadline).
     """
 
     def __init__(
@@ -91,7 +100,7 @@ class HttpServer:
         frontend: Callable[[], FrontendConfig],
         *,
         shared: bool = False,
-        on_drain_timeout: Callable[[], None] = lambda: None,
+        on_drain_timeout: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.app = wrap_app(app, config.wsgi_max_body_size, "asgi")
         self.config = config
@@ -108,57 +117,98 @@ class HttpServer:
         self._reading = False
         self._closed = False
         self._pending_accept: asyncio.TimerHandle | None = None
+        self.draining = False
+        self._retiring = False
+        self._deadline: float | None = None  # loop time the drain ends what is left
+        self._cut_reason = "drain_timeout"
+        self._deadline_changed = asyncio.Event()
 
     # ---- life -----------------------------------------------------------------------------
 
     async def serve(self, stop: asyncio.Event, drain_timeout: Callable[[], float]) -> None:
-        """Run the app's lifespan, accept until ``stop`` is set, drain, shut the lifespan down.
+        """Run the app's lifespan, accept until ``stop`` is set, drain (a shutdown drain of
+        ``drain_timeout()`` s unless `begin_drain` started one), shut the lifespan down.
 
-        Raises whatever the lifespan's start-up raised (the app failed to start).
+        Raises whatever the lifespan's start-up raised (the app failed to start). A lifespan
+        task that ended after its start-up completed (cancelled, or failed after ``yield``)
+        does not make a started server fail: it serves on and says so in the log.
         """
         self._loop = loop = asyncio.get_running_loop()
-        lifespan = Lifespan(self.app, self.config, loop, self._state)
+        lifespan = _Lifespan(self.app, self.config, loop, self._state)
         lifespan_task = loop.create_task(lifespan.handle_lifespan())
         try:
             await lifespan.wait_for_startup()
-            if lifespan_task.done() and lifespan_task.exception() is not None:
-                raise lifespan_task.exception()  # type: ignore[misc]
+            _check_started(lifespan, lifespan_task)
             self._resume()
             await stop.wait()
-            await self._drain(loop.time() + drain_timeout())
+            if not self.draining:
+                self.begin_drain(drain_timeout())
+            await self._drain()
         finally:
             self.close_listener()
             await lifespan.wait_for_shutdown()
             lifespan_task.cancel()
             await asyncio.gather(lifespan_task, return_exceptions=True)
 
-    def close_listener(self) -> None:
-        """Accept what is queued, then close this process's copy of the listening socket."""
+    def close_listener(self, *, accept_queued: bool = True) -> None:
+        """Close this process's copy of the listening socket, first accepting what is queued
+        on it unless ``accept_queued`` is false (other processes keep accepting on it)."""
         if self._closed:
             return
         self._closed = True
         self._pause()
-        if self._loop is not None:
+        if self._loop is not None and accept_queued:
             while self._accept_one(final=True):
                 pass
         self.sock.close()
 
-    async def _drain(self, deadline: float) -> None:
-        self.close_listener()
+    def begin_drain(self, within: float | None, *, cut_reason: str = "drain_timeout", retire: bool = False) -> None:
+        """Drain (module docstring); what is in flight ``within`` seconds from now (None: no
+        limit) is then failed with ``on_drain_timeout(cut_reason)``. Called again while
+        draining it only moves the deadline closer. ``retire``: the socket stays open for a
+        newer generation, so its queue is left to it."""
+        assert self._loop is not None
+        deadline = None if within is None else self._loop.time() + within
+        if self.draining:
+            if deadline is not None and (self._deadline is None or deadline < self._deadline):
+                self._deadline, self._cut_reason = deadline, cut_reason
+                self._deadline_changed.set()
+            return
+        self.draining = True
+        self._retiring = retire
+        self._deadline, self._cut_reason = deadline, cut_reason
+        self.close_listener(accept_queued=not retire)
+
+    async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        logger.info("http_draining", connections=len(self.connections))
-        while self.connections and loop.time() < deadline:
-            await asyncio.wait(set(self.connections), timeout=deadline - loop.time())
+        logger.info("http_draining", connections=len(self.connections), deadline_s=self._time_left())
+        if self._retiring:
+            # hypercorn: idle connections close now, busy ones once their response ends (none
+            # recycles), so a keep-alive client takes its next request to the new generation.
+            # A shutdown keeps answering requests on open connections (each with Connection:
+            # close): a load balancer may still route some here while it learns of the stop.
+            await self._context.terminated.set()
+        while self.connections:
+            left = self._time_left()
+            if left is not None and left <= 0:
+                break
+            self._deadline_changed.clear()
+            changed = loop.create_task(self._deadline_changed.wait())
+            await asyncio.wait({*self.connections, changed}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
         if self.connections:
-            logger.warning("drain_timeout", connections=len(self.connections))
-            self.on_drain_timeout()
+            logger.warning(self._cut_reason, connections=len(self.connections))
+            self.on_drain_timeout(self._cut_reason)
             await asyncio.wait(set(self.connections), timeout=CLOSE_GRACE_S)
-        await self._context.terminated.set()  # hypercorn closes idle connections, recycles none
-        if self.connections:
-            await asyncio.wait(set(self.connections), timeout=CLOSE_GRACE_S)
+        await self._context.terminated.set()
         for task in list(self.connections):
             task.cancel()
         await asyncio.gather(*self.connections, return_exceptions=True)
+
+    def _time_left(self) -> float | None:
+        if self._deadline is None or self._loop is None:
+            return None
+        return self._deadline - self._loop.time()
 
     # ---- accepting -----------------------------------------------------------------------
 
@@ -300,12 +350,55 @@ class _Connection(TCPServer):
         await self.idle_task.stop()
 
     async def _header_deadline(self) -> None:
+        # Not cut short by a drain: a request whose head began before it is served.
         timeout = self.server.frontend().header_timeout
+        await asyncio.sleep(timeout)
+        logger.info("header_timeout", timeout_s=timeout)
+        await asyncio.shield(super()._initiate_server_close())
+
+    async def _initiate_server_close(self) -> None:
+        """Close an idle connection (keep-alive timeout, drain), unless its next request is
+        already here: closing then would drop it unread (a reset, or a request the client
+        cannot tell was never taken); it is read and served instead."""
+        if not self._idle or self._head_started or self._request_waiting():
+            return  # a request is here (the idle timer lost a race with its first bytes)
+        await super()._initiate_server_close()
+
+    def _request_waiting(self) -> bool:
+        if getattr(self.reader, "_buffer", b""):  # read from the socket, not yet handed to h11
+            return True
+        sock = self.writer.get_extra_info("socket")
         try:
-            await asyncio.wait_for(self.context.terminated.wait(), timeout)
-        except TimeoutError:
-            logger.info("header_timeout", timeout_s=timeout)
-        await asyncio.shield(self._initiate_server_close())
+            return bool(sock is not None and select.select([sock.fileno()], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
+
+
+class _Lifespan(Lifespan):
+    """hypercorn's lifespan runner, recording whether the app completed its start-up (hypercorn
+    sets ``startup`` also when the lifespan task ends without it)."""
+
+    completed = False
+
+    async def asgi_send(self, message: Any) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            self.completed = True
+        await super().asgi_send(message)
+
+
+def _check_started(lifespan: _Lifespan, task: asyncio.Task[None]) -> None:
+    """Raise what failed the app's start-up. A lifespan task that ended after the start-up
+    completed (cancelled under load) is logged, not raised: the server started."""
+    if not task.done():
+        return
+    if task.cancelled():
+        if not lifespan.completed:
+            raise RuntimeError("the app's lifespan was cancelled before its start-up completed")
+        logger.warning("lifespan_ended", reason="the lifespan task was cancelled after start-up")
+        return
+    exc = task.exception()
+    if exc is not None:
+        raise exc
 
 
 async def _send_json_error(protocol: H11Protocol, config: HypercornConfig, status_code: int) -> None:

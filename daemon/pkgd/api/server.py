@@ -13,12 +13,19 @@ load the tokenizer, then write `ApiServerReady` on the ready pipe (or `ChildFail
 1).
 
 Signals (handlers only set state; tasks do the work):
-- SIGTERM/SIGINT: drain (`pkgd.api.http_server`). Accept what is queued on the socket, close
-  this process's copy of it at once (new connections go to the other API servers sharing it,
-  or are refused when none is left), answer ``/health`` with 503, and keep serving requests
-  that arrive on open connections, each answered with ``Connection: close``, until those
-  connections close, for at most ``supervisor.drain_timeout`` seconds; requests still in
-  flight then fail with an error; exit 0. SIGTERM before the server is ready exits at once.
+- SIGTERM/SIGINT: shutdown drain (`pkgd.api.http_server`). Accept what is queued on the
+  socket, close this process's copy of it at once (new connections go to the other API servers
+  sharing it, or are refused when none is left), answer ``/health`` with 503, close idle
+  keep-alive connections, and finish the requests in progress, each answered with
+  ``Connection: close``, for at most ``supervisor.drain_timeout`` seconds; requests still in
+  flight then end with an error (a stream: an error event and ``[DONE]``) and no request starts
+  any more; exit 0. SIGTERM before the server is ready exits at once.
+- SIGUSR1: retire (the supervisor replaced this server's generation by a reload,
+  `pkgd.supervisor.retire`). First the configuration frames waiting on the pipe are applied
+  (the supervisor sends the new ``supervisor`` section first), then the same drain, except
+  that the socket's queue is left to the new API servers and the bound is
+  ``supervisor.reload_drain_timeout`` (null: none): a reload cuts no request. A SIGTERM
+  during it moves the bound to ``drain_timeout`` from then, if that is sooner.
 - A new configuration on the config pipe (or SIGHUP with ``--config-file``): apply its live
   fields (API keys, CORS, served model names, generation defaults, limits, log level).
 
@@ -123,9 +130,17 @@ class ApiServer:
             await self.llm.close()
             Metrics.mark_process_dead()
 
-    def _abort_inflight(self) -> None:
-        logger.warning("drain_timeout", aborted=self.llm.num_inflight())
-        self.llm.abort_all("the server is shutting down (supervisor.drain_timeout passed)")
+    def _abort_inflight(self, reason: str) -> None:
+        sup = self.state.config.supervisor
+        if reason == "reload_drain_timeout":
+            message = (
+                "this server was replaced by a reload and supervisor.reload_drain_timeout "
+                f"({sup.reload_drain_timeout:g} s) passed; retry"
+            )
+        else:
+            message = "the server is shutting down (supervisor.drain_timeout passed)"
+        logger.warning("requests_cut", reason=reason, aborted=self.llm.num_inflight())
+        self.llm.abort_all(message, reason=reason)
 
     async def _reload_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -154,19 +169,40 @@ class ApiServer:
         logger.info("reloaded", config=new.digest())
 
     def on_stop_signal(self) -> None:
-        if self.state.draining:
-            return
+        """SIGTERM/SIGINT: drain for ``drain_timeout`` s (or less, when retiring already)."""
+        self._begin_drain(self.state.config.supervisor.drain_timeout, "drain_timeout", retire=False)
+
+    def on_retire_signal(self) -> None:
+        """SIGUSR1: replaced by a reload; drain for ``reload_drain_timeout`` (module docstring)."""
+        if not self.state.draining:
+            self._reload_now()  # the new supervisor section came just before the signal
+        self._begin_drain(self.state.config.supervisor.reload_drain_timeout, "reload_drain_timeout", retire=True)
+
+    def _begin_drain(self, within: float | None, reason: str, *, retire: bool) -> None:
+        first = not self.state.draining
         self.state.draining = True
-        logger.info("draining", inflight=self.llm.num_inflight())
         if self.http is not None:
-            self.http.close_listener()  # at once: later connections are refused, never reset
+            # at once: later connections are refused (or left queued for a newer generation)
+            self.http.begin_drain(within, cut_reason=reason, retire=retire)
+        if first:
+            logger.info("draining", inflight=self.llm.num_inflight(), retire=retire, deadline_s=within)
         self.stop.set()
+
+    def _reload_now(self) -> None:
+        try:
+            configs = self.source.updates()
+        except (OSError, ValueError) as exc:
+            logger.error("reload_failed", error=str(exc))
+            return
+        if configs:
+            self._apply(configs[-1])
 
     def _drain_on_signals(self) -> None:
         """From ready on, SIGTERM/SIGINT drain (on the event loop) instead of exiting at once."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.on_stop_signal)
+        loop.add_signal_handler(signal.SIGUSR1, self.on_retire_signal)
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -230,7 +266,7 @@ def exit_during_start(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry of the API-server process; returns the exit status."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, exit_during_start)
     args = parse_args(argv)
     raise_open_files_limit()
@@ -248,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = ApiServer(config, args, ready, source)
         asyncio.run(server.serve())
-    except Exception as exc:
+    except (Exception, asyncio.CancelledError) as exc:
         cause = server.startup_error if server is not None and server.startup_error else _root_cause(exc)
+        if ready.sent:  # it served: a failure now is a crash (restarted), not a failed start
+            logger.error("api_server_failed", error=f"{type(cause).__name__}: {cause}", after_ready=True)
+            return 1
         message = f"API server {args.server_index} failed to start: {type(cause).__name__}: {cause}"
         logger.error("api_server_failed", error=message)
         ready.failed(ROLE, message)

@@ -660,9 +660,18 @@ class SupervisorConfig(Section):
 
     drain_timeout: float = field(
         30.0,
-        "Seconds in-flight requests may finish on shutdown or swap before they are aborted "
-        "(0 = abort at once, vLLM's --shutdown-timeout).",
+        "Seconds in-flight requests may finish on shutdown (SIGTERM/SIGINT) before they end with "
+        "an error (0 = at once; vLLM's --shutdown-timeout). A reload never uses it: see "
+        "reload_drain_timeout.",
         aliases=("--shutdown-timeout",),
+        reload=L,
+        ge=0,
+    )
+    reload_drain_timeout: float | None = field(
+        600.0,
+        "Seconds a generation replaced by a reload may keep serving the requests it accepted "
+        "before they end with an error; null = until the last one ends. Meanwhile the old "
+        "generation keeps its memory (an overlapping old engine core its weights and KV cache).",
         reload=L,
         ge=0,
     )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pkgd import log
 from pkgd.frontend.pooling import pooling_request_output
-from pkgd.ipc.client import EngineClient, EngineRequestError
+from pkgd.ipc.client import EngineClient, EngineRequestError, EngineUnavailableError
 from pkgd.ipc.messages import EngineCoreOutput, EngineOutputs, Handshake
 from pkgd.outputs import PoolingRequestOutput
 
@@ -116,6 +116,7 @@ class AsyncLLM:
         self.generation_defaults: dict[str, Any] = {}
         self._streams: dict[str, RequestStream] = {}  # client request id -> stream
         self._client_of: dict[str, str] = {}  # engine request id -> client request id
+        self._refusing: str | None = None  # set by abort_all: why no request may start
 
     async def start(self, handshake_timeout: float) -> None:
         """Connect to the cores and wait for a first handshake, then build the processors.
@@ -168,7 +169,7 @@ class AsyncLLM:
         await self.client.close()
 
     def is_ready(self) -> bool:
-        return self.input_processor is not None and self.client.is_available()
+        return self.input_processor is not None and self.client.is_available() and self._refusing is None
 
     def num_inflight(self) -> int:
         return len(self._streams)
@@ -201,6 +202,8 @@ class AsyncLLM:
 
     async def _run(self, processed: ProcessedRequest, timeout: float | None) -> AsyncGenerator[Any, None]:
         rid = processed.request_id
+        if self._refusing is not None:
+            raise EngineUnavailableError(self._refusing)
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         engine_ids = [r.request_id for r in processed.engine_requests]
@@ -240,10 +243,16 @@ class AsyncLLM:
                 self._finished(stream, "abort")
             self._forget(rid, abort=not stream.finished)
 
-    def abort_all(self, message: str) -> None:
-        """Fail every request in flight with ``message`` (drain deadline passed)."""
+    def abort_all(self, message: str, *, reason: str = "drain_timeout") -> None:
+        """Fail every request in flight with ``message`` (a drain deadline passed: ``reason``
+        names it for ``pkgd:requests_cut``), and every request that comes after: this server is
+        about to exit, so none may start a stream it would cut."""
+        self._refusing = message
+        error = EngineRequestError(message, cut_reason=reason)
+        if self.metrics is not None and self._streams:
+            self.metrics.count_cut(reason, len(self._streams))
         for rid, stream in list(self._streams.items()):
-            stream.put(EngineRequestError(message))
+            stream.put(error)
             self._forget(rid, abort=True)
 
     def _forget(self, rid: str, *, abort: bool) -> None:
@@ -316,7 +325,10 @@ class AsyncLLM:
         stream.put(item)
 
     def on_request_error(self, request_ids: list[str], error: EngineRequestError) -> None:
-        for rid in {self._client_of[eid] for eid in request_ids if eid in self._client_of}:
+        failed = {self._client_of[eid] for eid in request_ids if eid in self._client_of}
+        if self.metrics is not None and error.cut_reason is not None and failed:
+            self.metrics.count_cut(error.cut_reason, len(failed))
+        for rid in failed:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put(error)

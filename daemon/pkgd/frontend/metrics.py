@@ -233,10 +233,22 @@ class Metrics:
         self.request_preemptions = histogram(
             "vllm:request_num_preemptions", "Number of preemptions per request.", REQUEST_NUM_PREEMPTIONS_BUCKETS
         )
+        # pkgd's own: requests that were running and were ended from outside, by why
+        # (engine_lost, drain_timeout, reload_drain_timeout); a reload cuts none.
+        self.requests_cut = Counter(
+            "pkgd:requests_cut",
+            "Requests in flight ended with an error by a deadline or a lost engine core.",
+            ["model_name", "reason"],
+            registry=r,
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._by_engine_id: dict[str, str] = {}
 
     # ---- request events (called by AsyncLLM) --------------------------------------------
+
+    def count_cut(self, reason: str, num: int = 1) -> None:
+        """``num`` requests in flight were ended with an error for ``reason``."""
+        self.requests_cut.labels(self.model_name, reason).inc(num)
 
     def track(
         self, request_id: str, engine_ids: Iterable[str], engine_index: int, *, prompt_len: int, max_tokens: int | None

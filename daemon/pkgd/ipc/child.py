@@ -128,12 +128,14 @@ class ReadyPipe:
 
     def __init__(self, fd: int | None) -> None:
         self._fd = fd
+        self.sent = False  # a frame went out (later ones are not sent)
 
     def send(self, msg: Message) -> None:
         """Write ``msg`` as one msgpack frame and close the pipe; later calls do nothing."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        self.sent = True
         data = encode(msg)
         try:
             while data:

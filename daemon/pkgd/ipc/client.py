@@ -69,12 +69,15 @@ class EngineRequestError(RuntimeError):
     """A request failed in or on the way to an engine core.
 
     ``rejected`` is True when the core refused it as invalid (HTTP 400), False when the core
-    failed, shut down or disappeared (HTTP 5xx).
+    failed, shut down or disappeared (HTTP 5xx). ``cut_reason`` names why a request that was
+    running was ended from outside (``engine_lost``, ``drain_timeout``,
+    ``reload_drain_timeout``), for the ``pkgd:requests_cut`` counter.
     """
 
-    def __init__(self, message: str, *, rejected: bool = False) -> None:
+    def __init__(self, message: str, *, rejected: bool = False, cut_reason: str | None = None) -> None:
         super().__init__(message)
         self.rejected = rejected
+        self.cut_reason = cut_reason
 
 
 class OutputSink(Protocol):
@@ -411,4 +414,4 @@ class EngineClient:
         for rid in ids:
             self._owner.pop(rid, None)
         if ids:
-            self._sink.on_request_error(ids, EngineRequestError(message))
+            self._sink.on_request_error(ids, EngineRequestError(message, cut_reason="engine_lost"))

@@ -34,6 +34,7 @@ import msgspec
 from pkgd.ipc import messages
 
 Role = Literal["engine-core", "api-server"]
+_SIGTERM = signal.SIGTERM  # `Child.signal` shadows the module inside the class
 _EXPECTED_FRAME = {"engine-core": messages.Handshake, "api-server": messages.ApiServerReady}
 
 
@@ -254,14 +255,23 @@ class Child:
         if self.returncode is None:
             self.popen.send_signal(signum)
 
-    async def stop(self, grace: float) -> int:
-        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; returns the exit status."""
+    async def stop(self, grace: float | None, signum: int = _SIGTERM) -> int:
+        """Send ``signum`` (SIGTERM: stop; SIGUSR1: an API server retires, `pkgd.api.server`),
+        wait up to ``grace`` seconds (None: as long as it takes), then SIGKILL; returns the exit
+        status."""
         self.retiring = True
         if self.returncode is None:
             self.state = "stopping"
-            self.signal(signal.SIGTERM)
+            self.signal(signum)
             try:
                 return await asyncio.wait_for(asyncio.shield(self.exited), grace)
             except asyncio.TimeoutError:
                 self.signal(signal.SIGKILL)
         return await self.exited
+
+    async def flush_config(self, timeout: float = 5.0) -> None:
+        """Wait until every queued configuration frame is in the pipe (a signal sent after this
+        finds the frame readable in the child)."""
+        deadline = time.monotonic() + timeout
+        while self._config_out and self._config_fd is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)

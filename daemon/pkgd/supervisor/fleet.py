@@ -217,13 +217,18 @@ class Fleet:
             self._cancel_restart(child)
         return old
 
-    async def stop_all(self, children: Iterable[Child], grace: float | Callable[[Child], float]) -> None:
-        """Stop children concurrently (SIGTERM, ``grace`` s, SIGKILL); SIGKILL all at once
-        when ``force_event`` is set (a second SIGTERM/SIGINT)."""
+    async def stop_all(
+        self,
+        children: Iterable[Child],
+        grace: float | None | Callable[[Child], float | None],
+        signum: int = signal.SIGTERM,
+    ) -> None:
+        """Stop children concurrently (``signum``, ``grace`` s or None = no limit, SIGKILL);
+        SIGKILL all at once when ``force_event`` is set (a second SIGTERM/SIGINT)."""
         children = [c for c in children if c.alive]
         if not children:
             return
-        stops = asyncio.gather(*(c.stop(grace(c) if callable(grace) else grace) for c in children))
+        stops = asyncio.gather(*(c.stop(grace(c) if callable(grace) else grace, signum) for c in children))
         force = asyncio.ensure_future(self.force_event.wait())
         try:
             waiters: set[asyncio.Future[Any]] = {stops, force}

@@ -76,9 +76,9 @@ class Supervisor(Protocol):
 
     def swap_listeners(self, listeners: list[Listener]) -> None: ...
 
-    def retire(self, children: list[Child]) -> None: ...
+    def retire(self, children: list[Child], config: VllmConfig) -> None: ...
 
-    async def stop_in_order(self, children: list[Child]) -> None: ...
+    async def drain_replaced(self, children: list[Child], config: VllmConfig) -> None: ...
 
     async def start_generation(self, gen: Generation, plan: ServePlan, listeners: list[Listener]) -> None: ...
 
@@ -159,7 +159,7 @@ async def _apply_api(sup: Supervisor, new: VllmConfig) -> None:
     for child in gen.engines.values():
         child.send_config(frame)  # the carried cores: live fields that changed alongside
     sup.swap_listeners(listeners)
-    sup.retire(old)
+    sup.retire(old, new)
 
 
 async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
@@ -181,7 +181,7 @@ async def _apply_engine(sup: Supervisor, new: VllmConfig) -> None:
 async def _swap_overlap(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
     gen = sup.fleet.new_generation(new)
     await sup.start_generation(gen, plan, listeners)
-    sup.retire(sup.fleet.install(gen))
+    sup.retire(sup.fleet.install(gen), new)
 
 
 async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, listeners: list[Listener]) -> None:
@@ -189,7 +189,8 @@ async def _swap_stop_first(sup: Supervisor, new: VllmConfig, plan: ServePlan, li
     previous = fleet.current
     assert previous is not None
     old = fleet.install(Generation(previous.id, previous.config))  # the same generation, stopped
-    await sup.stop_in_order(old)
+    # Its requests end first (nothing cut); meanwhile new connections wait in the listen backlog.
+    await sup.drain_replaced(old, new)
     gen = fleet.new_generation(new)
     try:
         await sup.start_generation(gen, plan, listeners)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from pkgd.supervisor.health import HealthMonitor
 from pkgd.supervisor.notify import Notifier
 from pkgd.supervisor.preflight import host_problems
 from pkgd.supervisor.restart import RestartPolicy
+from pkgd.supervisor.retire import API_STOP_EXTRA, Retirements
 from pkgd.supervisor.runtime import RuntimeDir, RuntimeDirError, resolve_runtime_dir
 from pkgd.supervisor.sockets import BindError, Listener, listen_specs, open_listeners
 from pkgd.supervisor.topology import Entrypoints, api_specs, child_env, engine_specs
@@ -51,7 +53,7 @@ logger = log.get_logger(__name__)
 
 ENGINE_STOP_GRACE = 10.0  # s an engine core gets to abort its requests and exit
 LOADING_STOP_GRACE = 1.5  # s for a child still starting (SIGTERM during load exits within 2 s)
-API_STOP_EXTRA = 5.0  # s on top of drain_timeout before an API server is killed
+
 PROBE_INTERVAL = 5.0  # s between /health probes (shorter when the watchdog is faster)
 EXIT_USAGE = 2  # bad config, port in use, runtime dir unusable
 EXIT_FAILURE = 1  # children failed to start, crash loop
@@ -88,7 +90,6 @@ class Supervisor:
         self._reload_waiters: list[asyncio.Future[dict[str, Any]]] = []
         self._reload_requested = False
         self._loops: list[asyncio.Task[None]] = []  # watchdog, probes
-        self._retiring: set[asyncio.Task[None]] = set()  # background stops of replaced children
 
     # ---- synchronous entry -------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self.fleet = Fleet(RestartPolicy(self.config.supervisor), self._give_up, self._child_exited)
         self.fleet.ready_timeout = self.config.supervisor.engine_ready_timeout
+        self.retirements = Retirements(self.fleet, self._tcp_ports, ENGINE_STOP_GRACE)
         self._wake = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_stop_signal, signum)
@@ -262,11 +264,17 @@ class Supervisor:
                 old.close()
         self.listeners = listeners
 
-    def retire(self, children: list[Child]) -> None:
-        """Stop replaced children in the background: API servers drain first, then cores."""
-        task = asyncio.ensure_future(self.stop_in_order(children))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+    def retire(self, children: list[Child], config: VllmConfig) -> None:
+        """Drain replaced children in the background under ``config``'s supervisor section
+        (`pkgd.supervisor.retire`): API servers keep their requests until each ends."""
+        self.retirements.start(children, config)
+
+    async def drain_replaced(self, children: list[Child], config: VllmConfig) -> None:
+        """`retire`, awaited (a stop-first engine swap)."""
+        await self.retirements.drain(children, config)
+
+    def _tcp_ports(self) -> set[int]:
+        return {lst.sock.getsockname()[1] for lst in self.listeners if lst.sock.family != socket.AF_UNIX}
 
     async def stop_in_order(self, children: list[Child]) -> None:
         apis = [c for c in children if c.spec.role == "api-server"]
@@ -299,7 +307,7 @@ class Supervisor:
             listener.close()
         started = time.monotonic()
         await self.stop_in_order(self.fleet.alive())
-        await asyncio.gather(*self._loops, *self._retiring, return_exceptions=True)
+        await asyncio.gather(*self._loops, self.retirements.wait(), return_exceptions=True)
         for waiter in self._reload_waiters:
             if not waiter.done():
                 waiter.set_result({"ok": False, "result": "stopped", "problems": ["pkgd is stopping"]})
@@ -406,6 +414,7 @@ class Supervisor:
             "children": self.fleet.describe(),
             "generation": self.fleet.current.id if self.fleet.current is not None else None,
             "retiring": len(set(self.fleet.alive()) - set(self.fleet.current_children())),  # replaced, still draining
+            "draining": self.retirements.describe(),
             "health": [e.as_dict() for e in self.health.endpoints.values()],
             "crashes_in_window": self.fleet.policy.crashes_in_window(time.monotonic()),
             "last_reload": self.last_reload,

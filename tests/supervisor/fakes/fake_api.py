@@ -3,7 +3,9 @@
 Routes: ``/health`` (503 while draining), ``/whoami`` (pid, server index, engine addresses,
 ``model.name`` as last received on the config pipe), ``/generate`` (one AddRequest to the next engine
 core, answered with the core's index and pid), ``/slow?s=S`` (answers after S seconds: an
-in-flight request for drain tests). Behaviour from ``model.chat_template`` of its configuration:
+in-flight request for drain tests; it answers with ``supervisor.reload_drain_timeout`` as last
+received). SIGTERM drains for ``drain_timeout``; SIGUSR1 (retired by a reload) for
+``reload_drain_timeout``. Behaviour from ``model.chat_template`` of its configuration:
 ``fake-api:fail=MSG`` reports ChildFailed, ``fake-api:load=S`` delays readiness.
 """
 
@@ -98,7 +100,16 @@ async def amain(args) -> int:
         if source.closed:
             loop.remove_reader(source.fd)
 
+    def on_retire():
+        # Replaced by a reload: the new supervisor section came on the pipe just before; the
+        # drain is bounded by its reload_drain_timeout (None: unbounded), not drain_timeout.
+        on_config()
+        limit = state["cfg"].supervisor.reload_drain_timeout
+        config.graceful_timeout = 1e9 if limit is None else limit
+        on_term()
+
     loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGUSR1, on_retire)
     if source.fd is not None:
         loop.add_reader(source.fd, on_config)
 
@@ -144,7 +155,8 @@ async def amain(args) -> int:
         elif path == "/slow":
             seconds = float(parse_qs(scope["query_string"].decode()).get("s", ["1"])[0])
             await asyncio.sleep(seconds)
-            await respond(send, 200, {"pid": os.getpid(), "slept": seconds})
+            limit = state["cfg"].supervisor.reload_drain_timeout
+            await respond(send, 200, {"pid": os.getpid(), "slept": seconds, "reload_drain_timeout": limit})
         else:
             await respond(send, 404, {"error": "not found"})
 
