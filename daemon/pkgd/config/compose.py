@@ -235,7 +235,11 @@ def _merge_presets(tree: layers.Provenance, groups: _Groups, final: Mapping[str,
     from omegaconf.errors import OmegaConfBaseException
 
     system_options = [(g, o) for g, o in final.items() if o is not None and groups.in_system(g, o)]
-    problems = [p for g, o in system_options if (p := layers.load_yaml(groups.options[g][o])[1])]
+    problems = [
+        p
+        for g, o in system_options
+        for p in layers.load_yaml(groups.options[g][o], _package(groups.options[g][o], g))[1]
+    ]
     if problems:
         raise ConfigError(problems)
     overrides = _hydra_overrides(final, groups)
@@ -258,6 +262,23 @@ def _merge_presets(tree: layers.Provenance, groups: _Groups, final: Mapping[str,
     for label, values in per_option.items():
         tree.relabel(values, label)  # type: ignore[arg-type]
     return [str(w.message) for w in caught]
+
+
+_PACKAGE_HEADER = re.compile(r"#\s*@package\s+(\S+)")
+
+
+def _package(path: Path, group: str) -> str:
+    """The dotted section a group option's keys land in, as Hydra places them: the group, or
+    what a ``# @package`` line of the file's leading comments says (``_global_`` = the root)."""
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        if m := _PACKAGE_HEADER.match(line):
+            parts = m.group(1).split(".")
+            head = {"_global_": [], "_group_": group.split("/")}.get(parts[0], parts[:1])
+            return ".".join([*head, *parts[1:]])
+    return group.replace("/", ".")
 
 
 def _apply(tree: layers.Provenance, ops: Iterable[ValueOp]) -> list[str]:

@@ -172,9 +172,9 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
     layers = []
     for path in files:
         label = f"system:{path.relative_to(root)}"
-        data, problem = load_yaml(path)
-        if problem:
-            problems.append(problem)
+        data, bad = load_yaml(path)
+        if bad:
+            problems += bad
             continue
         choices, bad = _defaults_list(data.pop("defaults", None), path)
         problems += bad
@@ -182,31 +182,42 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
     return layers, problems
 
 
-def load_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
-    """Load a YAML mapping (interpolations kept as text); a problem names file:line:column."""
+def load_yaml(path: Path, package: str = "") -> tuple[dict[str, Any], list[str]]:
+    """Load a YAML mapping (interpolations kept as text) as OmegaConf and Hydra do; returns
+    (data, problems). A problem names file:line:column; a plain scalar that YAML 1.1 reads
+    otherwise than YAML 1.2 (``1:30``, ``0755``, ``no``) is one too, named by its dotted path
+    under ``package`` (`pkgd.config.yaml_scalars`).
+    """
     import yaml
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
+    from pkgd.config.yaml_scalars import ambiguous_scalars
 
     try:
         cfg = OmegaConf.load(path)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        return {}, f"{where}: YAML syntax error: {e.problem or e.context}"
+        return {}, [f"{where}: YAML syntax error: {e.problem or e.context}"]
     except yaml.YAMLError as e:
-        return {}, f"{path}: YAML error: {e}"
+        return {}, [f"{path}: YAML error: {e}"]
     except OSError as e:
-        return {}, f"{path}: cannot read: {e.strerror}"
+        return {}, [f"{path}: cannot read: {e.strerror}"]
     except UnicodeDecodeError as e:
-        return {}, f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save the file as UTF-8"
+        return {}, [
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save the file as UTF-8"
+        ]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "")
-        return {}, f"{path}: {key + ': ' if key else ''}{str(e).splitlines()[0]}"
+        return {}, [f"{path}: {key + ': ' if key else ''}{str(e).splitlines()[0]}"]
     if not isinstance(cfg, DictConfig):
-        return {}, f"{path}: expected a mapping of sections (model:, parallel:, …), got a list"
+        return {}, [f"{path}: expected a mapping of sections (model:, parallel:, …), got a list"]
+    problems = ambiguous_scalars(path.read_text(encoding="utf-8"), str(path), package)
+    if problems:
+        return {}, problems
     data = OmegaConf.to_container(cfg, resolve=False)
-    return typing.cast(dict, data), None
+    return typing.cast(dict, data), []
 
 
 def _defaults_list(entries: Any, path: Path) -> tuple[tuple[tuple[str, str | None], ...], list[str]]:

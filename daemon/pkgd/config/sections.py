@@ -21,9 +21,11 @@ L, A, E, R = ReloadClass.LIVE, ReloadClass.API, ReloadClass.ENGINE, ReloadClass.
 
 
 class Section(BaseModel):
-    """Base of every config section: frozen, unknown keys are errors."""
+    """Base of every config section: frozen, unknown keys are errors, and every float is
+    finite (no field means anything by infinity or NaN: ``body_timeout: .inf`` would disarm
+    the timeout, and NaN fails every comparison, so a bound would not hold)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class GenerationDefaults(Section):
