@@ -78,3 +78,13 @@ def test_validate_catches_a_misspelt_env_variable(capsys, tmp_path, monkeypatch)
         "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in err
     )
     assert "sk-1" not in err
+
+
+def test_config_show_sources_names_vllm_api_key_without_its_value(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sk-from-vllm-env")
+    assert main(["config", "show", "--sources", "--config-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "  api_keys: ['**********']  # env:VLLM_API_KEY\n" in out and "sk-from-vllm-env" not in out
+    assert main(["config", "show", "--sources", "--format", "json", "--config-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert '"frontend.api_keys": "env:VLLM_API_KEY"' in out and "sk-from-vllm-env" not in out

@@ -340,3 +340,26 @@ def test_cpu_knobs_are_config_keys_with_an_environment_form():
     p = c.config.parallel
     assert (p.cpu_kernels, p.cpu_huge_pages, p.cpu_kernel_cache) == (False, False, "/srv/kernels")
     assert c.sources["parallel.cpu_kernels"] == "env"
+
+
+def test_vllm_api_key_sets_the_api_keys_below_pkgd_variable_and_command_line(tree):
+    """vLLM's VLLM_API_KEY means --api-key (vLLM: the flag, else the variable); pkgd's own
+    PKGD_FRONTEND__API_KEYS beats it, and it beats the system tree like any variable."""
+
+    def keys(c):
+        return [k.get_secret_value() for k in c.config.frontend.api_keys], c.sources["frontend.api_keys"]
+
+    root = tree({"pkgd.yaml": "frontend: {api_keys: [sk-file]}\n"})
+    assert keys(run(env={"VLLM_API_KEY": "sk-v"})) == (["sk-v"], "env:VLLM_API_KEY")
+    assert keys(run(config_dir=str(root), env={"VLLM_API_KEY": "sk-v"})) == (["sk-v"], "env:VLLM_API_KEY")
+    both = {"VLLM_API_KEY": "sk-v", "PKGD_FRONTEND__API_KEYS": '["sk-p1", "sk-p2"]'}
+    assert keys(run(env=both)) == (["sk-p1", "sk-p2"], "env")
+    assert keys(run(flags=["--api-key", "sk-c"], env=both)) == (["sk-c"], "cli")
+    assert keys(run(env={"VLLM_API_KEY": ""})) == ([], "default")  # empty = unset, as in vLLM
+
+
+def test_a_bad_vllm_api_key_is_named_without_its_value():
+    with pytest.raises(ConfigError) as err:
+        run(env={"VLLM_API_KEY": " "})
+    [line] = err.value.problems
+    assert line.startswith("frontend.api_keys: bad value ********** (set by env VLLM_API_KEY); ")

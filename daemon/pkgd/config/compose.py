@@ -12,7 +12,8 @@ Layers, lowest first (docs/architecture.md, "Configuration"):
    (which must exist); ``DIR/NAME.yaml`` (``--config-name NAME``, default ``pkgd``), then
    ``DIR/conf.d/*.yaml`` in name order. A file may start with a defaults list choosing group
    options (``defaults: [{model: qwen}]``); ``DIR/GROUP/OPTION.yaml`` adds options to a group;
-4. the environment, ``PKGD_<SECTION>__<FIELD>`` (``env``; see `pkgd.config.layers`);
+4. the environment, ``PKGD_<SECTION>__<FIELD>`` (``env``; see `pkgd.config.layers`), over
+   vLLM's ``VLLM_API_KEY`` (``env:VLLM_API_KEY``);
 5. the command line (``cli``): vLLM's ``--config FILE`` of flags (`pkgd.config.vllm_yaml`),
    then Hydra overrides, then vLLM-style flags (see `pkgd.config.overrides`).
 
@@ -68,7 +69,7 @@ class ComposedConfig:
     """A validated tree and where each value came from.
 
     ``sources``: every leaf's dotted key → ``default``, ``packaged``, ``system:<file>``
-    (relative to the system tree), ``env`` or ``cli``. ``warnings``: lines to log (ignored
+    (relative to the system tree), ``env``, ``env:VLLM_API_KEY`` or ``cli``. ``warnings``: lines to log (ignored
     variables, shadowed files, the serve plan's caps). ``choices``: group → chosen option.
     """
 
@@ -171,6 +172,8 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     warns += _merge_presets(tree, groups, final)
     for f in files:
         tree.merge(f.values, f.label)
+    for var, (key, value) in layers.read_vllm_env(env).items():
+        tree.set_path(key, value, f"env:{var}", f"env {var}")  # a key of a section: no problem
     tree.merge(env_values, "env", env_details)
     problems = _apply(tree, file_ops + override_ops + flag_ops)
     data, bad = _resolve(tree) if not problems else ({}, [])

@@ -11,10 +11,13 @@ files add options to the groups (see `pkgd.config.compose`).
 
 Environment (layer 4): ``PKGD_<SECTION>__<FIELD>[__<FIELD>]``, case-insensitive, read by
 pydantic-settings' `EnvSettingsSource`. List fields take JSON (``["a","b"]``) or one plain
-value; ``null`` is None. A ``PKGD_`` variable that looks like config but names no section
-(``PKGD_FRONTED__API_KEYS``) or misses the double underscore (``PKGD_FRONTEND_API_KEYS``) is a
-configuration error, not a warning: a typo there would otherwise drop a setting silently
-(API keys, and with them authentication). `NON_CONFIG_ENV` lists pkgd's other variables.
+value; ``null`` is None. Below them, vLLM's variables of the same meaning (`VLLM_ENV`:
+``VLLM_API_KEY``, one key, as ``--api-key``): a ``PKGD_`` variable of the same key beats its
+vLLM twin and the command line beats both, as vLLM's flag beats its variable. A ``PKGD_``
+variable that looks like config but names no section (``PKGD_FRONTED__API_KEYS``) or misses
+the double underscore (``PKGD_FRONTEND_API_KEYS``) is a configuration error, not a warning: a
+typo there would otherwise drop a setting silently (API keys, and with them authentication).
+`NON_CONFIG_ENV` lists pkgd's other variables.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ ENV_DELIMITER = "__"
 #: pkgd's environment variables that are not config keys (read where they act: the CPU kernels
 #: and huge pages by the runner). A test keeps this list in step with the sources.
 NON_CONFIG_ENV = frozenset({"PKGD_CPU_KERNELS", "PKGD_HUGEPAGES", "PKGD_KERNEL_CACHE"})
+
+#: vLLM's environment variables that set a config key (vLLM's meaning), each a layer of its own
+#: (``env:VAR`` in `ComposedConfig.sources`) under the ``PKGD_`` variables.
+VLLM_ENV = {"VLLM_API_KEY": "frontend.api_keys"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +289,12 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
                 problems.append(f"{var}: bad value {show_value(value)} (env); expected JSON for this section or list")
         return {}, details, warnings, problems
     return (values if not problems else {}), details, warnings, problems
+
+
+def read_vllm_env(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The `VLLM_ENV` variables set in ``env``: variable → (dotted key, value). An empty one
+    counts as unset, as in vLLM (``VLLM_API_KEY=`` turns no authentication on)."""
+    return {var: (key, env[var]) for var, key in VLLM_ENV.items() if env.get(var)}
 
 
 def _misspelt_env(var: str, parts: list[str], sections: Sequence[str]) -> str | None:

@@ -446,7 +446,8 @@ class FrontendConfig(Section):
     )
     api_keys: list[SecretStr] = field(
         [],
-        "Bearer keys clients must present; empty = no authentication. Never printed.",
+        "Bearer keys clients must present; empty = no authentication. Never printed. vLLM's "
+        "VLLM_API_KEY variable sets one key (as --api-key); PKGD_FRONTEND__API_KEYS beats it.",
         aliases=("--api-key",),
         reload=L,
     )
