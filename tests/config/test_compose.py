@@ -363,3 +363,52 @@ def test_a_bad_vllm_api_key_is_named_without_its_value():
         run(env={"VLLM_API_KEY": " "})
     [line] = err.value.problems
     assert line.startswith("frontend.api_keys: bad value ********** (set by env VLLM_API_KEY); ")
+
+
+READ_BY_CONFIG = {"PKGD_HOST": "127.0.0.2", "PKGD_MODEL_DIR": "/models/m"}  # a warning, a misspelling if unread
+LAYERS_READING_ENV = {
+    "system file": (
+        {"pkgd.yaml": "frontend: {host: '${oc.env:PKGD_HOST}'}\nmodel: {source: '${oc.env:PKGD_MODEL_DIR}'}\n"},
+        {},
+    ),
+    "group options": (
+        {
+            "frontend/mine.yaml": "host: ${oc.env:PKGD_HOST}\n",
+            "model/mine.yaml": "source: ${oc.env:PKGD_MODEL_DIR,/x}\n",
+        },
+        {"overrides": ("frontend=mine", "model=mine")},
+    ),
+    "overrides": ({}, {"overrides": ("frontend.host=${oc.env:PKGD_HOST}", "model.source=${oc.env: PKGD_MODEL_DIR}")}),
+    "vLLM flags": ({}, {"flags": ("--host", "${oc.env:PKGD_HOST}", "--model", "${oc.env:'PKGD_MODEL_DIR'}")}),
+    "vLLM --config": (
+        {"vllm.yaml": "host: ${oc.env:PKGD_HOST}\nmodel: ${oc.env:PKGD_MODEL_DIR}\n"},
+        {"vllm_config": True},
+    ),
+    "environment": (
+        {},
+        {"env": {"PKGD_FRONTEND__HOST": "${oc.env:PKGD_HOST}", "PKGD_MODEL__SOURCE": "${oc.env:PKGD_MODEL_DIR}"}},
+    ),
+}
+
+
+@pytest.mark.parametrize("layer", LAYERS_READING_ENV)
+def test_variables_a_config_reads_are_not_taken_for_settings(tree, monkeypatch, layer):
+    """``${oc.env:VAR}`` in any composed layer reads VAR on purpose: no 'not a pkgd setting'
+    warning, no misspelt-variable error."""
+    files, extra = LAYERS_READING_ENV[layer]
+    root = tree({"conf.d/.keep.yaml": "", **files})
+    for name, value in READ_BY_CONFIG.items():
+        monkeypatch.setenv(name, value)  # what OmegaConf's oc.env reads
+    if extra.pop("vllm_config", False):
+        extra["vllm_config"] = str(root / "vllm.yaml")
+    extra["env"] = {**READ_BY_CONFIG, **extra.get("env", {})}
+    c = compose(ComposeRequest(config_dir=str(root), **extra))
+    assert (c.config.frontend.host, c.config.model.source) == ("127.0.0.2", "/models/m")
+    assert not any("PKGD_" in w for w in c.warnings), c.warnings
+
+
+def test_variables_no_config_reads_are_still_checked():
+    assert "PKGD_HOST: ignored, not a pkgd setting" in run(env={"PKGD_HOST": "x"}).warnings[0]
+    with pytest.raises(ConfigError) as err:
+        run("frontend.host=${oc.env:PKGD_HOST}", env={"PKGD_HOST": "x", "PKGD_MODEL_DIR": "/m"})
+    assert [line.split(":")[0] for line in err.value.problems] == ["PKGD_MODEL_DIR"]

@@ -158,15 +158,16 @@ def compose(request: ComposeRequest) -> ComposedConfig:
 
         file_ops, bad = vllm_yaml.load(request.vllm_config)
         problems += bad
-    env_values, env_details, warns, bad = layers.read_env(env)
-    problems += bad
     choices = [GroupChoice(g, o, f.label) for f in files for g, o in f.choices] + cli_choices
     problems += _choice_problems(choices, groups)
+    final = dict(packaged_defaults())
+    final.update((c.group, c.option) for c in choices)
+    ops = file_ops + override_ops + flag_ops
+    env_values, env_details, warns, bad = layers.read_env(env, _env_references(files, ops, groups, final))
+    problems += bad
     if problems:
         raise ConfigError(problems)
 
-    final = dict(packaged_defaults())
-    final.update((c.group, c.option) for c in choices)
     tree = layers.Provenance(layers.defaults_tree())
     warns += list(groups.warnings)
     warns += _merge_presets(tree, groups, final)
@@ -175,7 +176,7 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     for var, (key, value) in layers.read_vllm_env(env).items():
         tree.set_path(key, value, f"env:{var}", f"env {var}")  # a key of a section: no problem
     tree.merge(env_values, "env", env_details)
-    problems = _apply(tree, file_ops + override_ops + flag_ops)
+    problems = _apply(tree, ops)
     data, bad = _resolve(tree) if not problems else ({}, [])
     problems += bad
     if problems:
@@ -185,6 +186,19 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     warns += config.serve_plan().warnings
     chosen = {g: o for g, o in final.items() if o is not None}
     return ComposedConfig(config, sources, tuple(warns), chosen, str(root) if root else None)
+
+
+def _env_references(
+    files: Iterable[layers.FileLayer], ops: Iterable[ValueOp], groups: _Groups, final: Mapping[str, str | None]
+) -> set[str]:
+    """The variables ``${oc.env:VAR}`` reads anywhere in the layers composed: the system
+    files, the command line and every chosen group option's file (packaged or system)."""
+    found = layers.env_references([f.values for f in files] + [op.value for op in ops])
+    for group, option in final.items():
+        path = groups.options.get(group, {}).get(option or "")
+        if path is not None:
+            found |= layers.env_references(path.read_text(encoding="utf-8", errors="replace"))
+    return found
 
 
 def _choice_problems(choices: Iterable[GroupChoice], groups: _Groups) -> list[str]:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,13 +250,32 @@ def _defaults_list(entries: Any, path: Path) -> tuple[tuple[tuple[str, str | Non
 # ---------------------------------------------------------------- environment (layer 4)
 
 
-def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], list[str], list[str]]:
+_ENV_REFERENCE = re.compile(r"""\$\{\s*oc\.env\s*:\s*['"]?([^\s,'"}]+)""")
+
+
+def env_references(value: Any) -> set[str]:
+    """The variables that ``${oc.env:VAR}`` interpolations in ``value`` (a text, or nested
+    lists and mappings of them) read."""
+    if isinstance(value, str):
+        return set(_ENV_REFERENCE.findall(value))
+    if isinstance(value, Mapping):
+        return env_references(list(value.values()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(env_references(v) for v in value))
+    return set()
+
+
+def read_env(
+    env: Mapping[str, str], referenced: Collection[str] = ()
+) -> tuple[dict[str, Any], dict[str, str], list[str], list[str]]:
     """Read ``PKGD_SECTION__FIELD`` variables from ``env``.
 
     Returns ``(values, details, warnings, problems)``: the nested values (strings, or decoded
     JSON for list fields), dotted key → ``"env VAR"``, warnings for ``PKGD_`` variables that
     are neither config nor pkgd's (`NON_CONFIG_ENV`), and problems: one per undecodable
     value and per variable that looks like config but is misspelt (see module docstring).
+    A variable in ``referenced`` (read by a ``${oc.env:VAR}`` of the config, or of a config
+    variable's value) is neither: the config uses it on purpose.
     """
     mine = {k: v for k, v in env.items() if k.upper().startswith(ENV_PREFIX) and k.upper() not in NON_CONFIG_ENV}
     if not mine:
@@ -266,10 +286,14 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     details: dict[str, str] = {}
     warnings: list[str] = []
     problems: list[str] = []
+    is_config = {var: var[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)[0] in sections for var in mine}
+    referenced = {*referenced, *env_references([v for var, v in mine.items() if is_config[var]])}
     for var in mine:
         parts = var[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
-        if parts[0] in sections:
+        if is_config[var]:
             details[".".join(parts)] = f"env {var}"
+            continue
+        if var in referenced:
             continue
         problem = _misspelt_env(var, parts, sections)
         if problem:
@@ -278,7 +302,7 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
             warnings.append(
                 f"{var}: ignored, not a pkgd setting (config variables are {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<FIELD>)"
             )
-    config_vars = {k: v for k, v in mine.items() if k[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)[0] in sections}
+    config_vars = {k: v for k, v in mine.items() if is_config[k]}
     try:
         values = _env_source_class()(config_vars)()
     except SettingsError:
