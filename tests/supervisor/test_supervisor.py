@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
+import stat
 import threading
 import time
 
 import httpx
+import pytest
 from supervisor_helpers import pid_alive
 
 
@@ -59,6 +62,23 @@ def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
     assert first.get("/health").status_code == 200
     assert (first.runtime_dir / "control.sock").exists()  # the refused one touched nothing
     assert first.status()["state"] == "running"  # control socket still there
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the link away")
+def test_a_runtime_dir_through_another_users_symlink_exits_2_and_touches_nothing(start_daemon, workdir):
+    victim = workdir / "victim"
+    (victim / "run").mkdir(mode=0o755, parents=True)
+    opened = workdir / "open"
+    opened.mkdir(mode=0o1777)
+    (opened / "evil").symlink_to(victim)
+    os.chown(opened, 65534, 65534)
+    os.lchown(opened / "evil", 65534, 65534)
+    d = start_daemon({"supervisor": {"runtime_dir": str(opened / "evil" / "run")}})
+    assert d.wait_exit(20) == 2
+    err = d.find("startup_failed")[0]["error"]
+    assert f"supervisor.runtime_dir: {opened / 'evil' / 'run'}: {opened / 'evil'} is a symbolic link" in err
+    assert not d.find("child_started")
+    assert stat.S_IMODE((victim / "run").stat().st_mode) == 0o755 and not list((victim / "run").iterdir())
 
 
 def test_sigterm_during_engine_load_exits_within_2s(start_daemon):

@@ -679,7 +679,8 @@ class SupervisorConfig(Section):
     )
     runtime_dir: str | None = field(
         None,
-        "Directory of the IPC and control sockets (created 0700, never through a symlink); null = "
+        "Directory of the IPC and control sockets (created 0700, never through a symlink another user "
+        "could have made); null = "
         "$RUNTIME_DIRECTORY (systemd), else /run/pkgd for root, else $XDG_RUNTIME_DIR/pkgd, else "
         "/tmp/pkgd-UID.",
         reload=R,
