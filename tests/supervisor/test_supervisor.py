@@ -14,6 +14,8 @@ import httpx
 import pytest
 from supervisor_helpers import pid_alive
 
+from pkgd import host
+
 
 def test_ready_line_then_sigterm_leaves_no_process(start_daemon):
     d = start_daemon({"frontend": {"api_server_count": 2}, "parallel": {"dp": 2}})
@@ -50,6 +52,18 @@ def test_an_unreadable_chat_template_exits_2_before_any_child(start_daemon, tmp_
     d = start_daemon({"model": {"chat_template": str(missing)}})
     assert d.wait_exit(20) == 2
     assert f"model.chat_template: cannot read {str(missing)!r}" in d.find("startup_failed")[0]["error"]
+    assert not d.find("child_started")
+
+
+def test_a_kv_budget_beyond_the_hosts_memory_exits_2_before_any_child(start_daemon):
+    """The real `pkgd serve` (which used to load the model for ~25 s, then exit 1 from the engine
+    core): the budget alone cannot fit in this host's memory, so it is a config mistake, exit 2 at once."""
+    gib = max(1024, 2 * (host.mem_total_bytes() or 0) >> 30)  # 1T, or twice the host's memory where that is more
+    d = start_daemon({"cache": {"kv_cache_memory_bytes": f"{gib}G"}, "parallel": {"device": "cpu"}}, real=True)
+    assert d.wait_exit(20) == 2
+    err = d.find("startup_failed")[0]["error"]
+    assert err.startswith(f"cache.kv_cache_memory_bytes: {gib}.0 GiB of KV cache is more than this host's ")
+    assert "GiB of memory (MemTotal, " in err
     assert not d.find("child_started")
 
 
