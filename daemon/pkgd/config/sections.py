@@ -618,7 +618,8 @@ class CacheConfig(Section):
         "Bytes of KV cache per engine worker (4G = 4 GiB, 4g = 4e9); null = on CPU 4 GiB or half "
         "the memory available after the weights load (shared by the node's workers), whichever "
         "is less, and no more than max_num_seqs sequences of max_model_len; on CUDA what "
-        "gpu_memory_utilization leaves. A CPU cache takes memory only as blocks are first used.",
+        "gpu_memory_utilization leaves. A CPU cache takes memory only as blocks are first used; one "
+        "larger than the host's memory (MemTotal) once per worker is refused at start (exit 2).",
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
     )
@@ -682,7 +683,8 @@ class SupervisorConfig(Section):
     )
     runtime_dir: str | None = field(
         None,
-        "Directory of the IPC and control sockets (created 0700, never through a symlink); null = "
+        "Directory of the IPC and control sockets (created 0700, never through a symlink another user "
+        "could have made); null = "
         "$RUNTIME_DIRECTORY (systemd), else /run/pkgd for root, else $XDG_RUNTIME_DIR/pkgd, else "
         "/tmp/pkgd-UID.",
         reload=R,
