@@ -506,8 +506,11 @@ class FrontendConfig(Section):
     )
     max_connections: int = field(
         1024,
-        "Open client connections one API server serves at once; more wait in the listen backlog "
-        "(or go to another API server on the same socket).",
+        "Open client connections one API server serves at once. At the cap a new connection "
+        "is let in by closing the one that has waited longest (over 0.5 s) without sending a "
+        "whole request (idle keep-alive, half a head, a body still arriving); a request being "
+        "answered is never closed. With none to close, new ones wait in the listen backlog (or "
+        "go to another API server on the same socket).",
         reload=L,
         ge=1,
     )
