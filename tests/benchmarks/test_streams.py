@@ -81,6 +81,7 @@ class _SSEHandler(http.server.BaseHTTPRequestHandler):
         usage = {"choices": [], "usage": {"completion_tokens": n - 1 if scenario == "short" else n}}
         events: list[object] = {
             "ok": [*tokens, usage, "[DONE]"],
+            "slow": [*tokens, usage, "[DONE]"],  # 10 ms an event
             "short": [*tokens, usage, "[DONE]"],
             "no_usage": [*tokens, "[DONE]"],
             "error_event": [*tokens[:1], {"error": {"message": "shutting down", "type": "x"}}, "[DONE]"],
@@ -93,6 +94,8 @@ class _SSEHandler(http.server.BaseHTTPRequestHandler):
         for e in events:
             line = e if isinstance(e, str) else json.dumps(e)
             self._chunk(f"data: {line}\n\n".encode())
+            if scenario == "slow":
+                time.sleep(0.01)
         if scenario == "hang":
             time.sleep(1.0)
         if scenario in ("process_exit", "hang", "malformed"):
@@ -111,7 +114,11 @@ def sse_server():
     class Handler(_SSEHandler):
         peers: list[int] = []
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address) -> None:  # a client that went away (cancel)
+            pass
+
+    server = Server(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", Handler.peers
@@ -194,6 +201,18 @@ def test_wait_started_names_the_client_that_began_a_request(sse_server):
         assert load.wait_started([0], after=t, timeout=10) == 0
     finally:
         load.stop(timeout=10)
+
+
+def test_stop_with_cancel_abandons_a_running_stream_as_cancelled(sse_server):
+    url, _ = sse_server
+    load = StreamClients(url, 1, body={"scenario": "slow", "max_tokens": 1000})  # 10 s
+    load.wait_started([0], after=0.0, timeout=10)
+    time.sleep(0.2)
+    t = time.monotonic()
+    outcomes = load.stop(timeout=10, cancel=True)
+    assert time.monotonic() - t < 2.0
+    assert [(o.kind, o.done) for o in outcomes] == [("cancelled", False)], outcomes
+    assert summarize(outcomes)["sent"] == 0 and summarize(outcomes)["failed"] == 0
 
 
 def test_summarize_counts_truncated_and_done():

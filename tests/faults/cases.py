@@ -37,7 +37,7 @@ class Case:
         return summarize(self.outcomes)
 
     def failures(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.kind not in ("ok", "refused")]
+        return [o for o in self.outcomes if o.kind not in ("ok", "refused", "cancelled")]
 
 
 def fault_config(model: Path) -> dict:

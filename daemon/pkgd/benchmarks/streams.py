@@ -15,7 +15,8 @@ connection per client, reused request after request, as SDK clients do), sending
 * ``refused`` — the connection was refused (nobody listens: after a SIGTERM);
 * ``cut`` — the stream broke before ``[DONE]``: reset, EOF (a 200 whose body stops), a
   protocol error, an event that is not JSON;
-* ``hang`` — no byte for ``read_timeout`` seconds.
+* ``hang`` — no byte for ``read_timeout`` seconds;
+* ``cancelled`` — abandoned by `StreamClients.stop` (``cancel=True``): not a server's doing.
 
 Each outcome has its client's index, the ``max_tokens`` it asked for, whether ``[DONE]`` came,
 its start and end (``time.monotonic()``) and the client's local port (of the connection the
@@ -102,6 +103,7 @@ class StreamClients:
         self._ports: dict[int, int | None] = {}  # thread index -> local port of its connection
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._cancel = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(i,), daemon=True, name=f"stream-client-{i}") for i in range(n)
         ]
@@ -110,8 +112,12 @@ class StreamClients:
 
     # ---- control ---------------------------------------------------------------------------
 
-    def stop(self, timeout: float = 60.0) -> list[Outcome]:
-        """Let every thread finish its request, then return all outcomes."""
+    def stop(self, timeout: float = 60.0, *, cancel: bool = False) -> list[Outcome]:
+        """Let every thread finish its request, then return all outcomes. ``cancel``: a stream
+        still running is abandoned at its next event instead (closing its connection) and
+        recorded as ``cancelled``, so a long stream does not have to run to its end."""
+        if cancel:
+            self._cancel.set()
         self._stop.set()
         deadline = time.monotonic() + timeout
         for t in self._threads:
@@ -201,7 +207,8 @@ class StreamClients:
                 if r.status_code != 200:
                     r.read()
                     return outcome(f"http_{r.status_code}", port, r.text[:200], r.headers.get("retry-after"))
-                stream.read(r)
+                if not stream.read(r, self._cancel):
+                    return outcome("cancelled", port, f"cancelled by the client {stream.progress()}")
         except httpx.ConnectError as exc:
             kind = "refused" if "refused" in str(exc).lower() else "cut"
             return outcome(kind, port, str(exc))
@@ -226,11 +233,14 @@ class _Stream:
         self.done = False
         self.max_gap = 0.0
 
-    def read(self, r: httpx.Response) -> None:
+    def read(self, r: httpx.Response, cancel: threading.Event) -> bool:
+        """Read ``r`` to its end (so the connection is reused); False if ``cancel`` was set first."""
         last = time.monotonic()
-        for line in r.iter_lines():  # to the body's end, so the connection is reused
+        for line in r.iter_lines():
             if not line.startswith("data: ") or self.done:
                 continue
+            if cancel.is_set():
+                return False
             now = time.monotonic()
             self.max_gap, last = max(self.max_gap, now - last), now
             data = line[len("data: ") :]
@@ -247,6 +257,7 @@ class _Stream:
             elif event.get("usage"):
                 self.usage = True
                 self.tokens = event["usage"]["completion_tokens"]
+        return True
 
     def progress(self) -> str:
         return f"(after {self.events} events{', [DONE]' if self.done else ''})"
@@ -284,13 +295,14 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     """Requests sent / ok / failed / unavailable / truncated / done and the count of each kind.
 
     ``refused`` is not counted as sent: the connection never reached a server (after a
-    SIGTERM, refusing is the contract); ``unavailable`` are 503s with ``Retry-After`` (no
+    SIGTERM, refusing is the contract), nor is ``cancelled`` (the client gave up on it);
+    ``unavailable`` are 503s with ``Retry-After`` (no
     engine core, nothing started); ``truncated`` are streams that stopped early without saying
     why (``short`` and ``cut``); ``done`` the requests whose stream ended with ``[DONE]``."""
     kinds = collections.Counter(o.kind for o in outcomes)
     unavailable = sum(1 for o in outcomes if o.kind == "http_503" and o.retry_after)
-    failed = sum(n for k, n in kinds.items() if k not in ("ok", "refused")) - unavailable
-    sent = sum(n for k, n in kinds.items() if k != "refused")
+    failed = sum(n for k, n in kinds.items() if k not in ("ok", "refused", "cancelled")) - unavailable
+    sent = sum(n for k, n in kinds.items() if k not in ("refused", "cancelled"))
     return {
         "sent": sent,
         "ok": kinds["ok"],
