@@ -58,6 +58,7 @@ class Outcome:
     client: int = 0  # index of the client thread that sent it
     max_tokens: int = 0  # what it asked for
     done: bool = False  # ``data: [DONE]`` came
+    events: int = 0  # data events before [DONE] (how far a stream got)
 
     @property
     def ok(self) -> bool:
@@ -194,6 +195,7 @@ class StreamClients:
                 client=index,
                 max_tokens=body["max_tokens"],
                 done=stream.done,
+                events=stream.events,
             )
 
         port = None
