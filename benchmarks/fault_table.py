@@ -9,6 +9,14 @@ with Retry-After while no engine core is up is counted apart) and the recovery t
 * (d) kill -9 of one of the two API servers and (e) kill -9 of the engine core, recovery =
   seconds from the kill to the replacement's ready frame;
 * (c) SIGTERM drain;
+* then, on a daemon with ``supervisor.drain_timeout`` of a few seconds, long streams (8 clients
+  asking 4,000 tokens, each stream several times ``drain_timeout`` long, beside 24 short ones,
+  all keep-alive and back to back): ``--long-rounds`` rounds each of an api-class reload, an
+  engine-class reload by overlap and one by stop_first (no request may fail: the replaced
+  generation finishes what it accepted), then a SIGTERM, which cuts the long streams still
+  running at ``drain_timeout``: there they are expected to end with an error event and
+  ``[DONE]`` (the row says so); each row also counts the streams cut short without an error
+  (``short`` and ``cut``: truncated) and those that ended with ``[DONE]``;
 * then, on a daemon with one API server, the stall: the longest gap between two events any
   stream sees, and the slowest ``/health`` answer, while one request after another carries
   the largest body ``frontend.limits`` allow (several shapes of it), next to the same figures
@@ -21,7 +29,8 @@ this process, so its own pauses would read as the server's: its heap is frozen o
 cyclic GC, and the last column is the longest pause it still had (a gap no longer than that
 may be the client's).
 
-    .venv/bin/python benchmarks/fault_table.py [--rounds 10] [--json FILE]
+    .venv/bin/python benchmarks/fault_table.py [--rounds 10] [--long-rounds 1] [--json FILE]
+    .venv/bin/python benchmarks/fault_table.py --long-only   # only the long-stream rows
 """
 
 from __future__ import annotations
@@ -42,13 +51,20 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "supervisor"), str(ROO
 
 import httpx  # noqa: E402
 from cases import (  # noqa: E402
+    BENCH_MIX,
     CLIENTS,
+    LONG_DRAIN_TIMEOUT,
     Case,
+    build_fault_model,
     engine_reload,
     fault_config,
     frontend_reload,
     kill_api_server,
     kill_engine_core,
+    long_api_reload,
+    long_engine_reload,
+    long_sigterm,
+    long_stream_config,
     sigterm,
 )
 from supervisor_helpers import Daemon, merge  # noqa: E402
@@ -271,16 +287,41 @@ def loop_lag(repeats: int = 3) -> list[dict]:
     return asyncio.run(run())
 
 
-def show(case: Case, round_: int | str = "") -> dict:
+HEADER = (
+    f"{'case':<31} {'round':>5} {'sent':>6} {'ok':>6} {'failed':>7} {'503':>6} {'trunc':>6} {'[DONE]':>6} "
+    f"{'recovery s':>10}  outcomes other than ok"
+)
+
+
+def show(case: Case, round_: int | str = "", expected: str = "") -> dict:
+    """Print one row: failed / sent, truncated (short + cut), ended with [DONE], and each
+    kind but ok (with how many were long streams, in a long-stream case); ``expected`` names
+    failures the row is meant to have."""
     s = case.summary
-    kinds = ", ".join(f"{k} {n}" for k, n in sorted(s["kinds"].items()) if k != "ok")
+    long = case.long()
+    kinds = ", ".join(
+        f"{k} {n}" + (f" (long {sum(1 for o in long if o.kind == k)})" if long else "")
+        for k, n in sorted(s["kinds"].items())
+        if k != "ok"
+    )
     rec = f"{case.recovery_s:.2f}" if case.recovery_s is not None else "-"
     print(
-        f"{case.name:<22} {round_!s:>5} {s['sent']:>6} {s['ok']:>6} {s['failed']:>7} {s['unavailable']:>6} "
-        f"{rec:>10}  {kinds}",
+        f"{case.name:<31} {round_!s:>5} {s['sent']:>6} {s['ok']:>6} {s['failed']:>7} {s['unavailable']:>6} "
+        f"{s['truncated']:>6} {s['done']:>6} {rec:>10}  {kinds}{'  ' + expected if expected else ''}",
         flush=True,
     )
-    return {"case": case.name, "round": round_, **s, "recovery_s": case.recovery_s}
+    info = {k: v for k, v in case.info.items() if k in ("reload_s", "old_drain_s", "old_exited", "exit_code")}
+    return {"case": case.name, "round": round_, **s, "recovery_s": case.recovery_s, **info}
+
+
+def _totals(rows: list[dict], names: tuple[str, ...]) -> None:
+    for name in names:
+        mine = [x for x in rows if x.get("case") == name]
+        print(
+            f"{name:<31} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} "
+            f"{sum(x['failed'] for x in mine):>7} {sum(x['unavailable'] for x in mine):>6} "
+            f"{sum(x['truncated'] for x in mine):>6} {sum(x['done'] for x in mine):>6}"
+        )
 
 
 def fault_rounds(d: Daemon, rounds: int) -> list[dict]:
@@ -289,21 +330,37 @@ def fault_rounds(d: Daemon, rounds: int) -> list[dict]:
     t = time.monotonic()
     d.wait_ready(300)
     print(f"daemon ready in {time.monotonic() - t:.1f} s at {d.url}; {CLIENTS} streaming clients", flush=True)
-    print(
-        f"{'case':<22} {'round':>5} {'sent':>6} {'ok':>6} {'failed':>7} {'503':>6} {'recovery s':>10}  "
-        "outcomes other than ok"
-    )
+    print(HEADER)
     rows = [show(frontend_reload(d, 6.0 + r % 2), r) for r in range(rounds)]
     rows += [show(engine_reload(d, 128 + r % 2), r) for r in range(rounds)]
     rows += [show(kill_api_server(d)), show(kill_engine_core(d))]
-    for name in ("frontend reload", "engine reload"):
-        mine = [x for x in rows if x.get("case") == name]
-        print(
-            f"{name:<22} {'total':>5} {sum(x['sent'] for x in mine):>6} {sum(x['ok'] for x in mine):>6} "
-            f"{sum(x['failed'] for x in mine):>7}"
-        )
+    _totals(rows, ("frontend reload", "engine reload"))
     print()
     rows.append(show(sigterm(d)))
+    return rows
+
+
+def long_rounds(d: Daemon, rounds: int) -> list[dict]:
+    """The long-stream cases on daemon ``d`` (`long_stream_config`): ``rounds`` of an api
+    reload, an engine reload by overlap and one by stop_first, then SIGTERM; a row each."""
+    t = time.monotonic()
+    d.wait_ready(300)
+    print(
+        f"\nlong streams (daemon ready in {time.monotonic() - t:.1f} s, supervisor.drain_timeout "
+        f"{LONG_DRAIN_TIMEOUT:g} s): {BENCH_MIX}, keep-alive, back to back",
+        flush=True,
+    )
+    print(HEADER)
+    rows = []
+    for r in range(rounds):
+        rows.append(show(long_api_reload(d, BENCH_MIX), r))
+        rows.append(show(long_engine_reload(d, BENCH_MIX, "overlap"), r))
+        rows.append(show(long_engine_reload(d, BENCH_MIX, "stop_first"), r))
+    if rounds > 1:
+        _totals(rows, tuple(dict.fromkeys(x["case"] for x in rows)))
+    print()
+    expected = f"(expected: long streams past drain_timeout {LONG_DRAIN_TIMEOUT:g} s end with error_event + [DONE])"
+    rows.append(show(long_sigterm(d, BENCH_MIX), expected=expected))
     return rows
 
 
@@ -314,6 +371,8 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
     ap.add_argument("--lag-only", action="store_true", help="only the in-process event-loop lag")
     ap.add_argument("--stall-only", action="store_true", help="only the lag and the stall: no fault cases")
+    ap.add_argument("--long-rounds", type=int, default=1, help="rounds of the long-stream reloads")
+    ap.add_argument("--long-only", action="store_true", help="only the long-stream rows")
     ap.add_argument(
         "--log",
         type=Path,
@@ -324,50 +383,57 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="pkgd-ft-", dir="/tmp"))
     rows: list[dict] = []
     d = None
-    print("event-loop lag in one process while the preprocess pool handles the largest bodies (median of 3):")
-    print(f"{'body':<46} {'work s':>6} {'idle ms':>8} {'heap not frozen ms':>18} {'frozen (pkgd) ms':>16}")
-    for row in loop_lag():
-        rows.append(row)
-        print(
-            f"{row['body']:<46} {row['work_s']:>6} {row['idle_lag_ms']:>8} {row['not frozen_lag_ms']:>18} "
-            f"{row['frozen_lag_ms']:>16}  {'; '.join(row['refused']) or 'accepted'}",
-            flush=True,
-        )
+    if not args.long_only:
+        print("event-loop lag in one process while the preprocess pool handles the largest bodies (median of 3):")
+        print(f"{'body':<46} {'work s':>6} {'idle ms':>8} {'heap not frozen ms':>18} {'frozen (pkgd) ms':>16}")
+        for row in loop_lag():
+            rows.append(row)
+            print(
+                f"{row['body']:<46} {row['work_s']:>6} {row['idle_lag_ms']:>8} {row['not frozen_lag_ms']:>18} "
+                f"{row['frozen_lag_ms']:>16}  {'; '.join(row['refused']) or 'accepted'}",
+                flush=True,
+            )
     if args.lag_only:
         return 0
     print()
-    from runner.tiny_models import build_tiny
-
-    build_tiny("llama-plain", work / "tiny")
+    build_fault_model(work / "tiny")
     # This process's heap (torch, transformers) is large: a full collection of it pauses every
     # client thread ~200 ms, which the streams would report as a stall of the server.
     gc.collect()
     gc.freeze()
     try:
-        if not args.stall_only:
+        if not args.stall_only and not args.long_only:
             (work / "d").mkdir()
             d = Daemon(work / "d", fault_config(work / "tiny"), real=True)
             rows.extend(fault_rounds(d, args.rounds))
             d.cleanup()
-        (work / "s").mkdir()
-        d = Daemon(work / "s", merge(fault_config(work / "tiny"), {"frontend": {"api_server_count": 1}}), real=True)
-        d.wait_ready(300)
-        print(
-            "\nstall of the other streams while one request carries the largest body the limits allow (one API server):"
-        )
-        print(
-            f"{'body':<70} {'MiB':>4} {'status':>6} {'sent':>4} {'big s':>6} {'gap ms: before':>14} {'during':>7} "
-            f"{'/health ms: before':>18} {'during':>7} {'client pause ms':>15}"
-        )
-        for row in stall(d, args.stall_seconds):
-            rows.append(row)
+        if not args.stall_only:
+            (work / "l").mkdir()
+            d = Daemon(work / "l", long_stream_config(work / "tiny"), real=True)
+            rows.extend(long_rounds(d, args.long_rounds))
+        if not args.long_only:
+            if d is not None:
+                d.cleanup()
+            (work / "s").mkdir()
+            d = Daemon(work / "s", merge(fault_config(work / "tiny"), {"frontend": {"api_server_count": 1}}), real=True)
+            d.wait_ready(300)
             print(
-                f"{row['body']:<70} {row['body_mib']:>4} {','.join(map(str, row['statuses'])):>6} "
-                f"{row['big_requests']:>4} {row['big_request_s']:>6} "
-                f"{row['baseline_gap_ms']:>14} {row['worst_gap_ms']:>7} {row['baseline_health_ms']:>18} "
-                f"{row['worst_health_ms']:>7} {row['client_pause_ms']:>15}",
-                flush=True,
+                "\nstall of the other streams while one request carries the largest body the limits allow "
+                "(one API server):"
             )
+            print(
+                f"{'body':<70} {'MiB':>4} {'status':>6} {'sent':>4} {'big s':>6} {'gap ms: before':>14} "
+                f"{'during':>7} {'/health ms: before':>18} {'during':>7} {'client pause ms':>15}"
+            )
+            for row in stall(d, args.stall_seconds):
+                rows.append(row)
+                print(
+                    f"{row['body']:<70} {row['body_mib']:>4} {','.join(map(str, row['statuses'])):>6} "
+                    f"{row['big_requests']:>4} {row['big_request_s']:>6} "
+                    f"{row['baseline_gap_ms']:>14} {row['worst_gap_ms']:>7} {row['baseline_health_ms']:>18} "
+                    f"{row['worst_health_ms']:>7} {row['client_pause_ms']:>15}",
+                    flush=True,
+                )
     finally:
         if d is not None:
             args.log.write_text("\n".join(d.lines) + "\n")

@@ -1,7 +1,8 @@
 """What the host offers this process: cores it may run on and memory it may take.
 
 One module for host probes, so the engine (KV budget, thread count), the offline `LLM` and the
-supervisor (whether two engine generations fit side by side) read the same figures. Imports
+supervisor (whether two engine generations fit side by side, whether a KV budget can fit at all)
+read the same figures. Imports
 nothing of pkgd.
 """
 
@@ -21,10 +22,19 @@ def available_cores() -> int:
 def mem_available_bytes() -> int | None:
     """Linux's estimate of memory available to new allocations without swapping
     (``MemAvailable`` in /proc/meminfo), in bytes, or None where there is none."""
+    return _meminfo("MemAvailable")
+
+
+def mem_total_bytes() -> int | None:
+    """The host's memory (``MemTotal`` in /proc/meminfo), in bytes, or None where there is none."""
+    return _meminfo("MemTotal")
+
+
+def _meminfo(key: str) -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None

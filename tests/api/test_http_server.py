@@ -12,7 +12,7 @@ import socket
 import pytest
 from hypercorn.config import Config as HypercornConfig
 
-from pkgd.api.http_server import HttpServer
+from pkgd.api.http_server import SHED_AFTER_S, HttpServer
 from pkgd.config.vllm_config import VllmConfig
 
 pytestmark = pytest.mark.anyio
@@ -288,3 +288,93 @@ async def test_an_answer_before_the_body_reaches_the_client_and_the_connection_e
         assert not server.connections
         sending.cancel()
         writer.close()
+
+
+async def _answer_time(port: int, raw: bytes = GET) -> float:
+    """Seconds from connecting to a whole 200 answer to ``raw``, on a new connection."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    _, writer, data = await asyncio.wait_for(request(port, raw), 5)
+    writer.close()
+    assert b" 200 " in data
+    return loop.time() - start
+
+
+async def _ended_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server has closed (or reset) this connection, looking for 0.1 s."""
+    try:
+        return await asyncio.wait_for(reader.read(65536), 0.1) == b""
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_at_the_cap_slow_connections_are_shed_so_a_prompt_request_gets_in():
+    """``max_connections`` 20 filled by 5 requests in progress and 30 slow connections (half a
+    request head; or a head and the start of a body): a request sent whole is answered at once
+    (it waited for header_timeout or body_timeout in the backlog), slow connections are shed for
+    it and for the slow ones queued behind them, and no request in progress is."""
+    sock = listener()
+    port = sock.getsockname()[1]
+    app = App()
+    async with running(app, sock, frontend(max_connections=20, header_timeout=30)) as (server, _):
+        held = [await request(port, b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n", read=False) for _ in range(5)]
+        slow = []
+        for i in range(30):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            if i % 2:
+                writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n")
+            else:
+                writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n" + b"x" * 10)
+            slow.append((reader, writer))
+        await asyncio.sleep(SHED_AFTER_S + 0.2)  # they have all waited past the grace
+        elapsed = await _answer_time(port)
+        assert elapsed < 1.5, elapsed
+        shed = await asyncio.gather(*(_ended_by_server(r) for r, _ in slow))
+        assert sum(shed) >= 16, shed  # 15 to let the queued slow ones in, 1 for the request
+        assert any(shed[1::2]) and any(shed[0::2]), shed  # half heads first, then slow bodies
+        assert server.shed == sum(shed)
+        # not one request in progress was shed
+        assert not any(await asyncio.gather(*(_ended_by_server(r) for r, _, _ in held)))
+        app.release.set()
+        for reader, writer, _ in held:
+            assert b" 200 " in await read_response(reader)
+            writer.close()
+        for _, writer in slow:
+            writer.close()
+
+
+async def test_at_the_cap_the_longest_idle_keep_alive_connection_is_closed_cleanly():
+    sock = listener()
+    port = sock.getsockname()[1]
+    async with running(App(), sock, frontend(max_connections=3, keep_alive_timeout=30)) as (server, _):
+        idle = []
+        for _ in range(3):
+            reader, writer, data = await request(port, GET)
+            assert b" 200 " in data
+            idle.append((reader, writer))
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(SHED_AFTER_S)
+        assert await _answer_time(port) < 1.5
+        # The oldest is closed with a FIN, nothing of a request read or answered; the others serve on.
+        assert await asyncio.wait_for(idle[0][0].read(), 1) == b""
+        for reader, writer in idle[1:]:
+            writer.write(GET)
+            assert b" 200 " in await read_response(reader)
+        for _, writer in idle:
+            writer.close()
+
+
+async def test_at_the_cap_connections_younger_than_the_grace_are_not_shed():
+    """A burst over the cap: a connection is shed only once it has waited ``SHED_AFTER_S``
+    without a whole request, so clients that send theirs at once are not cut."""
+    sock = listener()
+    port = sock.getsockname()[1]
+    async with running(App(), sock, frontend(max_connections=2)) as (server, _):
+        quiet = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        elapsed = await _answer_time(port)
+        assert SHED_AFTER_S * 0.8 < elapsed < SHED_AFTER_S + 1.0, elapsed
+        assert [await _ended_by_server(r) for r, _ in quiet] == [True, False]
+        for _, writer in quiet:
+            writer.close()

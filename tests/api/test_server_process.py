@@ -254,6 +254,34 @@ def test_sigterm_stops_accepting_but_answers_keep_alive_stragglers(tmp_path, pro
     assert api.proc.wait(10) == 0
 
 
+def test_after_the_drain_deadline_a_stream_ends_with_an_error_and_no_request_starts(tmp_path, procs, tokenizer_ready):
+    """The window that cut silently: once ``drain_timeout`` has passed, the API server fails
+    what is in flight (an error event, then ``[DONE]``) and, for the seconds it still waits for
+    those errors to be sent, a request arriving on an open keep-alive connection gets a 503
+    with Retry-After, never a 200 stream that the process exit then cuts without an error."""
+    cfg = write_config(tmp_path, VllmConfig.model_validate({"supervisor": {"drain_timeout": 0.5}}))
+    address = transport.ipc_address(tmp_path, 0)
+    procs.append(engine := spawn_engine(cfg, address, env={**FAKE_ENV, "FAKE_STEP_SECONDS": "0.05"}))
+    engine.wait_ready(30)
+    api, _, url = start_api_on_tcp(cfg, address, procs)
+    long = {"prompt": [5], "max_tokens": 400, "stream": True}  # 20 s at 0.05 s a token
+    with httpx.Client(base_url=url, timeout=30) as a, httpx.Client(base_url=url, timeout=30) as b:
+        assert b.get("/health").status_code == 200  # b: an idle keep-alive connection
+        with a.stream("POST", "/v1/completions", json=long) as first:
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            api.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.2)  # past drain_timeout, inside the close grace
+            with b.stream("POST", "/v1/completions", json={**long, "max_tokens": 100}) as late:
+                late.read()
+                assert late.status_code == 503 and "retry-after" in late.headers, late.text
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))
+        assert "drain_timeout" in error["error"]["message"]
+    assert api.proc.wait(10) == 0
+
+
 def test_connections_made_after_sigterm_are_answered_or_refused_never_reset(tmp_path, procs, tokenizer_ready):
     """At shutdown the API server holds the last copy of the listening socket (the
     supervisor made it drop new SYNs and closed its own copy): a client connecting during

@@ -17,6 +17,7 @@ from .fakes import HIDDEN, fake_vector
 
 pytestmark = pytest.mark.anyio
 MESSAGES = [{"role": "user", "content": "Hi"}]
+JSON = {"content-type": "application/json"}
 
 
 def _cfg(**frontend) -> VllmConfig:
@@ -99,7 +100,8 @@ async def test_ping_and_invocations_dispatch_by_body_shape(tokenizer):
         assert text["object"] == "text_completion"
         r = await http.post("/invocations", json={"input": "x"}, headers=auth)
         assert r.status_code == 400 and "ChatCompletionRequest, CompletionRequest" in r.json()["error"]["message"]
-        assert (await http.post("/invocations", content=b"{", headers=auth)).status_code == 400
+        assert (await http.post("/invocations", content=b"{", headers={**auth, **JSON})).status_code == 400
+        assert (await http.post("/invocations", content=b"{}", headers=auth)).status_code == 415
     async with served(tokenizer, runner="pooling") as (http, _s, _f):
         emb = (await http.post("/invocations", json={"input": "x"})).json()
         assert emb["object"] == "list" and emb["data"][0]["object"] == "embedding"

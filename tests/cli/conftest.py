@@ -32,11 +32,13 @@ class Result:
 
 @pytest.fixture
 def pkgd(tmp_path):
-    """``pkgd(*args, env={...})`` runs pkgd in a child process; no PKGD_ variables leak in."""
+    """``pkgd(*args, env={...})`` runs pkgd in a child process; no PKGD_ (or VLLM_API_KEY) variables leak in."""
 
     def run(*args: str, env: dict | None = None) -> Result:
         out = tmp_path / "modules.json"
-        child_env = {k: v for k, v in os.environ.items() if not k.upper().startswith("PKGD_")}
+        child_env = {
+            k: v for k, v in os.environ.items() if not k.upper().startswith("PKGD_") and k not in layers.VLLM_ENV
+        }
         child_env.update(env or {}, MODULES_OUT=str(out))
         proc = subprocess.run(
             [sys.executable, "-c", DRIVER, *args],
@@ -56,7 +58,7 @@ def pkgd(tmp_path):
 def hermetic(monkeypatch, tmp_path_factory):
     monkeypatch.setattr(layers, "SYSTEM_CONFIG_DIR", str(tmp_path_factory.mktemp("etc") / "absent"))
     for name in list(os.environ):
-        if name.upper().startswith("PKGD_"):
+        if name.upper().startswith("PKGD_") or name in layers.VLLM_ENV:
             monkeypatch.delenv(name)
 
 

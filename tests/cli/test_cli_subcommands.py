@@ -78,3 +78,29 @@ def test_validate_catches_a_misspelt_env_variable(capsys, tmp_path, monkeypatch)
         "PKGD_FRONTED__API_KEYS: 'fronted' is not a config section (env); did you mean PKGD_FRONTEND__API_KEYS?" in err
     )
     assert "sk-1" not in err
+
+
+def test_config_show_sources_names_vllm_api_key_without_its_value(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "sk-from-vllm-env")
+    assert main(["config", "show", "--sources", "--config-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "  api_keys: ['**********']  # env:VLLM_API_KEY\n" in out and "sk-from-vllm-env" not in out
+    assert main(["config", "show", "--sources", "--format", "json", "--config-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert '"frontend.api_keys": "env:VLLM_API_KEY"' in out and "sk-from-vllm-env" not in out
+
+
+def test_validate_checks_the_host_only_when_asked(capsys, tmp_path, monkeypatch):
+    """A CI runner validates a tree for a bigger server (exit 0); on the serving host
+    --check-host refuses what `pkgd serve` would, a KV budget beyond its memory among them."""
+    monkeypatch.setattr("pkgd.host.mem_total_bytes", lambda: 8 << 30)
+    (tmp_path / "pkgd.yaml").write_text("cache: {kv_cache_memory_bytes: 64G}\nparallel: {device: cpu}\n")
+    assert main(["config", "validate", str(tmp_path)]) == 0
+    assert f"{tmp_path}: ok" in capsys.readouterr().out
+    assert main(["config", "validate", "--check-host", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert f"{tmp_path}: cache.kv_cache_memory_bytes: 64.0 GiB of KV cache is more than this host's 8.0 GiB" in err
+    assert "ok" not in out
+    (tmp_path / "pkgd.yaml").write_text("cache: {kv_cache_memory_bytes: 4G}\nmodel: {source: /nowhere/m.gguf}\n")
+    assert main(["config", "validate", "--check-host", str(tmp_path)]) == 2
+    assert f"{tmp_path}: model.source: model source '/nowhere/m.gguf'" in capsys.readouterr().err

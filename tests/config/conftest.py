@@ -1,4 +1,4 @@
-"""Hermetic composition: no /etc/pkgd, no PKGD_ variables of the machine running the tests."""
+"""Hermetic composition: no /etc/pkgd, no PKGD_ variables (nor VLLM_API_KEY) of the machine running the tests."""
 
 import os
 import textwrap
@@ -13,7 +13,7 @@ from pkgd.config import layers
 def hermetic(monkeypatch, tmp_path_factory):
     monkeypatch.setattr(layers, "SYSTEM_CONFIG_DIR", str(tmp_path_factory.mktemp("etc") / "absent"))
     for name in list(os.environ):
-        if name.upper().startswith("PKGD_"):
+        if name.upper().startswith("PKGD_") or name in layers.VLLM_ENV:
             monkeypatch.delenv(name)
 
 

@@ -340,3 +340,75 @@ def test_cpu_knobs_are_config_keys_with_an_environment_form():
     p = c.config.parallel
     assert (p.cpu_kernels, p.cpu_huge_pages, p.cpu_kernel_cache) == (False, False, "/srv/kernels")
     assert c.sources["parallel.cpu_kernels"] == "env"
+
+
+def test_vllm_api_key_sets_the_api_keys_below_pkgd_variable_and_command_line(tree):
+    """vLLM's VLLM_API_KEY means --api-key (vLLM: the flag, else the variable); pkgd's own
+    PKGD_FRONTEND__API_KEYS beats it, and it beats the system tree like any variable."""
+
+    def keys(c):
+        return [k.get_secret_value() for k in c.config.frontend.api_keys], c.sources["frontend.api_keys"]
+
+    root = tree({"pkgd.yaml": "frontend: {api_keys: [sk-file]}\n"})
+    assert keys(run(env={"VLLM_API_KEY": "sk-v"})) == (["sk-v"], "env:VLLM_API_KEY")
+    assert keys(run(config_dir=str(root), env={"VLLM_API_KEY": "sk-v"})) == (["sk-v"], "env:VLLM_API_KEY")
+    both = {"VLLM_API_KEY": "sk-v", "PKGD_FRONTEND__API_KEYS": '["sk-p1", "sk-p2"]'}
+    assert keys(run(env=both)) == (["sk-p1", "sk-p2"], "env")
+    assert keys(run(flags=["--api-key", "sk-c"], env=both)) == (["sk-c"], "cli")
+    assert keys(run(env={"VLLM_API_KEY": ""})) == ([], "default")  # empty = unset, as in vLLM
+
+
+def test_a_bad_vllm_api_key_is_named_without_its_value():
+    with pytest.raises(ConfigError) as err:
+        run(env={"VLLM_API_KEY": " "})
+    [line] = err.value.problems
+    assert line.startswith("frontend.api_keys: bad value ********** (set by env VLLM_API_KEY); ")
+
+
+READ_BY_CONFIG = {"PKGD_HOST": "127.0.0.2", "PKGD_MODEL_DIR": "/models/m"}  # a warning, a misspelling if unread
+LAYERS_READING_ENV = {
+    "system file": (
+        {"pkgd.yaml": "frontend: {host: '${oc.env:PKGD_HOST}'}\nmodel: {source: '${oc.env:PKGD_MODEL_DIR}'}\n"},
+        {},
+    ),
+    "group options": (
+        {
+            "frontend/mine.yaml": "host: ${oc.env:PKGD_HOST}\n",
+            "model/mine.yaml": "source: ${oc.env:PKGD_MODEL_DIR,/x}\n",
+        },
+        {"overrides": ("frontend=mine", "model=mine")},
+    ),
+    "overrides": ({}, {"overrides": ("frontend.host=${oc.env:PKGD_HOST}", "model.source=${oc.env: PKGD_MODEL_DIR}")}),
+    "vLLM flags": ({}, {"flags": ("--host", "${oc.env:PKGD_HOST}", "--model", "${oc.env:'PKGD_MODEL_DIR'}")}),
+    "vLLM --config": (
+        {"vllm.yaml": "host: ${oc.env:PKGD_HOST}\nmodel: ${oc.env:PKGD_MODEL_DIR}\n"},
+        {"vllm_config": True},
+    ),
+    "environment": (
+        {},
+        {"env": {"PKGD_FRONTEND__HOST": "${oc.env:PKGD_HOST}", "PKGD_MODEL__SOURCE": "${oc.env:PKGD_MODEL_DIR}"}},
+    ),
+}
+
+
+@pytest.mark.parametrize("layer", LAYERS_READING_ENV)
+def test_variables_a_config_reads_are_not_taken_for_settings(tree, monkeypatch, layer):
+    """``${oc.env:VAR}`` in any composed layer reads VAR on purpose: no 'not a pkgd setting'
+    warning, no misspelt-variable error."""
+    files, extra = LAYERS_READING_ENV[layer]
+    root = tree({"conf.d/.keep.yaml": "", **files})
+    for name, value in READ_BY_CONFIG.items():
+        monkeypatch.setenv(name, value)  # what OmegaConf's oc.env reads
+    if extra.pop("vllm_config", False):
+        extra["vllm_config"] = str(root / "vllm.yaml")
+    extra["env"] = {**READ_BY_CONFIG, **extra.get("env", {})}
+    c = compose(ComposeRequest(config_dir=str(root), **extra))
+    assert (c.config.frontend.host, c.config.model.source) == ("127.0.0.2", "/models/m")
+    assert not any("PKGD_" in w for w in c.warnings), c.warnings
+
+
+def test_variables_no_config_reads_are_still_checked():
+    assert "PKGD_HOST: ignored, not a pkgd setting" in run(env={"PKGD_HOST": "x"}).warnings[0]
+    with pytest.raises(ConfigError) as err:
+        run("frontend.host=${oc.env:PKGD_HOST}", env={"PKGD_HOST": "x", "PKGD_MODEL_DIR": "/m"})
+    assert [line.split(":")[0] for line in err.value.problems] == ["PKGD_MODEL_DIR"]

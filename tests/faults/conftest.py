@@ -1,5 +1,5 @@
-"""Fixtures of the fault suite: one real daemon (``pkgd serve``, real engine core and API
-servers) serving a tiny random-weight Llama with SmolLM2's tokenizer, so every start of an
+"""Fixtures of the fault suite: a real daemon per module (``pkgd serve``, real engine core and
+API servers) serving a tiny random-weight Llama with SmolLM2's tokenizer, so every start of an
 engine core costs seconds, not a model load."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "supervisor"))  # supervisor_helpers
 
-from cases import fault_config  # noqa: E402
+from cases import build_fault_model, fault_config, long_stream_config  # noqa: E402
 from supervisor_helpers import Daemon  # noqa: E402
 
 
@@ -26,10 +26,8 @@ def fault_dir():
 
 @pytest.fixture(scope="module")
 def tiny_model(fault_dir):
-    from runner.tiny_models import build_tiny
-
     path = fault_dir / "tiny"
-    build_tiny("llama-plain", path)
+    build_fault_model(path)
     return path
 
 
@@ -39,6 +37,19 @@ def daemon(fault_dir, tiny_model):
     work = fault_dir / "d"
     work.mkdir()
     d = Daemon(work, fault_config(tiny_model), real=True)
+    try:
+        d.wait_ready(600)
+        yield d
+    finally:
+        d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def long_daemon(fault_dir, tiny_model):
+    """A running daemon of `long_stream_config` (a short drain_timeout, room for long streams)."""
+    work = fault_dir / "long"
+    work.mkdir()
+    d = Daemon(work, long_stream_config(tiny_model), real=True)
     try:
         d.wait_ready(600)
         yield d

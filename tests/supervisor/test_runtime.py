@@ -52,6 +52,97 @@ def test_a_symlinked_runtime_dir_is_refused_and_its_target_untouched(tmp_path):
     assert sorted(p.name for p in target.iterdir()) == ["control.sock", "engine-1-0.sock"]
 
 
+def _planted(tmp_path):
+    """``open/evil`` -> ``victim``: a link another user (uid 65534) made in their own
+    /tmp-like directory (sticky, writable by anyone), over a directory of root's that holds an
+    older daemon's files."""
+    victim = tmp_path / "victim"
+    (victim / "run").mkdir(mode=0o755, parents=True)
+    (victim / "run" / "control.sock").write_text("precious")
+    opened = tmp_path / "open"
+    opened.mkdir()
+    opened.chmod(0o1777)
+    (opened / "evil").symlink_to(victim)
+    return opened, victim
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the link away")
+def test_a_symlink_in_a_parent_another_user_controls_is_refused_and_its_target_untouched(tmp_path):
+    """What a root daemon did with runtime_dir /tmp/x/evil/run, evil a link another user
+    planted: chmod 0700 and empty victim/run. Now it refuses, naming the link."""
+    opened, victim = _planted(tmp_path)
+    os.chown(opened, 65534, 65534)
+    os.lchown(opened / "evil", 65534, 65534)
+    with pytest.raises(RuntimeDirError) as err:
+        RuntimeDir(opened / "evil" / "run").acquire()
+    assert f"{opened / 'evil'} is a symbolic link (to {victim})" in str(err.value)
+    assert "belongs to uid 65534" in str(err.value) and str(err.value).startswith("supervisor.runtime_dir: ")
+    assert stat.S_IMODE((victim / "run").stat().st_mode) == 0o755
+    assert [p.name for p in (victim / "run").iterdir()] == ["control.sock"]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the link away")
+def test_a_link_of_another_user_in_roots_sticky_directory_is_refused(tmp_path):
+    opened, victim = _planted(tmp_path)  # the directory is root's, like /tmp; the link is not
+    os.lchown(opened / "evil", 65534, 65534)
+    with pytest.raises(RuntimeDirError, match="it belongs to uid 65534"):
+        RuntimeDir(opened / "evil" / "run").acquire()
+    assert stat.S_IMODE((victim / "run").stat().st_mode) == 0o755
+
+
+def test_a_link_in_a_directory_others_may_write_is_refused(tmp_path):
+    opened, victim = _planted(tmp_path)
+    opened.chmod(0o777)  # not sticky: anyone could replace the link
+    with pytest.raises(RuntimeDirError, match=f"{opened} is writable by others and not sticky"):
+        RuntimeDir(opened / "evil" / "run").acquire()
+    assert stat.S_IMODE((victim / "run").stat().st_mode) == 0o755
+
+
+def test_a_link_only_this_user_could_make_is_followed(tmp_path):
+    """As /var/run -> /run: a link of root (or this user) in a directory only they may change."""
+    (tmp_path / "real").mkdir()
+    safe = tmp_path / "safe"
+    safe.mkdir(mode=0o755)
+    (safe / "abs").symlink_to(tmp_path / "real")
+    (safe / "rel").symlink_to("../real/sub")
+    for path in (safe / "abs" / "run", safe / "rel" / "deeper" / "run"):
+        rt = RuntimeDir(path)
+        rt.acquire()
+        try:
+            assert rt.control_socket.parent.resolve() == path.resolve()
+            assert stat.S_IMODE(path.stat().st_mode) == 0o700 and (path / "pkgd.lock").exists()
+        finally:
+            rt.release()
+    assert (tmp_path / "real" / "sub" / "deeper" / "run").is_dir()  # missing parents made on the way
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or not os.path.islink("/var/run"), reason="needs root and /var/run as a link (Debian's -> /run)"
+)
+def test_var_run_still_works():
+    path = Path("/var/run") / f"pkgd-test-{os.getpid()}"
+    rt = RuntimeDir(path)
+    rt.acquire()
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    finally:
+        rt.release()
+        os.rmdir(path)
+
+
+def test_a_symlink_loop_is_refused(tmp_path):
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(RuntimeDirError, match="too many levels of symbolic links"):
+        RuntimeDir(tmp_path / "a" / "run").acquire()
+
+
+def test_a_file_as_a_parent_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RuntimeDirError, match=f"{tmp_path / 'f'} is not a directory"):
+        RuntimeDir(tmp_path / "f" / "run").acquire()
+
+
 def test_a_file_in_its_place_is_refused(tmp_path):
     (tmp_path / "run").write_text("x")
     with pytest.raises(RuntimeDirError, match="not a directory"):

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
+import stat
 import threading
 import time
 
 import httpx
+import pytest
 from supervisor_helpers import pid_alive
+
+from pkgd import host
 
 
 def test_ready_line_then_sigterm_leaves_no_process(start_daemon):
@@ -50,6 +55,18 @@ def test_an_unreadable_chat_template_exits_2_before_any_child(start_daemon, tmp_
     assert not d.find("child_started")
 
 
+def test_a_kv_budget_beyond_the_hosts_memory_exits_2_before_any_child(start_daemon):
+    """The real `pkgd serve` (which used to load the model for ~25 s, then exit 1 from the engine
+    core): the budget alone cannot fit in this host's memory, so it is a config mistake, exit 2 at once."""
+    gib = max(1024, 2 * (host.mem_total_bytes() or 0) >> 30)  # 1T, or twice the host's memory where that is more
+    d = start_daemon({"cache": {"kv_cache_memory_bytes": f"{gib}G"}, "parallel": {"device": "cpu"}}, real=True)
+    assert d.wait_exit(20) == 2
+    err = d.find("startup_failed")[0]["error"]
+    assert err.startswith(f"cache.kv_cache_memory_bytes: {gib}.0 GiB of KV cache is more than this host's ")
+    assert "GiB of memory (MemTotal, " in err
+    assert not d.find("child_started")
+
+
 def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
     first = start_daemon()
     first.wait_ready()
@@ -59,6 +76,23 @@ def test_runtime_dir_of_a_running_daemon_is_refused(start_daemon):
     assert first.get("/health").status_code == 200
     assert (first.runtime_dir / "control.sock").exists()  # the refused one touched nothing
     assert first.status()["state"] == "running"  # control socket still there
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give the link away")
+def test_a_runtime_dir_through_another_users_symlink_exits_2_and_touches_nothing(start_daemon, workdir):
+    victim = workdir / "victim"
+    (victim / "run").mkdir(mode=0o755, parents=True)
+    opened = workdir / "open"
+    opened.mkdir(mode=0o1777)
+    (opened / "evil").symlink_to(victim)
+    os.chown(opened, 65534, 65534)
+    os.lchown(opened / "evil", 65534, 65534)
+    d = start_daemon({"supervisor": {"runtime_dir": str(opened / "evil" / "run")}})
+    assert d.wait_exit(20) == 2
+    err = d.find("startup_failed")[0]["error"]
+    assert f"supervisor.runtime_dir: {opened / 'evil' / 'run'}: {opened / 'evil'} is a symbolic link" in err
+    assert not d.find("child_started")
+    assert stat.S_IMODE((victim / "run").stat().st_mode) == 0o755 and not list((victim / "run").iterdir())
 
 
 def test_sigterm_during_engine_load_exits_within_2s(start_daemon):

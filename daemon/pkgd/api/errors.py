@@ -4,8 +4,9 @@
 Status by cause: invalid body or values 400, missing/wrong API key 401, unknown model or
 route 404, wrong method 405, body not received within ``frontend.body_timeout`` 408, an admin
 call the engine cannot take now (requests still running) 409, body over
-``frontend.max_request_body_bytes`` or text over ``frontend.limits.max_input_chars`` 413, no
-engine core available or an engine asleep 503 (with ``Retry-After``), a failure inside pkgd 500.
+``frontend.max_request_body_bytes`` or text over ``frontend.limits.max_input_chars`` 413, a
+JSON route's body not sent as JSON 415 (`require_json`), no engine core available or an engine
+asleep 503 (with ``Retry-After``), a failure inside pkgd 500.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _TYPES = {
     408: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     431: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
@@ -82,6 +84,33 @@ def error_response(
 def sse_error(status: int, message: str) -> str:
     """An error as one SSE event, for a stream that already started."""
     return f"data: {json.dumps(error_body(status, message))}\n\n"
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """``application/json`` or ``application/*+json``, parameters allowed (FastAPI's test)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    maintype, _, subtype = media.partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+async def require_json(request: Request) -> None:  # async: FastAPI runs a sync one in a thread
+    """The dependency of every route that takes a JSON body.
+
+    A browser posts ``text/plain`` (or a form) to any origin without a CORS preflight, so a
+    route that read such a body as JSON could be driven from any web page its users visit;
+    a JSON content type needs the preflight, which ``frontend.cors`` answers.
+
+    Raises:
+        APIError: 415 when the Content-Type is missing or not JSON.
+    """
+    content_type = request.headers.get("content-type")
+    if not is_json_media_type(content_type):
+        got = f"got {content_type!r}" if content_type else "none was sent"
+        raise APIError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json' ({got})",
+            code="unsupported_media_type",
+        )
 
 
 def from_value_error(exc: ValueError) -> APIError:

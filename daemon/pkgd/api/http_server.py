@@ -8,14 +8,20 @@ module owns the listening socket and the connections:
   connections waits a little (``ACCEPT_DELAY_PER_CONNECTION`` per open connection, at most
   ``ACCEPT_DELAY_MAX``) before it accepts when it shares the socket with other API servers,
   so the least loaded one tends to win each new connection (asyncio's own accept loop takes
-  the whole backlog at once, which put 29 of 32 streams on one of two servers). At
-  ``frontend.max_connections`` open connections it stops accepting: new ones wait in the
-  kernel's backlog or go to another server on the socket.
+  the whole backlog at once, which put 29 of 32 streams on one of two servers).
+* **At ``frontend.max_connections``** a new connection is accepted by shedding the one that has
+  waited longest (at least ``SHED_AFTER_S``) without a whole request: an idle keep-alive one
+  or one with part of a head first (closed with a FIN, never with a request read in part),
+  else one whose body is still arriving unanswered (reset). A request received whole, or being
+  answered, is never shed (`_Shedder` says why shedding, and not a per-address cap). With
+  nothing to shed it stops accepting: new connections wait in the kernel's backlog or go to
+  another server on the socket.
 * **Slow clients.** ``frontend.header_timeout`` bounds a request's head from its first byte
   (an idle connection is bounded by ``frontend.keep_alive_timeout``, hypercorn's idle timer),
   ``frontend.body_timeout`` its body (`pkgd.api.app.GuardMiddleware`), and
   ``frontend.write_timeout`` a response write to a client that stopped reading; each closes
-  the connection, so slow clients cannot pile up connections or buffered output.
+  the connection, so slow clients cannot pile up connections or buffered output, and at the
+  connection cap they are shed before these fire (above).
 * **Answers before the body** (a 413 over ``frontend.max_request_body_bytes``, a 401): the rest
   of the body is read and dropped, not given to hypercorn (the finished request's queue would
   fill and hang the connection for good), so a client that reads only once it has sent its
@@ -75,6 +81,12 @@ CLOSE_GRACE_S = 2.0  # after the drain deadline: time for failed requests to sen
 # After answering a request whose body was not read (a 413, a 401): how long the rest of the
 # body is read and dropped before the connection is closed (nginx's lingering close).
 LINGER_S = 5.0
+# At frontend.max_connections: how long a connection must have waited without a whole request
+# (`_Shedder`) before it may be closed for a new one. A client sends its request within a round
+# trip of connecting (or of its previous answer); a burst of such clients over the cap waits in
+# the backlog, as before, rather than cutting each other off.
+SHED_AFTER_S = 0.5
+SHED_RETRY_S = 0.05  # the only candidates have bytes not read yet: look again this much later
 
 _PROTOCOL_ERRORS = {
     400: "malformed HTTP request",
@@ -117,11 +129,18 @@ class HttpServer:
         self._reading = False
         self._closed = False
         self._pending_accept: asyncio.TimerHandle | None = None
+        self._shedder = _Shedder()
+        self._shed_timer: asyncio.TimerHandle | None = None
         self.draining = False
         self._retiring = False
         self._deadline: float | None = None  # loop time the drain ends what is left
         self._cut_reason = "drain_timeout"
         self._deadline_changed = asyncio.Event()
+
+    @property
+    def shed(self) -> int:
+        """Connections closed so far to let a new one in at ``max_connections`` (`_Shedder`)."""
+        return self._shedder.count
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -215,16 +234,36 @@ class HttpServer:
     def _resume(self) -> None:
         if self._closed or self._reading or self._pending_accept is not None:
             return
-        if len(self.connections) >= self.frontend().max_connections:
-            return  # `_connection_done` resumes
         assert self._loop is not None
+        if self._shed_timer is not None:
+            self._shed_timer.cancel()
+            self._shed_timer = None
+        if self._at_cap():
+            victim, wait = self._shedder.victim(self._loop.time())
+            if victim is None:
+                # `_connection_done` resumes, and so does a connection that starts waiting for
+                # a request or receiving a body (`_Connection.protocol_send`)
+                if wait is not None:
+                    self._shed_timer = self._loop.call_later(wait, self._resume_when_sheddable)
+                return
         self._loop.add_reader(self.sock.fileno(), self._on_readable)
         self._reading = True
+
+    def _resume_when_sheddable(self) -> None:
+        self._shed_timer = None
+        self._resume()
+
+    def _at_cap(self) -> bool:
+        """``max_connections`` are open (those being shed do not count: they are closing)."""
+        return len(self.connections) - len(self._shedder.closing) >= self.frontend().max_connections
 
     def _pause(self) -> None:
         if self._reading and self._loop is not None:
             self._loop.remove_reader(self.sock.fileno())
         self._reading = False
+        if self._shed_timer is not None:
+            self._shed_timer.cancel()
+            self._shed_timer = None
         if self._pending_accept is not None:
             self._pending_accept.cancel()
             self._pending_accept = None
@@ -242,7 +281,15 @@ class HttpServer:
         self._pending_accept = None
         if self._closed:
             return
-        self._accept_one()
+        victim = None
+        assert self._loop is not None
+        if self._at_cap():
+            victim, _ = self._shedder.victim(self._loop.time())
+            if victim is None:  # it began a request since `_resume` looked
+                self._resume()
+                return
+        if self._accept_one() and victim is not None:
+            self._shedder.shed(victim, self._loop.time(), len(self.connections))
         self._resume()
 
     def _accept_one(self, *, final: bool = False) -> bool:
@@ -275,16 +322,129 @@ class HttpServer:
         except OSError:
             conn.close()
             return
-        await _Connection(self, reader, writer)
+        connection = _Connection(self, reader, writer, conn)
+        try:
+            await connection
+        finally:
+            self._shedder.forget(connection)
+
+
+class _Shedder:
+    """Which connection an API server at ``frontend.max_connections`` closes to let a new one in.
+
+    Without it, connections that send half a request head, or a head and then a body a byte at
+    a time, fill the cap and every other client waits in the listen backlog until
+    ``header_timeout`` or ``body_timeout`` closes some (10-30 s). Other means were weighed:
+    a per-address cap does not tell slow clients from a gateway's many connections (all may come
+    from one address, and do behind a proxy or on loopback); a shorter ``header_timeout`` near
+    the cap still makes the next client wait that long, and cuts slow legitimate clients even
+    when nobody is waiting. Shedding frees a slot only when a connection is queued for it, and
+    at once: at the cap the server accepts the new connection and closes the one that has waited
+    longest without a whole request, so a client that sends its request promptly gets in
+    (`benchmarks/slow_clients.py`: 1,100 slow connections, cap 1,024, a normal request 7.9 s
+    median before, about 2 ms with this), while slow ones are cut only as new clients need
+    their slots.
+
+    Candidates, in this order, oldest first within each:
+
+    * **waiting for a request** (``waiting``): nothing of one read since the connection opened
+      or since its last answer (an idle keep-alive connection), or part of its head; dated
+      from then. An idle one is closed only with nothing unread (hypercorn's buffer, the
+      stream's, the socket's), so no request is cut half-read: the client sees a FIN between
+      requests, as at ``keep_alive_timeout``.
+    * **receiving a body** (``receiving``): the head read, the body still arriving, nothing
+      answered yet; dated from the head. Only when no connection waits for a request; the
+      connection is reset and the app hears a disconnect.
+
+    A connection is a candidate only once it has waited ``SHED_AFTER_S``, so a burst of
+    prompt clients over the cap queues in the backlog rather than cutting each other off.
+    Never shed: a request received whole (being answered, streaming), a response begun, an
+    answer before the body (lingering, at most ``LINGER_S``), a connection that is not
+    HTTP/1.1.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[_Connection, None] = {}  # oldest first (insertion order)
+        self.receiving: dict[_Connection, None] = {}
+        self.closing: set[_Connection] = set()  # shed, not ended yet
+        self.count = 0
+
+    def waiting_for_request(self, conn: _Connection, now: float) -> None:
+        self.receiving.pop(conn, None)
+        self.waiting.pop(conn, None)
+        if conn not in self.closing:
+            conn.waiting_since = now
+            self.waiting[conn] = None
+
+    def head_received(self, conn: _Connection, now: float) -> None:
+        self.waiting.pop(conn, None)
+        if conn not in self.closing:
+            conn.waiting_since = now
+            self.receiving[conn] = None
+
+    def forget(self, conn: _Connection) -> None:
+        self.waiting.pop(conn, None)
+        self.receiving.pop(conn, None)
+        self.closing.discard(conn)
+
+    def victim(self, now: float) -> tuple[_Connection | None, float | None]:
+        """The connection to shed now, else ``(None, seconds until one may be)`` (``None``
+        seconds: there is no candidate; a connection that becomes one says so)."""
+        wait: float | None = None
+        for queue, check in (
+            (self.waiting, _Connection.sheddable_waiting),
+            (self.receiving, _Connection.sheddable_receiving),
+        ):
+            found = None
+            stale = []
+            for conn in queue:
+                left = conn.waiting_since + SHED_AFTER_S - now
+                if left > 0:  # and so are all after it
+                    wait = left if wait is None else min(wait, left)
+                    break
+                verdict = check(conn)
+                if verdict:
+                    found = conn
+                    break
+                if verdict is None:
+                    stale.append(conn)  # not a candidate before its next request
+                else:
+                    wait = SHED_RETRY_S if wait is None else min(wait, SHED_RETRY_S)
+            for conn in stale:
+                del queue[conn]
+            if found is not None:
+                return found, None
+        return None, wait
+
+    def shed(self, conn: _Connection, now: float, connections: int) -> None:
+        body = conn in self.receiving
+        self.forget(conn)
+        self.closing.add(conn)
+        self.count += 1
+        logger.info(
+            "connection_shed",
+            waiting_for="body" if body else "request",
+            waited_s=round(now - conn.waiting_since, 3),
+            connections=connections,
+        )
+        conn.shed(body=body)
 
 
 class _Connection(TCPServer):
     """hypercorn's connection with pkgd's header and write deadlines and JSON protocol errors."""
 
-    def __init__(self, server: HttpServer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        server: HttpServer,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        sock: socket.socket | None = None,
+    ) -> None:
         assert server._loop is not None
         super().__init__(server.app, server._loop, server.config, server._context, server._state, reader, writer)
         self.server = server
+        self.sock = sock  # to look for bytes not read yet (`sheddable_waiting`)
+        self.waiting_since = 0.0  # `_Shedder`
         self._idle = True  # between requests (hypercorn's idle timer runs)
         self._head_started = False
         self._aborted = False
@@ -296,6 +456,10 @@ class _Connection(TCPServer):
             self._idle = event.idle
             if event.idle:
                 self._head_started = False
+                self.server._shedder.waiting_for_request(self, self.loop.time())
+            else:
+                self.server._shedder.head_received(self, self.loop.time())
+            self.server._resume()  # at the cap: a candidate to shed, now or later
         if isinstance(event, RawData):
             if self._aborted:
                 return  # the app may write on until it sees the disconnect
@@ -332,6 +496,8 @@ class _Connection(TCPServer):
         if isinstance(inner, H11Protocol):
             inner._send_error_response = functools.partial(_send_json_error, inner, self.config)  # type: ignore[method-assign]
         self._task = asyncio.current_task()
+        self.server._shedder.waiting_for_request(self, self.loop.time())
+        self.server._resume()
         while not self.reader.at_eof():
             try:
                 data = await asyncio.wait_for(self.reader.read(MAX_RECV), self.config.read_timeout)
@@ -348,6 +514,45 @@ class _Connection(TCPServer):
         # The client closed: end the idle timer too, or this connection would count (against
         # max_connections, and for the drain) until keep_alive_timeout (hypercorn's own wait).
         await self.idle_task.stop()
+
+    def _h11(self) -> h11.Connection | None:
+        conn = getattr(getattr(getattr(self, "protocol", None), "protocol", None), "connection", None)
+        return conn if isinstance(conn, h11.Connection) else None
+
+    def sheddable_waiting(self) -> bool | None:
+        """As a connection waiting for a request (`_Shedder`): True: it may be shed now; False:
+        not now (bytes it sent are not read yet: they may be a request); None: it is no
+        candidate before its next request."""
+        conn = self._h11()
+        if conn is None or not self._idle or self._lingering or self._aborted:
+            return None
+        if getattr(self.reader, "_buffer", b"") or (not self._head_started and conn.trailing_data[0]):
+            return False
+        if self.sock is not None:
+            try:
+                return not self.sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return True  # it is gone anyway
+        return True
+
+    def sheddable_receiving(self) -> bool | None:
+        """As a connection receiving a body (`_Shedder`): True: it may be shed; None: no more
+        (the body arrived, or an answer began)."""
+        conn = self._h11()
+        if conn is None or self._lingering or self._aborted:
+            return None
+        return True if conn.their_state is h11.SEND_BODY and conn.our_state is h11.SEND_RESPONSE else None
+
+    def shed(self, *, body: bool) -> None:
+        """Close for a new connection (`_Shedder`): with a FIN when nothing of a request is being
+        answered, reset when a body is arriving (the app hears a disconnect)."""
+        self._aborted = True  # nothing more is written (no 400 for a head cut short)
+        if body:
+            self.writer.transport.abort()
+        else:
+            self.writer.close()
 
     async def _header_deadline(self) -> None:
         # Not cut short by a drain: a request whose head began before it is served.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
-from pkgd.api.errors import APIError, error_response
+from pkgd.api.errors import APIError, error_response, require_json
 from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol import (
     ChatCompletionRequest,
@@ -35,6 +35,9 @@ from pkgd.api.state import ServerState
 router = APIRouter()
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+# the routes that take a JSON body: 415 unless it is sent as JSON (`require_json`)
+_JSON_ERRORS = {**_ERRORS, 415: {"model": ErrorResponse}}
+_JSON_BODY = [Depends(require_json)]
 _SSE = {
     "text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then data: [DONE]"}}
 }
@@ -68,7 +71,8 @@ REQUEST_MODELS = (
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,
-    responses={**_ERRORS, 200: {"content": _SSE}},
+    responses={**_JSON_ERRORS, 200: {"content": _SSE}},
+    dependencies=_JSON_BODY,
     tags=["openai"],
     openapi_extra=_body(CompletionRequest),
 )
@@ -80,7 +84,8 @@ async def completions(request: Request) -> Any:
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
-    responses={**_ERRORS, 200: {"content": _SSE}},
+    responses={**_JSON_ERRORS, 200: {"content": _SSE}},
+    dependencies=_JSON_BODY,
     tags=["openai"],
     openapi_extra=_body(ChatCompletionRequest),
 )
@@ -89,7 +94,13 @@ async def chat_completions(request: Request) -> Any:
     return await create_chat_completion(request, get_state(request))
 
 
-@router.post("/v1/embeddings", responses=_ERRORS, tags=["openai"], openapi_extra=_body(EmbeddingRequest))
+@router.post(
+    "/v1/embeddings",
+    responses=_JSON_ERRORS,
+    dependencies=_JSON_BODY,
+    tags=["openai"],
+    openapi_extra=_body(EmbeddingRequest),
+)
 async def embeddings(request: Request) -> Any:
     """Embeddings of strings or token ids (a model served with ``model.runner: pooling``)."""
     return await create_embedding(request, get_state(request))
@@ -97,7 +108,8 @@ async def embeddings(request: Request) -> Any:
 
 @router.post(
     "/v1/responses",
-    responses={**_ERRORS, 200: {"content": _SSE}},
+    responses={**_JSON_ERRORS, 200: {"content": _SSE}},
+    dependencies=_JSON_BODY,
     tags=["openai"],
     openapi_extra=_body(ResponsesRequest),
 )
@@ -139,7 +151,8 @@ async def model(model_id: str, request: Request) -> Any:
 @router.post(
     "/tokenize",
     response_model=TokenizeResponse,
-    responses=_ERRORS,
+    responses=_JSON_ERRORS,
+    dependencies=_JSON_BODY,
     tags=["utilities"],
     openapi_extra=_body(TokenizeRequest),
 )
@@ -167,7 +180,8 @@ def _tokenize(state: ServerState, raw: bytes) -> JSONResponse:
 @router.post(
     "/detokenize",
     response_model=DetokenizeResponse,
-    responses=_ERRORS,
+    responses=_JSON_ERRORS,
+    dependencies=_JSON_BODY,
     tags=["utilities"],
     openapi_extra=_body(DetokenizeRequest),
 )

@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import pydantic
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from pkgd.api import serving
-from pkgd.api.errors import APIError, from_engine_error
+from pkgd.api.errors import APIError, from_engine_error, require_json
 from pkgd.api.preprocess import decode_body
 from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from pkgd.api.protocol_embeddings import EmbeddingRequest
@@ -70,7 +70,12 @@ async def ping(request: Request) -> Response:
     return JSONResponse(body)
 
 
-@router.post("/invocations", tags=["sagemaker"], responses=_ERRORS)
+@router.post(
+    "/invocations",
+    tags=["sagemaker"],
+    responses={**_ERRORS, 415: {"model": ErrorResponse}},
+    dependencies=[Depends(require_json)],
+)
 async def invocations(request: Request) -> Any:
     """SageMaker's inference route: the body's shape picks the endpoint (chat ``messages``,
     completion ``prompt``, embedding ``input``), as vLLM dispatches it. The body is parsed (and

@@ -2,7 +2,8 @@
 
 None of these imports torch. ``show`` prints the composed tree (secrets redacted), with
 ``--sources`` the layer of each value; ``validate PATH…`` checks config trees for a GitOps
-CI (exit 0, or 2 with one line per problem); ``keys [SECTION]`` prints the key reference
+CI (exit 0, or 2 with one line per problem; with ``--check-host`` also against this host, as
+``pkgd serve`` does before it starts anything); ``keys [SECTION]`` prints the key reference
 (`pkgd.cli.keys`; ``--format markdown`` is ``docs/configuration.md``); ``schema`` prints the
 JSON schema;
 ``diff A B`` says which leaves differ and what a reload from A to B would restart (exit 0
@@ -51,6 +52,14 @@ class ConfigSubcommand(CLISubcommand):
         )
         validate.add_argument(
             "paths", nargs="*", metavar="PATH", help="config tree or file; default: /etc/pkgd or --config-dir"
+        )
+        validate.add_argument(
+            "--check-host",
+            action="store_true",
+            help="also check each tree against this host, as pkgd serve does before it starts: the model "
+            "source and chat template files exist, a CUDA torch for parallel.device cuda, "
+            "cache.kv_cache_memory_bytes within this host's memory. Off by default, so a CI runner can "
+            "validate configs for other machines",
         )
         keys = actions.add_parser(
             "keys",
@@ -176,8 +185,22 @@ def _validate(args: argparse.Namespace) -> int:
             continue
         for warning in composed.warnings:
             print(f"{label}: warning: {warning}", file=sys.stderr)
+        if problems := (_host_problems(composed.config) if args.check_host else []):
+            failed = True
+            for line in problems:
+                print(f"{label}: {line}", file=sys.stderr)
+            continue
         print(f"{label}: ok ({describe_plan(composed)})")
     return 2 if failed else 0
+
+
+def _host_problems(config: Any) -> list[str]:
+    """What ``pkgd serve`` refuses on this host before starting anything (`pkgd.cli.serve`,
+    `pkgd.supervisor.preflight`)."""
+    from pkgd.model_files.resolve import model_source_problems
+    from pkgd.supervisor.preflight import host_problems
+
+    return model_source_problems(config.model) + host_problems(config)
 
 
 def _diff(args: argparse.Namespace) -> int:

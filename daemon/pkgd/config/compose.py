@@ -12,7 +12,8 @@ Layers, lowest first (docs/architecture.md, "Configuration"):
    (which must exist); ``DIR/NAME.yaml`` (``--config-name NAME``, default ``pkgd``), then
    ``DIR/conf.d/*.yaml`` in name order. A file may start with a defaults list choosing group
    options (``defaults: [{model: qwen}]``); ``DIR/GROUP/OPTION.yaml`` adds options to a group;
-4. the environment, ``PKGD_<SECTION>__<FIELD>`` (``env``; see `pkgd.config.layers`);
+4. the environment, ``PKGD_<SECTION>__<FIELD>`` (``env``; see `pkgd.config.layers`), over
+   vLLM's ``VLLM_API_KEY`` (``env:VLLM_API_KEY``);
 5. the command line (``cli``): vLLM's ``--config FILE`` of flags (`pkgd.config.vllm_yaml`),
    then Hydra overrides, then vLLM-style flags (see `pkgd.config.overrides`).
 
@@ -68,7 +69,7 @@ class ComposedConfig:
     """A validated tree and where each value came from.
 
     ``sources``: every leaf's dotted key → ``default``, ``packaged``, ``system:<file>``
-    (relative to the system tree), ``env`` or ``cli``. ``warnings``: lines to log (ignored
+    (relative to the system tree), ``env``, ``env:VLLM_API_KEY`` or ``cli``. ``warnings``: lines to log (ignored
     variables, shadowed files, the serve plan's caps). ``choices``: group → chosen option.
     """
 
@@ -157,22 +158,25 @@ def compose(request: ComposeRequest) -> ComposedConfig:
 
         file_ops, bad = vllm_yaml.load(request.vllm_config)
         problems += bad
-    env_values, env_details, warns, bad = layers.read_env(env)
-    problems += bad
     choices = [GroupChoice(g, o, f.label) for f in files for g, o in f.choices] + cli_choices
     problems += _choice_problems(choices, groups)
+    final = dict(packaged_defaults())
+    final.update((c.group, c.option) for c in choices)
+    ops = file_ops + override_ops + flag_ops
+    env_values, env_details, warns, bad = layers.read_env(env, _env_references(files, ops, groups, final))
+    problems += bad
     if problems:
         raise ConfigError(problems)
 
-    final = dict(packaged_defaults())
-    final.update((c.group, c.option) for c in choices)
     tree = layers.Provenance(layers.defaults_tree())
     warns += list(groups.warnings)
     warns += _merge_presets(tree, groups, final)
     for f in files:
         tree.merge(f.values, f.label)
+    for var, (key, value) in layers.read_vllm_env(env).items():
+        tree.set_path(key, value, f"env:{var}", f"env {var}")  # a key of a section: no problem
     tree.merge(env_values, "env", env_details)
-    problems = _apply(tree, file_ops + override_ops + flag_ops)
+    problems = _apply(tree, ops)
     data, bad = _resolve(tree) if not problems else ({}, [])
     problems += bad
     if problems:
@@ -182,6 +186,19 @@ def compose(request: ComposeRequest) -> ComposedConfig:
     warns += config.serve_plan().warnings
     chosen = {g: o for g, o in final.items() if o is not None}
     return ComposedConfig(config, sources, tuple(warns), chosen, str(root) if root else None)
+
+
+def _env_references(
+    files: Iterable[layers.FileLayer], ops: Iterable[ValueOp], groups: _Groups, final: Mapping[str, str | None]
+) -> set[str]:
+    """The variables ``${oc.env:VAR}`` reads anywhere in the layers composed: the system
+    files, the command line and every chosen group option's file (packaged or system)."""
+    found = layers.env_references([f.values for f in files] + [op.value for op in ops])
+    for group, option in final.items():
+        path = groups.options.get(group, {}).get(option or "")
+        if path is not None:
+            found |= layers.env_references(path.read_text(encoding="utf-8", errors="replace"))
+    return found
 
 
 def _choice_problems(choices: Iterable[GroupChoice], groups: _Groups) -> list[str]:
@@ -235,7 +252,11 @@ def _merge_presets(tree: layers.Provenance, groups: _Groups, final: Mapping[str,
     from omegaconf.errors import OmegaConfBaseException
 
     system_options = [(g, o) for g, o in final.items() if o is not None and groups.in_system(g, o)]
-    problems = [p for g, o in system_options if (p := layers.load_yaml(groups.options[g][o])[1])]
+    problems = [
+        p
+        for g, o in system_options
+        for p in layers.load_yaml(groups.options[g][o], _package(groups.options[g][o], g))[1]
+    ]
     if problems:
         raise ConfigError(problems)
     overrides = _hydra_overrides(final, groups)
@@ -258,6 +279,23 @@ def _merge_presets(tree: layers.Provenance, groups: _Groups, final: Mapping[str,
     for label, values in per_option.items():
         tree.relabel(values, label)  # type: ignore[arg-type]
     return [str(w.message) for w in caught]
+
+
+_PACKAGE_HEADER = re.compile(r"#\s*@package\s+(\S+)")
+
+
+def _package(path: Path, group: str) -> str:
+    """The dotted section a group option's keys land in, as Hydra places them: the group, or
+    what a ``# @package`` line of the file's leading comments says (``_global_`` = the root)."""
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            break
+        if m := _PACKAGE_HEADER.match(line):
+            parts = m.group(1).split(".")
+            head = {"_global_": [], "_group_": group.split("/")}.get(parts[0], parts[:1])
+            return ".".join([*head, *parts[1:]])
+    return group.replace("/", ".")
 
 
 def _apply(tree: layers.Provenance, ops: Iterable[ValueOp]) -> list[str]:

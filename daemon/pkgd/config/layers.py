@@ -11,10 +11,13 @@ files add options to the groups (see `pkgd.config.compose`).
 
 Environment (layer 4): ``PKGD_<SECTION>__<FIELD>[__<FIELD>]``, case-insensitive, read by
 pydantic-settings' `EnvSettingsSource`. List fields take JSON (``["a","b"]``) or one plain
-value; ``null`` is None. A ``PKGD_`` variable that looks like config but names no section
-(``PKGD_FRONTED__API_KEYS``) or misses the double underscore (``PKGD_FRONTEND_API_KEYS``) is a
-configuration error, not a warning: a typo there would otherwise drop a setting silently
-(API keys, and with them authentication). `NON_CONFIG_ENV` lists pkgd's other variables.
+value; ``null`` is None. Below them, vLLM's variables of the same meaning (`VLLM_ENV`:
+``VLLM_API_KEY``, one key, as ``--api-key``): a ``PKGD_`` variable of the same key beats its
+vLLM twin and the command line beats both, as vLLM's flag beats its variable. A ``PKGD_``
+variable that looks like config but names no section (``PKGD_FRONTED__API_KEYS``) or misses
+the double underscore (``PKGD_FRONTEND_API_KEYS``) is a configuration error, not a warning: a
+typo there would otherwise drop a setting silently (API keys, and with them authentication).
+`NON_CONFIG_ENV` lists pkgd's other variables.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,10 @@ ENV_DELIMITER = "__"
 #: pkgd's environment variables that are not config keys (read where they act: the CPU kernels
 #: and huge pages by the runner). A test keeps this list in step with the sources.
 NON_CONFIG_ENV = frozenset({"PKGD_CPU_KERNELS", "PKGD_HUGEPAGES", "PKGD_KERNEL_CACHE"})
+
+#: vLLM's environment variables that set a config key (vLLM's meaning), each a layer of its own
+#: (``env:VAR`` in `ComposedConfig.sources`) under the ``PKGD_`` variables.
+VLLM_ENV = {"VLLM_API_KEY": "frontend.api_keys"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +180,9 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
     layers = []
     for path in files:
         label = f"system:{path.relative_to(root)}"
-        data, problem = load_yaml(path)
-        if problem:
-            problems.append(problem)
+        data, bad = load_yaml(path)
+        if bad:
+            problems += bad
             continue
         choices, bad = _defaults_list(data.pop("defaults", None), path)
         problems += bad
@@ -182,31 +190,42 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
     return layers, problems
 
 
-def load_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
-    """Load a YAML mapping (interpolations kept as text); a problem names file:line:column."""
+def load_yaml(path: Path, package: str = "") -> tuple[dict[str, Any], list[str]]:
+    """Load a YAML mapping (interpolations kept as text) as OmegaConf and Hydra do; returns
+    (data, problems). A problem names file:line:column; a plain scalar that YAML 1.1 reads
+    otherwise than YAML 1.2 (``1:30``, ``0755``, ``no``) is one too, named by its dotted path
+    under ``package`` (`pkgd.config.yaml_scalars`).
+    """
     import yaml
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+
+    from pkgd.config.yaml_scalars import ambiguous_scalars
 
     try:
         cfg = OmegaConf.load(path)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        return {}, f"{where}: YAML syntax error: {e.problem or e.context}"
+        return {}, [f"{where}: YAML syntax error: {e.problem or e.context}"]
     except yaml.YAMLError as e:
-        return {}, f"{path}: YAML error: {e}"
+        return {}, [f"{path}: YAML error: {e}"]
     except OSError as e:
-        return {}, f"{path}: cannot read: {e.strerror}"
+        return {}, [f"{path}: cannot read: {e.strerror}"]
     except UnicodeDecodeError as e:
-        return {}, f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save the file as UTF-8"
+        return {}, [
+            f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save the file as UTF-8"
+        ]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", "")
-        return {}, f"{path}: {key + ': ' if key else ''}{str(e).splitlines()[0]}"
+        return {}, [f"{path}: {key + ': ' if key else ''}{str(e).splitlines()[0]}"]
     if not isinstance(cfg, DictConfig):
-        return {}, f"{path}: expected a mapping of sections (model:, parallel:, …), got a list"
+        return {}, [f"{path}: expected a mapping of sections (model:, parallel:, …), got a list"]
+    problems = ambiguous_scalars(path.read_text(encoding="utf-8"), str(path), package)
+    if problems:
+        return {}, problems
     data = OmegaConf.to_container(cfg, resolve=False)
-    return typing.cast(dict, data), None
+    return typing.cast(dict, data), []
 
 
 def _defaults_list(entries: Any, path: Path) -> tuple[tuple[tuple[str, str | None], ...], list[str]]:
@@ -231,13 +250,32 @@ def _defaults_list(entries: Any, path: Path) -> tuple[tuple[tuple[str, str | Non
 # ---------------------------------------------------------------- environment (layer 4)
 
 
-def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], list[str], list[str]]:
+_ENV_REFERENCE = re.compile(r"""\$\{\s*oc\.env\s*:\s*['"]?([^\s,'"}]+)""")
+
+
+def env_references(value: Any) -> set[str]:
+    """The variables that ``${oc.env:VAR}`` interpolations in ``value`` (a text, or nested
+    lists and mappings of them) read."""
+    if isinstance(value, str):
+        return set(_ENV_REFERENCE.findall(value))
+    if isinstance(value, Mapping):
+        return env_references(list(value.values()))
+    if isinstance(value, (list, tuple)):
+        return set().union(*(env_references(v) for v in value))
+    return set()
+
+
+def read_env(
+    env: Mapping[str, str], referenced: Collection[str] = ()
+) -> tuple[dict[str, Any], dict[str, str], list[str], list[str]]:
     """Read ``PKGD_SECTION__FIELD`` variables from ``env``.
 
     Returns ``(values, details, warnings, problems)``: the nested values (strings, or decoded
     JSON for list fields), dotted key → ``"env VAR"``, warnings for ``PKGD_`` variables that
     are neither config nor pkgd's (`NON_CONFIG_ENV`), and problems: one per undecodable
     value and per variable that looks like config but is misspelt (see module docstring).
+    A variable in ``referenced`` (read by a ``${oc.env:VAR}`` of the config, or of a config
+    variable's value) is neither: the config uses it on purpose.
     """
     mine = {k: v for k, v in env.items() if k.upper().startswith(ENV_PREFIX) and k.upper() not in NON_CONFIG_ENV}
     if not mine:
@@ -248,10 +286,14 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
     details: dict[str, str] = {}
     warnings: list[str] = []
     problems: list[str] = []
+    is_config = {var: var[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)[0] in sections for var in mine}
+    referenced = {*referenced, *env_references([v for var, v in mine.items() if is_config[var]])}
     for var in mine:
         parts = var[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)
-        if parts[0] in sections:
+        if is_config[var]:
             details[".".join(parts)] = f"env {var}"
+            continue
+        if var in referenced:
             continue
         problem = _misspelt_env(var, parts, sections)
         if problem:
@@ -260,7 +302,7 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
             warnings.append(
                 f"{var}: ignored, not a pkgd setting (config variables are {ENV_PREFIX}<SECTION>{ENV_DELIMITER}<FIELD>)"
             )
-    config_vars = {k: v for k, v in mine.items() if k[len(ENV_PREFIX) :].lower().split(ENV_DELIMITER)[0] in sections}
+    config_vars = {k: v for k, v in mine.items() if is_config[k]}
     try:
         values = _env_source_class()(config_vars)()
     except SettingsError:
@@ -271,6 +313,12 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], li
                 problems.append(f"{var}: bad value {show_value(value)} (env); expected JSON for this section or list")
         return {}, details, warnings, problems
     return (values if not problems else {}), details, warnings, problems
+
+
+def read_vllm_env(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """The `VLLM_ENV` variables set in ``env``: variable → (dotted key, value). An empty one
+    counts as unset, as in vLLM (``VLLM_API_KEY=`` turns no authentication on)."""
+    return {var: (key, env[var]) for var, key in VLLM_ENV.items() if env.get(var)}
 
 
 def _misspelt_env(var: str, parts: list[str], sections: Sequence[str]) -> str | None:

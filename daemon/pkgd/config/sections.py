@@ -21,9 +21,11 @@ L, A, E, R = ReloadClass.LIVE, ReloadClass.API, ReloadClass.ENGINE, ReloadClass.
 
 
 class Section(BaseModel):
-    """Base of every config section: frozen, unknown keys are errors."""
+    """Base of every config section: frozen, unknown keys are errors, and every float is
+    finite (no field means anything by infinity or NaN: ``body_timeout: .inf`` would disarm
+    the timeout, and NaN fails every comparison, so a bound would not hold)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class GenerationDefaults(Section):
@@ -444,7 +446,8 @@ class FrontendConfig(Section):
     )
     api_keys: list[SecretStr] = field(
         [],
-        "Bearer keys clients must present; empty = no authentication. Never printed.",
+        "Bearer keys clients must present; empty = no authentication. Never printed. vLLM's "
+        "VLLM_API_KEY variable sets one key (as --api-key); PKGD_FRONTEND__API_KEYS beats it.",
         aliases=("--api-key",),
         reload=L,
     )
@@ -503,8 +506,11 @@ class FrontendConfig(Section):
     )
     max_connections: int = field(
         1024,
-        "Open client connections one API server serves at once; more wait in the listen backlog "
-        "(or go to another API server on the same socket).",
+        "Open client connections one API server serves at once. At the cap a new connection "
+        "is let in by closing the one that has waited longest (over 0.5 s) without sending a "
+        "whole request (idle keep-alive, half a head, a body still arriving); a request being "
+        "answered is never closed. With none to close, new ones wait in the listen backlog (or "
+        "go to another API server on the same socket).",
         reload=L,
         ge=1,
     )
@@ -615,7 +621,8 @@ class CacheConfig(Section):
         "Bytes of KV cache per engine worker (4G = 4 GiB, 4g = 4e9); null = on CPU 4 GiB or half "
         "the memory available after the weights load (shared by the node's workers), whichever "
         "is less, and no more than max_num_seqs sequences of max_model_len; on CUDA what "
-        "gpu_memory_utilization leaves. A CPU cache takes memory only as blocks are first used.",
+        "gpu_memory_utilization leaves. A CPU cache takes memory only as blocks are first used; one "
+        "larger than the host's memory (MemTotal) once per worker is refused at start (exit 2).",
         aliases=("--kv-cache-memory-bytes",),
         ge=1 << 20,
     )
@@ -688,7 +695,8 @@ class SupervisorConfig(Section):
     )
     runtime_dir: str | None = field(
         None,
-        "Directory of the IPC and control sockets (created 0700, never through a symlink); null = "
+        "Directory of the IPC and control sockets (created 0700, never through a symlink another user "
+        "could have made); null = "
         "$RUNTIME_DIRECTORY (systemd), else /run/pkgd for root, else $XDG_RUNTIME_DIR/pkgd, else "
         "/tmp/pkgd-UID.",
         reload=R,

@@ -5,16 +5,23 @@ Resolution order (first that applies): ``supervisor.runtime_dir``; ``$RUNTIME_DI
 ``$XDG_RUNTIME_DIR/pkgd``, then ``/tmp/pkgd-<uid>``.
 
 The control socket accepts commands and the engine sockets carry requests, so the directory
-must be private to the daemon's user, and it is created and checked without following a
-symlink (a root daemon must not be steered into chmodding, emptying and writing a directory
-someone else chose): the last component is created with ``mkdir`` (which never follows a
-link), opened with ``O_NOFOLLOW | O_DIRECTORY``, and owner and mode are checked on that open
-directory (``fstat``): it must belong to this user and not be writable by group or others (a
-mode that only lets others read it is tightened to 0700 through the descriptor), and its
-parent must not be writable by others unless sticky (``/tmp``), so nobody can swap it. Anything
-else is refused with a message naming the directory. Files inside are opened relative to the
-directory's descriptor. The configuration is not kept here at all: children receive it over a
-pipe (`pkgd.ipc.config_channel`).
+must be private to the daemon's user, and it is reached, created and checked without following
+a symlink someone else controls (a root daemon must not be steered into chmodding, emptying and
+writing a directory someone else chose). The path is walked one component at a time from ``/``
+with ``openat`` and ``O_NOFOLLOW``, each step relative to the directory opened before it, and a
+missing parent is created there (0755). A symlink on the way is followed only if nobody but
+root and this user could have made or replaced it: it belongs to root or this user, and so
+does every directory above it, none of them writable by group or others unless sticky
+(``/var/run`` → ``/run`` passes; a link in ``/tmp``'s subdirectory of another user does not);
+anything else is refused, naming the link. The last component is created with ``mkdirat``
+(which never follows a link) and opened with ``O_NOFOLLOW | O_DIRECTORY`` (a symlink there is
+always refused), and owner and mode are checked on that open directory (``fstat``): it must
+belong to this user and not be writable by group or others (a mode that only lets others read
+it is tightened to 0700 through the descriptor), and its parent must not be writable by others
+unless sticky (``/tmp``), so nobody can swap it. Anything else is refused with a message naming
+the directory. Files inside are opened relative to the directory's descriptor. The
+configuration is not kept here at all: children receive it over a pipe
+(`pkgd.ipc.config_channel`).
 
 One daemon per runtime directory: `RuntimeDir.acquire` takes an exclusive ``flock`` on
 ``pkgd.lock`` and fails with a clear message when another pkgd holds it.
@@ -34,6 +41,8 @@ LOCK_FILE = "pkgd.lock"
 STALE_FILES = ("config.json", ".config.json.tmp")  # secrets written by pkgd versions before the config pipe
 SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes on Linux, NUL included
 ROOT_RUNTIME_DIR = "/run/pkgd"
+MAX_SYMLINKS = 40  # as Linux: more links on one path is a loop
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class RuntimeDirError(Exception):
@@ -106,16 +115,17 @@ class RuntimeDir:
 
     def _open_private_dir(self) -> int:
         where = f"supervisor.runtime_dir: {self.path}"
+        parent_fd = _open_parent(self.path, where)
+        name = self.path.name
         try:
-            self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            parent = os.stat(self.path.parent)
+            parent = os.fstat(parent_fd)
             try:
-                os.mkdir(self.path, 0o700)  # never follows a symlink: an existing link is EEXIST
+                os.mkdir(name, 0o700, dir_fd=parent_fd)  # never follows a symlink: an existing link is EEXIST
             except FileExistsError:
                 pass
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
         except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and self.path.is_symlink():
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, parent_fd):
                 raise RuntimeDirError(
                     f"{where} is a symbolic link; refusing to use it (remove it, or choose another directory)"
                 ) from exc
@@ -124,6 +134,8 @@ class RuntimeDir:
                     f"{where} exists and is not a directory; remove it or choose another directory"
                 ) from exc
             raise RuntimeDirError(f"{where}: cannot create or open it: {exc.strerror}") from exc
+        finally:
+            os.close(parent_fd)
         try:
             st = os.fstat(fd)
             if st.st_uid != os.getuid():
@@ -200,3 +212,81 @@ class RuntimeDir:
         os.close(self._lock_fd)
         os.close(self._dir_fd)
         self._lock_fd = self._dir_fd = None
+
+
+def _open_parent(path: Path, where: str) -> int:
+    """A descriptor of ``path``'s parent directory, reached from ``/`` one component at a time
+    without following a symlink another user could have planted, missing directories created
+    (0755) on the way.
+
+    Raises:
+        RuntimeDirError: a component is such a symlink (named, with the reason), is not a
+            directory, or cannot be created or opened; or the links loop.
+    """
+    uid = os.getuid()
+    todo = list(path.parent.parts[1:])
+    here, fd = Path("/"), os.open("/", _DIR_FLAGS)
+    suspect = _changeable_by_others(here, os.fstat(fd), uid)  # why a link below cannot be trusted
+    links = 0
+    try:
+        while todo:
+            name = todo.pop(0)
+            component = here / name
+            try:
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # made meanwhile: looked at below like any other
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(name, dir_fd=fd)
+                    why = f"it belongs to uid {st.st_uid}" if st.st_uid not in (0, uid) else suspect
+                    if why:
+                        raise RuntimeDirError(
+                            f"{where}: {component} is a symbolic link (to {target}) that another user could have "
+                            f"made or changed ({why}); refusing to follow it: name a path without it, or choose "
+                            "another directory"
+                        )
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise RuntimeDirError(f"{where}: too many levels of symbolic links at {component}")
+                    todo[:0] = Path(target).parts
+                    if os.path.isabs(target):
+                        todo.pop(0)
+                        root = os.open("/", _DIR_FLAGS)
+                        os.close(fd)
+                        here, fd = Path("/"), root
+                        suspect = _changeable_by_others(here, os.fstat(fd), uid)
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    raise RuntimeDirError(f"{where}: {component} is not a directory; choose another directory")
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise RuntimeDirError(f"{where}: cannot create or open {component}: {exc.strerror}") from exc
+            os.close(fd)
+            fd, here = child, component
+            suspect = suspect or _changeable_by_others(here, os.fstat(fd), uid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _changeable_by_others(path: Path, st: os.stat_result, uid: int) -> str | None:
+    """Why a user other than root and ``uid`` could rename or replace entries of directory
+    ``path`` (it is theirs, or they may write it and it is not sticky), or None."""
+    if st.st_uid not in (0, uid):
+        return f"{path} belongs to uid {st.st_uid}"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} and not sticky"
+    return None
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
