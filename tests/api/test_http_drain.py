@@ -51,6 +51,7 @@ async def test_a_retire_finishes_requests_past_any_deadline_and_leaves_the_queue
         await asyncio.sleep(0.05)
         server._pause()  # connections made now stay queued on the socket
         twin = listener_twin(sock)
+        app.draining = True
         server.begin_drain(None, cut_reason="reload_drain_timeout", retire=True)
         stop.set()
         queued_reader, queued_writer, _ = await request(port, GET, read=False)
@@ -138,10 +139,11 @@ async def test_a_lifespan_cancelled_after_start_up_does_not_fail_the_started_ser
         writer.close()
 
 
-async def test_a_retire_closes_idle_keep_alive_connections_at_once_and_finishes_busy_ones():
-    """A keep-alive client of a replaced generation finds its idle connection closed before
-    sending another request there (it retries on a new connection: the new generation), while a
-    request in progress is answered and then its connection closed."""
+async def test_a_retire_serves_one_more_request_per_open_connection_then_closes_it():
+    """A keep-alive client of a replaced generation may be sending its next request just as the
+    drain begins: that request is served (never cut unanswered), with Connection: close, and the
+    connection closed after it, so the client's next one goes to the new generation. A request
+    in progress is answered, and its connection closed after it."""
     sock = listener()
     port = sock.getsockname()[1]
     app = App()
@@ -151,12 +153,17 @@ async def test_a_retire_closes_idle_keep_alive_connections_at_once_and_finishes_
         busy_reader, busy_writer, _ = await request(port, HOLD, read=False)
         await asyncio.sleep(0.05)
         twin = listener_twin(sock)
+        app.draining = True
         server.begin_drain(None, cut_reason="reload_drain_timeout", retire=True)
         stop.set()
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed unasked, no request taken
+        await asyncio.sleep(0.05)
+        writer.write(GET)
+        second = await read_response(reader)
+        assert b" 200 " in second and b"connection: close" in second.lower()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
         app.release.set()
         assert b" 200 " in await read_response(busy_reader)
-        assert await asyncio.wait_for(busy_reader.read(), 5) == b""
+        assert await asyncio.wait_for(busy_reader.read(), 5) == b""  # answered with Connection: close
         await asyncio.wait_for(task, 5)
         assert not cuts
         writer.close()

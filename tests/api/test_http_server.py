@@ -49,11 +49,12 @@ class App:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
-        headers = [(b"content-type", b"text/plain")] + ([(b"connection", b"close")] if self.draining else [])
         while (msg := await receive())["type"] == "http.request" and msg.get("more_body"):
             pass
         if scope["path"] == "/hold":
             await self.release.wait()
+        # as pkgd's app: Connection: close on a response that starts while draining
+        headers = [(b"content-type", b"text/plain")] + ([(b"connection", b"close")] if self.draining else [])
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if scope["path"] == "/big":  # like Starlette's StreamingResponse: stop on disconnect
 

@@ -162,6 +162,8 @@ class Daemon:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+        with self._cond:  # kept with pytest's last temporary directories, to read after a failure
+            (self.workdir / "daemon.log").write_text("\n".join(self.lines) + "\n")
         for pid in self.all_child_pids():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)

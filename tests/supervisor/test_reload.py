@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 from supervisor_helpers import Load, pid_alive, reload_and_wait
 
+from pkgd.cli.ctl import format_status
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.supervisor.reload import config_problems
 
@@ -93,8 +94,10 @@ def test_a_replaced_generation_keeps_its_requests_past_drain_timeout(start_daemo
     outcome = reload_and_wait(d, {**change, "supervisor": {"drain_timeout": 1, "reload_drain_timeout": 300}})
     assert outcome["event"] == "reload_applied" and outcome["reload_class"] == reload_class
     time.sleep(1.5)  # past drain_timeout + its grace would have been: 1 + 0.5 s
-    draining = d.status()["draining"]
-    assert [g["generation"] for g in draining] == [0] and draining[0]["requests"] == 1, draining
+    status = d.status()
+    draining = status["draining"]
+    assert [g["generation"] for g in draining] == [0] and draining[0]["connections"] == 1, draining
+    assert "draining generation 0: 1 connection(s)" in format_status(status) and "of 300 s" in format_status(status)
     assert pid_alive(before["api-server-0"])
     slow.join(30)
     assert answer["r"].status_code == 200, answer["r"].text

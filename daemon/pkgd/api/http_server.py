@@ -32,16 +32,17 @@ module owns the listening socket and the connections:
 * **Drain** (`HttpServer.begin_drain`, or `HttpServer.serve`'s ``stop``): this process's copy
   of the socket is closed — on a shutdown after accepting every connection already queued (the
   socket itself is closing: a connection made after that is refused, never reset), on a retire
-  without (the queue is the next generation's, which accepts on the same socket). A retire
-  takes no new request on any connection: idle keep-alive connections are closed at once
-  (hypercorn's ``terminated``; one whose next request has already arrived is served instead,
-  so none is read and dropped). A shutdown still answers requests on open connections (a load
-  balancer may route a few more while it learns of the stop). Either way each response is
-  sent with ``Connection: close`` (set by the
-  app while ``state.draining``) and its connection closed after it. The drain ends when the
-  last connection does, or at its deadline (none, or one that a later `begin_drain` moves
-  closer): ``on_drain_timeout`` then fails what is in flight (each stream ends with an error
-  event and ``[DONE]``), and what is still open ``CLOSE_GRACE_S`` later is closed.
+  without (the queue is the next generation's, which accepts on the same socket). A request
+  on a connection already open is still served, every response with ``Connection: close`` (set
+  by the app while ``state.draining``) and its connection closed after it, so each connection
+  takes at most one more request. Idle keep-alive connections are not closed early: a client
+  may be sending its next request at that very moment, and a request cut before its answer is
+  one the client cannot tell was never taken (with back-to-back keep-alive clients it happened
+  to half of them); they close after that request, at ``keep_alive_timeout``, or when the
+  client closes them. The drain ends when the last connection does, or at its deadline (none,
+  or one that a later `begin_drain` moves closer): ``on_drain_timeout`` then fails what is in
+  flight (each stream ends with an error event and ``[DONE]``), and what is still open
+  ``CLOSE_GRACE_S`` later is closed.
 """
 
 from __future__ import annotations
@@ -132,7 +133,6 @@ class HttpServer:
         self._shedder = _Shedder()
         self._shed_timer: asyncio.TimerHandle | None = None
         self.draining = False
-        self._retiring = False
         self._deadline: float | None = None  # loop time the drain ends what is left
         self._cut_reason = "drain_timeout"
         self._deadline_changed = asyncio.Event()
@@ -194,19 +194,12 @@ class HttpServer:
                 self._deadline_changed.set()
             return
         self.draining = True
-        self._retiring = retire
         self._deadline, self._cut_reason = deadline, cut_reason
         self.close_listener(accept_queued=not retire)
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         logger.info("http_draining", connections=len(self.connections), deadline_s=self._time_left())
-        if self._retiring:
-            # hypercorn: idle connections close now, busy ones once their response ends (none
-            # recycles), so a keep-alive client takes its next request to the new generation.
-            # A shutdown keeps answering requests on open connections (each with Connection:
-            # close): a load balancer may still route some here while it learns of the stop.
-            await self._context.terminated.set()
         while self.connections:
             left = self._time_left()
             if left is not None and left <= 0:

@@ -199,7 +199,13 @@ def format_status(s: dict[str, Any]) -> str:
             f"{c['role']:<12} {c['index']:>5} {c['pid']:>8}  {c['state']:<10} {_duration(c['uptime_s']):>8} "
             f"{c['restarts']:>8}  {c['address']}"
         )
-    if s.get("retiring"):
+    for g in s.get("draining", []):
+        limit = g["reload_drain_timeout"]
+        lines.append(
+            f"draining generation {g['generation']}: {g['connections']} connection(s), {len(g['children'])} "
+            f"child(ren), {g['draining_s']:.0f} s of " + ("no limit" if limit is None else f"{limit:g} s")
+        )
+    if s.get("retiring") and not s.get("draining"):
         lines.append(f"retiring {s['retiring']} replaced child(ren), draining")
     if s.get("last_reload"):
         lines.append("last reload: " + format_reload(s["last_reload"]))

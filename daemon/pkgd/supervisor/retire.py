@@ -8,9 +8,9 @@ which bounds a shutdown. `Retirements` runs each such drain:
 1. every API server of the old generation is sent, on its config pipe, its own tree with the
    *new* ``supervisor`` section (a drain key changed by the same reload applies to the
    generation being drained), then SIGUSR1: it stops accepting (its copy of the listening
-   socket closes; the queue stays for the new API servers), closes its idle keep-alive
-   connections, answers what is in progress with ``Connection: close``, and exits 0 when its
-   last connection ends (`pkgd.api.server`);
+   socket closes; the queue stays for the new API servers), serves at most one more request
+   per open connection, answers each with ``Connection: close``, and exits 0 when its last
+   connection ends (`pkgd.api.server`);
 2. the supervisor waits for them, at most ``reload_drain_timeout`` plus `API_STOP_EXTRA` s (the
    API server itself ends what is left at the deadline with an error event), then SIGKILL;
 3. then the old engine cores that no generation keeps are stopped (SIGTERM): by then no API
@@ -19,8 +19,9 @@ which bounds a shutdown. `Retirements` runs each such drain:
 A shutdown meanwhile sends SIGTERM to every child, the retiring ones included: an API server
 that was retiring then ends what it still holds ``drain_timeout`` later at the latest.
 
-While a generation drains, ``pkgd status`` lists it with the connections (HTTP/1.1: one
-request each, the idle ones being closed) its API servers still hold, and the log says so
+While a generation drains, ``pkgd status`` lists it with the connections its API servers
+still hold (each a request in progress, or a keep-alive connection until it closes after one
+more request or at ``keep_alive_timeout``), and the log says so
 every `PROGRESS_LOG_S` seconds (``generation_draining``), then ``generation_retired``.
 """
 
@@ -111,7 +112,7 @@ class Retirements:
 
     def _log(self, event: str, entry: Draining) -> None:
         info = self.describe_one(entry)
-        logger.info(event, **{k: info[k] for k in ("generation", "requests", "children", "draining_s")})
+        logger.info(event, **{k: info[k] for k in ("generation", "connections", "children", "draining_s")})
 
     def describe_one(self, entry: Draining) -> dict[str, Any]:
         ports = self.ports()
@@ -127,7 +128,7 @@ class Retirements:
         counts = [c["connections"] for c in children if c["connections"] is not None]
         return {
             "generation": entry.generation,
-            "requests": sum(counts),
+            "connections": sum(counts),
             "children": children,
             "draining_s": round(time.monotonic() - entry.started, 1),
             "reload_drain_timeout": entry.reload_drain_timeout,
@@ -145,8 +146,8 @@ class Retirements:
 def open_connections(pid: int, ports: Iterable[int]) -> int:
     """TCP connections process ``pid`` holds on one of ``ports`` (from /proc; 0 when it is gone).
 
-    A connection of a retiring API server is a request in progress: its idle keep-alive
-    connections were closed when it began to drain.
+    A connection of a retiring API server is a request in progress or a keep-alive connection
+    that closes after at most one more.
     """
     wanted = set(ports)
     inodes: set[str] = set()
