@@ -95,7 +95,7 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
     if m.trust_remote_code:
         problems.append(
             "model.trust_remote_code: true is refused: pkgd never runs code shipped with a "
-            "model; use a supported architecture (Llama, Qwen2, Qwen3)"
+            "model; use a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE)"
         )
     if f.headless and f.api_server_count:
         problems.append(

@@ -1,0 +1,68 @@
+"""Qwen3-MoE (Qwen team, 2025): Qwen3's decoder (QK-norm) with sparse MoE MLPs of ``num_experts``
+SwiGLU experts of ``moe_intermediate_size``: softmax over all router logits, the top
+``num_experts_per_tok``, renormalised when ``norm_topk_prob`` (`pkgd.runner.layers.moe`). Layers
+listed in ``mlp_only_layers``, or off the ``decoder_sparse_step`` stride, keep a dense MLP of
+``intermediate_size``. Checkpoint names: ``mlp.gate`` (router) and
+``mlp.experts.{N}.gate_proj/up_proj/down_proj``, stacked at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pkgd.runner.distributed import TPGroup
+from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor
+from pkgd.runner.models.config import ArchConfig
+from pkgd.runner.models.llama import LlamaDecoderLayer, LlamaMLP
+from pkgd.runner.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
+
+PREFIX = "mlp."
+PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+def is_sparse_layer(cfg: ArchConfig, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` is MoE (transformers' rule for Qwen3-MoE)."""
+    raw = cfg.raw
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    return layer_idx not in (raw.get("mlp_only_layers") or []) and _num_experts(cfg) > 0 and (layer_idx + 1) % step == 0
+
+
+def _num_experts(cfg: ArchConfig) -> int:
+    # transformers 5 writes num_local_experts; the released checkpoints say num_experts.
+    return int(cfg.raw.get("num_experts", cfg.raw.get("num_local_experts", 0)) or 0)
+
+
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def build_mlp(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels, layer_idx: int) -> nn.Module:
+        if not is_sparse_layer(cfg, layer_idx):
+            return LlamaMLP(cfg, tp, dtype, kernels)
+        raw = cfg.raw
+        return FusedMoE(
+            _num_experts(cfg),
+            int(raw.get("num_experts_per_tok", 8)),
+            cfg.hidden_size,
+            int(raw["moe_intermediate_size"]),
+            renormalize=bool(raw.get("norm_topk_prob", False)),
+            tp=tp,
+            dtype=dtype,
+            kernels=kernels,
+        )
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    layer_cls = Qwen3MoeDecoderLayer
+
+    def _mlp_names(self, prefix: str, layer: LlamaDecoderLayer) -> list[str]:
+        if isinstance(layer.mlp, FusedMoE):
+            return expert_names(prefix + PREFIX, layer.mlp.num_experts, PARTS)
+        return super()._mlp_names(prefix, layer)
+
+    def _load_layer_tensor(self, layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name: str) -> None:
+        moe = layer.mlp
+        if not (
+            isinstance(moe, FusedMoE)
+            and rest.startswith(PREFIX)
+            and load_moe_tensor(moe, rest[len(PREFIX) :], t, PARTS)
+        ):
+            super()._load_layer_tensor(layer, rest, t, full_name)
