@@ -26,6 +26,8 @@ for down over the contiguous groups, and a scatter-add back into token order; no
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,25 @@ import pkgd_kernels as pk
 from pkgd.runner.distributed import SINGLE, TPGroup
 
 GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def moe_sizes(raw: dict[str, Any], intermediate_size: int) -> tuple[int, int]:
+    """``(num_experts, each expert's intermediate size)`` from an HF ``config.json``: 0 experts
+    for a dense model. Mixtral names them ``num_local_experts`` and ``intermediate_size``;
+    Qwen3-MoE ``num_experts`` (transformers 5 writes ``num_local_experts``) and
+    ``moe_intermediate_size``."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    return experts, int(raw.get("moe_intermediate_size") or intermediate_size)
+
+
+def check_moe_tp_size(raw: dict[str, Any], intermediate_size: int, tp: TPGroup) -> None:
+    """Raise `ModelConfigMismatch` (as `FusedMoE` would on each rank) when ``tp`` cannot split
+    the experts (expert parallel) or their intermediate features (otherwise)."""
+    experts, inter = moe_sizes(raw, intermediate_size)
+    if experts and tp.expert_parallel:
+        tp.shard(experts, "num_experts (expert parallel)")
+    elif experts:
+        tp.shard(inter, "the experts' intermediate_size")
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pkgd.runner.layers.moe import check_moe_tp_size, moe_sizes
 from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, to_interleaved
 from pkgd.runner.models.config import ArchConfig
@@ -56,12 +57,15 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     return 1, num_kv_heads
 
 
-def check_tp_size(cfg: ArchConfig, tp_size: int) -> None:
-    """Raise `ValueError` naming the first size ``tp_size`` ranks cannot split evenly."""
-    tp = TPGroup(0, tp_size)
+def check_tp_size(cfg: ArchConfig, tp_size: int, expert_parallel: bool = False) -> None:
+    """Raise `ValueError` naming the first size ``tp_size`` ranks cannot split evenly (an MoE
+    model's experts or their features by ``expert_parallel``, `pkgd.runner.layers.moe`)."""
+    tp = TPGroup(0, tp_size, expert_parallel)
     tp.shard(cfg.num_attention_heads, "num_attention_heads")
     kv_heads_per_rank(cfg.num_key_value_heads, tp)
-    tp.shard(cfg.intermediate_size, "intermediate_size")
+    check_moe_tp_size(cfg.raw, cfg.intermediate_size, tp)
+    if not moe_sizes(cfg.raw, cfg.intermediate_size)[0] or "moe_intermediate_size" in cfg.raw:
+        tp.shard(cfg.intermediate_size, "intermediate_size")  # the dense MLPs'
     tp.shard(cfg.vocab_size, "vocab_size")
 
 

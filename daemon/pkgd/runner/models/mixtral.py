@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pkgd.runner.distributed import SINGLE, TPGroup
-from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor
+from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor, moe_sizes
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -25,12 +25,12 @@ PARTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def build_mlp(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels, layer_idx: int) -> nn.Module:
-        raw = cfg.raw
+        experts, inter = moe_sizes(cfg.raw, cfg.intermediate_size)
         return FusedMoE(
-            int(raw.get("num_local_experts", 8)),
-            int(raw.get("num_experts_per_tok", 2)),
+            experts or 8,  # transformers' MixtralConfig default
+            int(cfg.raw.get("num_experts_per_tok", 2)),
             cfg.hidden_size,
-            cfg.intermediate_size,
+            inter,
             renormalize=True,
             tp=tp,
             dtype=dtype,

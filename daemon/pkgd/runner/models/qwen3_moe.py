@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pkgd.runner.distributed import TPGroup
-from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor
+from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor, moe_sizes
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama import LlamaDecoderLayer, LlamaMLP
 from pkgd.runner.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -25,12 +25,8 @@ def is_sparse_layer(cfg: ArchConfig, layer_idx: int) -> bool:
     """Whether layer ``layer_idx`` is MoE (transformers' rule for Qwen3-MoE)."""
     raw = cfg.raw
     step = int(raw.get("decoder_sparse_step", 1) or 1)
-    return layer_idx not in (raw.get("mlp_only_layers") or []) and _num_experts(cfg) > 0 and (layer_idx + 1) % step == 0
-
-
-def _num_experts(cfg: ArchConfig) -> int:
-    # transformers 5 writes num_local_experts; the released checkpoints say num_experts.
-    return int(cfg.raw.get("num_experts", cfg.raw.get("num_local_experts", 0)) or 0)
+    sparse = moe_sizes(raw, cfg.intermediate_size)[0] > 0 and (layer_idx + 1) % step == 0
+    return sparse and layer_idx not in (raw.get("mlp_only_layers") or [])
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
@@ -38,11 +34,12 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         if not is_sparse_layer(cfg, layer_idx):
             return LlamaMLP(cfg, tp, dtype, kernels)
         raw = cfg.raw
+        experts, inter = moe_sizes(raw, cfg.intermediate_size)
         return FusedMoE(
-            _num_experts(cfg),
+            experts,
             int(raw.get("num_experts_per_tok", 8)),
             cfg.hidden_size,
-            int(raw["moe_intermediate_size"]),
+            inter,
             renormalize=bool(raw.get("norm_topk_prob", False)),
             tp=tp,
             dtype=dtype,
