@@ -3,8 +3,9 @@
 `choose_quantization` is the one place that decides: ``auto`` keeps the file's quantized
 blocks when every tensor can stay so (each 2-D weight of a type `pkgd_kernels.quant_layout`
 reads, norms and biases in float) and the C kernels for them load, on CPU without tensor
-parallelism; otherwise, and for ``none``, the runner loads the dequantized float weights
-(`pkgd.model_files.resolve.ensure_float_weights`). The choice and its reason are logged.
+parallelism, for a dense model (MoE experts run as floats); otherwise, and for ``none``, the
+runner loads the dequantized float weights (`pkgd.model_files.resolve.ensure_float_weights`).
+The choice and its reason are logged.
 
 `load_quantized_model` builds the model, swaps its linears, LM head and embedding for the
 layers of `pkgd.runner.layers.quantized`, and feeds the GGUF tensors through the model's own
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from pkgd.model_files.gguf_convert import hf_name, permutes_qk, read_gguf_tensors, unpermute_qk
+from pkgd.runner.layers.moe import moe_sizes
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
@@ -152,6 +154,8 @@ def choose_quantization(
         reason = f"model.dtype is {dtype}; the quantized kernels take float32 activations"
     elif pooling:
         reason = "the pooling runner loads float weights"
+    elif moe_sizes(cfg.raw, cfg.intermediate_size)[0]:
+        reason = "MoE experts run as float weights (the quantized kernels have no grouped experts)"
     elif kernels is None:
         reason = "the C kernels are unavailable"
     elif problems := weights.problems():
