@@ -169,6 +169,11 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
             "supports a single API server"
         )
         count = 1
+    if p.enable_expert_parallel and p.tp == 1 and p.dp > 1:
+        warnings.append(
+            "parallel.enable_expert_parallel splits MoE experts across the tensor-parallel group only "
+            f"(parallel.tp is 1): each of the {p.dp} data-parallel engines holds every expert"
+        )
     if count and not f.uds and not f.api_keys and not _is_loopback(f.host):
         warnings.append(
             f"frontend.host: {f.host} accepts connections from other machines and frontend.api_keys "

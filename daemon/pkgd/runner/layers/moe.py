@@ -22,6 +22,10 @@ float sums): `experts_reference`, a loop over the local experts, each on the tok
 (transformers' form), and `experts_grouped`, the CPU path: the (token, slot) pairs sorted by
 expert, one grouped GEMM (``torch.nn.functional.grouped_mm``) for every expert's gate/up and one
 for down over the contiguous groups, and a scatter-add back into token order; no Python loop.
+Measured here (64 experts, top 8, H=1024, I=384, one thread, ms, grouped / per-expert reference /
+a Python loop per token): float32 1 token 3.5 / 3.7 / 3.3, 8 tokens 21 / 23 / 25, 64 tokens
+49 / 50 / 211, 512 tokens 150 / 159 (compute-bound); bfloat16 within ±20% of the reference.
+Other processes shared the cores: a few ms of noise.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Llama (Touvron et al., 2023) for the paged KV cache; also the base of Qwen2 and Qwen3.
+"""Llama (Touvron et al., 2023) for the paged KV cache; also the base of Qwen2 and Qwen3, and of
+the MoE families (Mixtral, Qwen3-MoE), whose layers build their own MLP (`LlamaDecoderLayer.build_mlp`).
 
 Pre-norm decoder: ``h += attn(rms_norm(h)); h += mlp(rms_norm(h))`` with the residual adds
 fused into the next norm (`RMSNorm` with a residual), GQA attention with RoPE, SwiGLU MLP,
