@@ -108,9 +108,9 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
         ),
     ],
 )
-def test_moe_gguf_experts_unstack_and_run_as_floats_within_q8_error(tiny_gguf, tmp_path, arch, want):
+def test_moe_gguf_experts_unstack_and_run_within_q8_error(tiny_gguf, tmp_path, arch, want):
     """llama.cpp's stacked ``ffn_*_exps`` and ``ffn_gate_inp`` become the per-expert tensors HF
-    saves (Q8_0 rounding apart); ``model.quantization: auto`` runs them as floats and says why."""
+    saves (Q8_0 rounding apart), which the float path loads (kept quantized: test_quantized.py)."""
     from tests.runner.driver import Driver
     from tests.runner.factory import LogitsRecorder, make_runner
 
@@ -125,8 +125,7 @@ def test_moe_gguf_experts_unstack_and_run_as_floats_within_q8_error(tiny_gguf, t
     assert set(ours) == set(saved)
     for name, t in ours.items():
         assert (t - saved[name]).abs().max() < 5e-3, name
-    runner = make_runner(path, cache_dir=str(tmp_path), quantization="auto")
-    assert not runner.quantization.quantized and "MoE experts run as float weights" in runner.quantization.reason
+    runner = make_runner(path, cache_dir=str(tmp_path), quantization="none")
     rec = LogitsRecorder(runner)
     drv = Driver(runner, num_blocks=16)
     drv.add("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=1))

@@ -23,8 +23,7 @@ inverse. Qwen2/Qwen3 files are written without the permutation.
 MoE files (Mixtral, written as ``llama`` with ``llama.expert_count``; ``qwen3moe``) hold each
 layer's experts stacked, ``ffn_{gate,up,down}_exps [E, ...]``, and the router ``ffn_gate_inp``;
 they are written out under the HF per-expert names (`moe_hf_names`) that the model's loader
-stacks again, and run as float weights (`pkgd.runner.loader.gguf_weights` keeps no quantized
-experts).
+stacks again (`pkgd.runner.loader.gguf_weights` reads the same names when it keeps the blocks).
 """
 
 from __future__ import annotations

@@ -139,8 +139,34 @@ def experts_grouped(
     return out.to(h.dtype)
 
 
-class FusedMoE(nn.Module):
-    """Router plus stacked experts of one MoE MLP (module docstring).
+class MoELayer(nn.Module):
+    """What the model families see of an MoE MLP, whatever holds its experts: the routing sizes,
+    the router ``gate [E, H]`` (`load_router`, `route`), `load_expert` and ``forward(h [T, H]) ->
+    [T, H]``. `FusedMoE` holds float experts (tensor parallel); on GGUF blocks kept quantized it
+    is `pkgd.runner.layers.quantized.QuantizedMoE`."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, *, renormalize: bool, dtype: torch.dtype):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts {num_experts}]")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h [T, H]`` -> ``(weights [T, k] float32, ids [T, k] int64)`` (`select_experts`)."""
+        return select_experts(F.linear(h, self.gate), self.top_k, self.renormalize)
+
+    def load_router(self, tensor: torch.Tensor) -> None:
+        """The router's full ``weight [E, H]``."""
+        _check(tensor, self.gate, "router weight")
+        self.gate.copy_(tensor)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class FusedMoE(MoELayer):
+    """Router plus stacked float experts of one MoE MLP (module docstring).
 
     Args:
         num_experts: E; top_k: experts per token; hidden_size: H;
@@ -166,12 +192,9 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype = torch.float32,
         kernels=None,
     ) -> None:
-        super().__init__()
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts {num_experts}]")
+        super().__init__(num_experts, top_k, hidden_size, renormalize=renormalize, dtype=dtype)
         self.tp = tp
         self.kernels = kernels
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         if tp.expert_parallel:
             self.num_local_experts = tp.shard(num_experts, "num_experts (expert parallel)")
             self.intermediate_local = intermediate_size
@@ -182,7 +205,6 @@ class FusedMoE(nn.Module):
             self.first_expert = 0
         self.intermediate_size = intermediate_size
         e, i = self.num_local_experts, self.intermediate_local
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
 
@@ -203,17 +225,12 @@ class FusedMoE(nn.Module):
     def forward_local(self, h: torch.Tensor) -> torch.Tensor:
         """This rank's part of the output (``[T, H]``, ``h.dtype``): what its experts, or its
         slice of every expert's features, contribute; the ranks' parts sum to the output."""
-        weights, ids = select_experts(F.linear(h, self.gate), self.top_k, self.renormalize)
+        weights, ids = self.route(h)
         if self.grouped_applies(h):
             return experts_grouped(h, self.w13, self.w2, weights, ids, self.first_expert, self.kernels)
         return experts_reference(h, self.w13, self.w2, weights, ids, self.first_expert)
 
     # ---- weights ---------------------------------------------------------------------------
-
-    def load_router(self, tensor: torch.Tensor) -> None:
-        """The router's full ``weight [E, H]``."""
-        _check(tensor, self.gate, "router weight")
-        self.gate.copy_(tensor)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
         """One expert's full HF weight: ``part`` "gate" or "up" ``[I, H]``, "down" ``[H, I]``;
@@ -246,7 +263,7 @@ def _check_full(src: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         raise ValueError(f"{what}: checkpoint shape {tuple(src.shape)} does not match the model's {shape}")
 
 
-def load_moe_tensor(moe: FusedMoE, rest: str, tensor: torch.Tensor, parts: dict[str, str]) -> bool:
+def load_moe_tensor(moe: MoELayer, rest: str, tensor: torch.Tensor, parts: dict[str, str]) -> bool:
     """Load a checkpoint tensor of an MoE block by its name after the block's prefix: the router
     ``gate.weight`` or ``experts.{N}.{name}.weight`` with ``parts`` mapping each per-expert name
     to "gate", "up" or "down" (Mixtral: ``w1``/``w3``/``w2``; Qwen3-MoE: ``gate_proj``/...).

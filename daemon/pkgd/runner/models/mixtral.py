@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pkgd.runner.distributed import SINGLE, TPGroup
-from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor, moe_sizes
+from pkgd.runner.layers.moe import FusedMoE, MoELayer, expert_names, load_moe_tensor, moe_sizes
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -54,9 +54,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         )
 
     def _mlp_names(self, prefix: str, layer: LlamaDecoderLayer) -> list[str]:
-        return expert_names(prefix + PREFIX, cast(FusedMoE, layer.mlp).num_experts, PARTS)
+        return expert_names(prefix + PREFIX, cast(MoELayer, layer.mlp).num_experts, PARTS)
 
     def _load_layer_tensor(self, layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name: str) -> None:
-        moe = cast(FusedMoE, layer.mlp)  # every Mixtral layer's (MixtralDecoderLayer.build_mlp)
+        moe = cast(MoELayer, layer.mlp)  # every Mixtral layer's (MixtralDecoderLayer.build_mlp)
         if not (rest.startswith(PREFIX) and load_moe_tensor(moe, rest[len(PREFIX) :], t, PARTS)):
             super()._load_layer_tensor(layer, rest, t, full_name)

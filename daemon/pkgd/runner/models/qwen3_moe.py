@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pkgd.runner.distributed import TPGroup
-from pkgd.runner.layers.moe import FusedMoE, expert_names, load_moe_tensor, moe_sizes
+from pkgd.runner.layers.moe import FusedMoE, MoELayer, expert_names, load_moe_tensor, moe_sizes
 from pkgd.runner.models.config import ArchConfig
 from pkgd.runner.models.llama import LlamaDecoderLayer, LlamaMLP
 from pkgd.runner.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -51,14 +51,14 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_cls = Qwen3MoeDecoderLayer
 
     def _mlp_names(self, prefix: str, layer: LlamaDecoderLayer) -> list[str]:
-        if isinstance(layer.mlp, FusedMoE):
+        if isinstance(layer.mlp, MoELayer):
             return expert_names(prefix + PREFIX, layer.mlp.num_experts, PARTS)
         return super()._mlp_names(prefix, layer)
 
     def _load_layer_tensor(self, layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name: str) -> None:
         moe = layer.mlp
         if not (
-            isinstance(moe, FusedMoE)
+            isinstance(moe, MoELayer)
             and rest.startswith(PREFIX)
             and load_moe_tensor(moe, rest[len(PREFIX) :], t, PARTS)
         ):
