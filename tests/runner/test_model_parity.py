@@ -15,7 +15,7 @@ from tests.runner.factory import LogitsRecorder, make_runner
 
 from pkgd.sampling_params import SamplingParams
 
-ARCHES = ["llama", "llama-untied", "qwen2", "qwen3", "mixtral", "qwen3-moe"]
+ARCHES = ["llama", "llama-untied", "qwen2", "qwen3", "mixtral", "qwen3-moe", "qwen3-moe-norm"]
 TOL = 1e-4
 GREEDY6 = SamplingParams(temperature=0.0, max_tokens=6)
 MOE_ARCHES = ["mixtral", "qwen3-moe"]

@@ -56,6 +56,17 @@ def hf_config(arch: str, **sizes):
             mlp_only_layers=[1],
             tie_word_embeddings=False,
         )
+    if arch == "qwen3-moe-norm":  # top 2 renormalised (norm_topk_prob); decoder_sparse_step 2: layer 0 dense
+        return tf.Qwen3MoeConfig(
+            **TINY,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        )
     raise KeyError(arch)
 
 
