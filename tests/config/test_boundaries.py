@@ -58,6 +58,15 @@ def test_elastic_ep_caps_api_servers_with_a_warning():
     assert cfg(parallel={"enable_elastic_ep": True}).serve_plan().warnings == ()
 
 
+def test_expert_parallel_over_data_parallel_only_warns_that_every_engine_holds_every_expert():
+    plan = cfg(parallel={"dp": 2, "enable_expert_parallel": True}).serve_plan()
+    assert plan.warnings == (
+        "parallel.enable_expert_parallel splits MoE experts across the tensor-parallel group only "
+        "(parallel.tp is 1): each of the 2 data-parallel engines holds every expert",
+    )
+    assert cfg(parallel={"dp": 2, "tp": 2, "enable_expert_parallel": True}).serve_plan().warnings == ()
+
+
 def test_runtime_lora_needs_one_api_server():
     assert "refused with 3 API servers" in refused(
         frontend={"allow_runtime_lora_updating": True, "api_server_count": 3}

@@ -122,6 +122,18 @@ def test_not_built_without_the_c_kernels(tiny_dirs):
     assert runner.cpu_kernels is None and runner.model.cpu_decode is None
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe"])
+def test_moe_models_are_declined_and_decode_layer_by_layer(tiny_dirs, c_kernels, arch):
+    """The C step has dense MLPs only: an MoE model (Qwen3-MoE: even with one dense layer) gets
+    none, and its decode steps run the per-layer forward (the parity tests check its output)."""
+    model_dir, _ = tiny_dirs(arch)
+    runner = make_runner(model_dir)
+    assert runner.cpu_kernels is not None and runner.model.cpu_decode is None
+    ids, positions, meta = _random_step(runner, [3, 5], seed=4)
+    hidden = runner.model(ids, positions, runner.kv_caches, meta)
+    assert hidden.shape == (2, runner.arch.hidden_size) and torch.isfinite(hidden).all()
+
+
 def test_new_caches_are_picked_up(tiny_dirs, c_kernels):
     """The runner may allocate its caches again (a new engine config): the step must write and
     read the new ones, never the freed ones."""

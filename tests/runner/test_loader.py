@@ -27,7 +27,7 @@ def tiny_gguf(tmp_path_factory):
     from tests.runner.tiny_models import build_tiny
 
     out = {}
-    for arch in ("llama-plain", "qwen2", "qwen3"):
+    for arch in ("llama-plain", "qwen2", "qwen3", "mixtral", "qwen3-moe"):
         d = tmp_path_factory.mktemp(f"gguf-{arch}")
         hf = build_tiny(arch, d / "hf")
         arch = arch.removesuffix("-plain")
@@ -89,6 +89,50 @@ def test_converted_model_runs_like_the_original_within_q8_error(tiny_gguf, tmp_p
     with torch.no_grad():
         want = hf(torch.tensor([list(range(3, 20))])).logits[0, -1]
     assert (rec.calls[0][0] - want).abs().max() < 0.05
+
+
+@pytest.mark.parametrize(
+    "arch,want",
+    [
+        ("mixtral", {"architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2}),
+        (
+            "qwen3-moe",
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "norm_topk_prob": False,
+                "mlp_only_layers": [1],  # the layer without a router
+            },
+        ),
+    ],
+)
+def test_moe_gguf_experts_unstack_and_run_within_q8_error(tiny_gguf, tmp_path, arch, want):
+    """llama.cpp's stacked ``ffn_*_exps`` and ``ffn_gate_inp`` become the per-expert tensors HF
+    saves (Q8_0 rounding apart), which the float path loads (kept quantized: test_quantized.py)."""
+    from tests.runner.driver import Driver
+    from tests.runner.factory import LogitsRecorder, make_runner
+
+    from pkgd.sampling_params import SamplingParams
+
+    path, hf = tiny_gguf[arch]
+    mf = _resolve_floats(path, tmp_path)
+    config = json.loads((mf.model_dir / "config.json").read_text())
+    assert {k: config.get(k) for k in want} == want
+    ours = load_file(mf.model_dir / "model.safetensors")
+    saved = load_file(path.parent / "hf" / "model.safetensors")  # HF's per-expert names
+    assert set(ours) == set(saved)
+    for name, t in ours.items():
+        assert (t - saved[name]).abs().max() < 5e-3, name
+    runner = make_runner(path, cache_dir=str(tmp_path), quantization="none")
+    rec = LogitsRecorder(runner)
+    drv = Driver(runner, num_blocks=16)
+    drv.add("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=1))
+    drv.run()
+    with torch.no_grad():
+        expected = hf(torch.tensor([list(range(3, 20))])).logits[0, -1]
+    assert (rec.calls[0][0] - expected).abs().max() < 0.05
 
 
 def test_second_resolve_reuses_cache_without_parsing(tiny_gguf, tmp_path, monkeypatch):

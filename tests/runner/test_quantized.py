@@ -280,3 +280,35 @@ def test_vllm_quantization_flag(tiny_quantized):
     with pytest.raises(Exception, match="no kernels for 'awq'"):
         VllmConfig(model={"quantization": "awq"})
     assert ConfigError  # the CLI reports it as a config error with exit 2 (tests/cli)
+
+
+MOE_TYPES = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0", "ffn_gate_inp": "Q8_0"}
+MOE_LOGIT_BOUND = 0.2  # measured 0.038 (Mixtral) and 0.045 (Qwen3-MoE), legacy 32-wide blocks
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe"])
+def test_moe_experts_stay_quantized_and_match_the_dequantized_float_path(tmp_path, arch):
+    """llama.cpp's stacked experts (one type per stacked tensor; the router dequantized) run as a
+    `QuantizedMoE` per MoE layer; logits within `LOGIT_BOUND` of the float path on the same file
+    (the int8 rounding of each expert's input, as for the dense linears): `MOE_LOGIT_BOUND`."""
+    from pkgd.runner.layers.quantized import QuantizedMoE
+
+    hf = build_tiny(arch, tmp_path / "hf")
+    path = write_gguf(hf, tmp_path / f"tiny-{arch}.gguf", quantize=lambda n: MOE_TYPES.get(n.split(".")[-2], "Q8_0"))
+    quantized = _runner(path)
+    assert quantized.quantization.quantized, quantized.quantization.reason
+    assert quantized.model.cpu_decode is None  # the one-call step has dense MLPs only
+    moes = [layer.mlp for layer in quantized.model.layers if isinstance(layer.mlp, QuantizedMoE)]
+    assert len(moes) == (2 if arch == "mixtral" else 1)  # Qwen3-MoE's layer 1 is dense
+    gate_up = moes[0].gate_up[1].qweight
+    assert [s.qtype for s in gate_up.segments] == [2, 3]  # Q4_0 gate rows, then Q4_1 up rows
+    assert moes[0].down[1].qweight.segments[0].qtype == 8  # Q8_0
+    assert moes[0].gate.dtype == torch.float32
+    dequantized = _runner(path, quantization="none")
+    worst = 0.0
+    for prompt in ([7, 9, 11], list(range(3, 40))):
+        decoded, tokens = _logits(quantized, [prompt], 6)
+        want = _all_position_logits(dequantized, prompt + tokens["0"][:-1])
+        prefill = _all_position_logits(quantized, prompt + tokens["0"][:-1])
+        worst = max(worst, float((decoded - want[len(prompt) - 1 :]).abs().max()), float((prefill - want).abs().max()))
+    assert worst < MOE_LOGIT_BOUND, worst

@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h i", "\u0120 t"]
 
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
 _LAYER = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -34,6 +34,7 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",  # an MoE router
 }
 
 
@@ -52,6 +53,23 @@ def _gguf_name(hf: str) -> str:
     _, _, layer, rest = hf.split(".", 3)
     module, _, kind = rest.rpartition(".")
     return f"blk.{layer}.{_LAYER[module]}.{kind}"
+
+
+def _tensors(model):
+    """``(HF-ish name, float32 array)`` of ``model``'s weights; transformers' stacked MoE experts
+    (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) as llama.cpp's
+    ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (given as GGUF names)."""
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy().copy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            layer = name.split(".")[2]
+            half = a.shape[1] // 2
+            yield f"blk.{layer}.ffn_gate_exps.weight", a[:, :half].copy()
+            yield f"blk.{layer}.ffn_up_exps.weight", a[:, half:].copy()
+        elif name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", a
+        else:
+            yield name, a
 
 
 def _tokens(vocab: int) -> list[str]:
@@ -120,7 +138,7 @@ def quantize_blocks(a: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str | None] = False) -> Path:
-    """Write ``model`` (a transformers Llama/Qwen2/Qwen3) as a GGUF file at ``path``. With
+    """Write ``model`` (a transformers Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE) as a GGUF file at ``path``. With
     ``quantize`` every 2-D weight is quantized: to Q8_0 (True), to the type named, or to what
     the callable returns for its GGUF name (None: float32)."""
     import gguf
@@ -149,24 +167,32 @@ def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str 
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    for name, t in model.state_dict().items():
+    experts = getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+    for name, a in _tensors(model):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        a = t.detach().float().numpy().copy()
         if arch == "llama" and name.endswith("q_proj.weight"):
             a = permute(a, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = permute(a, cfg.num_key_value_heads)
+        gname = name if name.startswith("blk.") else _gguf_name(name)
         qtype = (
-            (quantize(_gguf_name(name)) if callable(quantize) else "Q8_0" if quantize is True else quantize or None)
-            if a.ndim == 2
+            (quantize(gname) if callable(quantize) else "Q8_0" if quantize is True else quantize or None)
+            if a.ndim in (2, 3)
             else None
         )
-        if qtype:
-            q = quantize_blocks(a, qtype)
-            w.add_tensor(_gguf_name(name), q, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+        if qtype:  # a stacked [E, rows, k] tensor: each expert's rows of blocks
+            q = quantize_blocks(a.reshape(-1, a.shape[-1]), qtype)
+            q = q.reshape(*a.shape[:-1], q.shape[-1])
+            w.add_tensor(gname, q, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
         else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
+            w.add_tensor(gname, np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

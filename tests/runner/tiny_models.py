@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama / Qwen2 / Qwen3 checkpoints built with transformers (test helper)."""
+"""Tiny random-weight Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE checkpoints built with transformers
+(test helper)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,30 @@ def hf_config(arch: str, **sizes):
         return tf.Qwen2Config(**TINY, tie_word_embeddings=False, rope_theta=1e6)
     if arch == "qwen3":
         return tf.Qwen3Config(**{**TINY, "num_attention_heads": 4}, head_dim=32, tie_word_embeddings=True)
+    if arch == "mixtral":  # 4 experts, top 2; the intermediate size is each expert's
+        return tf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "qwen3-moe":  # 8 experts of 32 features, top 2 unnormalised; layer 1 dense
+        return tf.Qwen3MoeConfig(
+            **TINY,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        )
+    if arch == "qwen3-moe-norm":  # top 2 renormalised (norm_topk_prob); decoder_sparse_step 2: layer 0 dense
+        return tf.Qwen3MoeConfig(
+            **TINY,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        )
     raise KeyError(arch)
 
 

@@ -299,7 +299,9 @@ class ParallelConfig(Section):
     )
     enable_expert_parallel: bool = field(
         False,
-        "Use expert parallelism for MoE layers (accepted for vLLM parity; no MoE model ships yet).",
+        "MoE models (Mixtral, Qwen3-MoE) under tensor parallelism: each rank holds num_experts / tp "
+        "whole experts instead of a 1/tp slice of every expert's features (vLLM's expert parallelism "
+        "over the TP group; num_experts must divide by tp). No effect on dense models or at tp 1.",
         aliases=("--enable-expert-parallel", "-ep"),
     )
     enable_elastic_ep: bool = field(

@@ -95,7 +95,7 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
     if m.trust_remote_code:
         problems.append(
             "model.trust_remote_code: true is refused: pkgd never runs code shipped with a "
-            "model; use a supported architecture (Llama, Qwen2, Qwen3)"
+            "model; use a supported architecture (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE)"
         )
     if f.headless and f.api_server_count:
         problems.append(
@@ -169,6 +169,11 @@ def _serve_plan(cfg: VllmConfig) -> ServePlan:
             "supports a single API server"
         )
         count = 1
+    if p.enable_expert_parallel and p.tp == 1 and p.dp > 1:
+        warnings.append(
+            "parallel.enable_expert_parallel splits MoE experts across the tensor-parallel group only "
+            f"(parallel.tp is 1): each of the {p.dp} data-parallel engines holds every expert"
+        )
     if count and not f.uds and not f.api_keys and not _is_loopback(f.host):
         warnings.append(
             f"frontend.host: {f.host} accepts connections from other machines and frontend.api_keys "

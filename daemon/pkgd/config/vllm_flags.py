@@ -30,7 +30,10 @@ from typing import Any
 _NO_LORA = "pkgd serves no LoRA adapters"
 _NO_MM = "pkgd serves text-only models (no multimodal inputs)"
 _NO_SPEC = "pkgd has no speculative decoding"
-_NO_MOE = "no MoE model is supported, so there is no expert placement to configure"
+_NO_MOE = (
+    "pkgd places MoE experts one way (parallel.enable_expert_parallel: a contiguous num_experts / tp "
+    "per rank) with one kernel path, and has no expert load balancing or routed-expert output"
+)
 _NO_CP = "pkgd has no context parallelism (tensor and data parallelism only)"
 _NO_GRAPHS = "pkgd runs PyTorch eagerly and captures no CUDA graphs"
 _NO_COMPILE = "pkgd compiles nothing (no torch.compile, no CUDA graphs)"
@@ -448,7 +451,7 @@ SATISFIED: dict[str, tuple[str, ...]] = {
     _NO_GRAPHS + ": both forms run eagerly": ("--enforce-eager", "--no-enforce-eager"),
     "pkgd tokenizes with the model's Hugging Face fast tokenizer": ("--tokenizer-mode=auto|hf",),
     "the model's config.json is read as Hugging Face's": ("--config-format=auto|hf",),
-    "pkgd runs its own model implementations (Llama, Qwen2, Qwen3)": ("--model-impl=auto|vllm",),
+    "pkgd runs its own model implementations (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE)": ("--model-impl=auto|vllm",),
     "pkgd reads the format from the file: a safetensors directory or a .gguf file": ("--load-format=auto",),
     "logprobs are the raw log-softmax of the model's logits": ("--logprobs-mode=raw_logprobs",),
     "tensor-parallel workers and engine cores are separate processes on this node": (

@@ -19,6 +19,11 @@ llama.cpp's Q/K row permutation undone. llama.cpp's ``convert_hf_to_gguf.py``
 (``LlamaModel.permute``) reorders each head's rows from HF's rotate-half layout to interleaved
 pairs, ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``; `unpermute_qk` is its
 inverse. Qwen2/Qwen3 files are written without the permutation.
+
+MoE files (Mixtral, written as ``llama`` with ``llama.expert_count``; ``qwen3moe``) hold each
+layer's experts stacked, ``ffn_{gate,up,down}_exps [E, ...]``, and the router ``ffn_gate_inp``;
+they are written out under the HF per-expert names (`moe_hf_names`) that the model's loader
+stacks again (`pkgd.runner.loader.gguf_weights` reads the same names when it keeps the blocks).
 """
 
 from __future__ import annotations
@@ -40,6 +45,18 @@ _ARCHES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+}
+# llama.cpp writes Mixtral as a "llama" file with {arch}.expert_count set.
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+
+# MoE tensors (llama.cpp's stacked layout): the router ``ffn_gate_inp [E, H]`` and each stacked
+# ``ffn_{gate,up,down}_exps [E, ...]``, split into the HF per-expert names of the model type:
+# its block prefix and the names of each expert's gate/up/down.
+_EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_MOE_LAYOUT = {
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
 
 _LAYER_NAMES = {
@@ -66,7 +83,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Any = None) -> None:
 
     Raises:
         ModelSourceError: the file is not a readable GGUF, its architecture is not one of
-            llama/qwen2/qwen3, or it uses a feature this converter does not handle.
+            llama/qwen2/qwen3/qwen3moe, or it uses a feature this converter does not handle.
     """
     reader, meta, arch = read_gguf(gguf_path)
     config = gguf_config(meta, arch, {t.name for t in reader.tensors})
@@ -104,7 +121,7 @@ def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], str]:
     """``(reader, metadata, architecture)`` of a GGUF file (`gguf.GGUFReader`, memory-mapped).
 
     Raises:
-        ModelSourceError: not a readable GGUF, or an architecture other than llama/qwen2/qwen3.
+        ModelSourceError: not a readable GGUF, or an architecture other than llama/qwen2/qwen3/qwen3moe.
     """
     from gguf import GGUFReader
 
@@ -187,8 +204,14 @@ def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict
     if model_type == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         cfg["mlp_bias"] = False
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    experts = int(get("expert_count", 0) or 0)
+    if experts:
+        _moe_config(cfg, arch, get, experts)
+        if arch == "qwen3moe":  # a layer without a router keeps a dense MLP
+            layers = range(cfg["num_hidden_layers"])
+            cfg["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
     for key, name in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -198,6 +221,44 @@ def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict
         if value is not None:
             cfg[name] = int(value)
     return cfg
+
+
+def _moe_config(cfg: dict[str, Any], arch: str, get: Any, experts: int) -> None:
+    """The MoE keys of an HF config, from ``{arch}.expert_count`` / ``.expert_used_count`` /
+    ``.expert_feed_forward_length``: a llama file with experts is Mixtral (each expert of
+    ``feed_forward_length``); a qwen3moe file's top-k weights are renormalised (llama.cpp's
+    graph for it always does, unless ``.expert_weights_norm`` says otherwise)."""
+    used = int(get("expert_used_count"))
+    if arch == "llama":
+        cfg["architectures"], cfg["model_type"] = [_MIXTRAL[0]], _MIXTRAL[1]
+        cfg.update(num_local_experts=experts, num_experts_per_tok=used)
+    elif arch == "qwen3moe":
+        cfg.update(
+            num_experts=experts,
+            num_experts_per_tok=used,
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+        )
+    else:
+        raise ModelSourceError(f"GGUF architecture {arch!r} with experts is not supported (Mixtral, Qwen3-MoE are)")
+
+
+def moe_hf_names(gguf_name: str, config: dict[str, Any]) -> list[str] | None:
+    """HF names of an MoE tensor of a GGUF of ``config`` (from `gguf_config`): one for the router
+    ``blk.N.ffn_gate_inp``, one per expert (in order) for a stacked ``blk.N.ffn_*_exps``; None
+    for any other tensor or a dense model."""
+    layout = _MOE_LAYOUT.get(config.get("model_type", ""))
+    m = _BLOCK.match(gguf_name)
+    if layout is None or m is None:
+        return None
+    layer, part, kind = m.groups()
+    prefix = f"model.layers.{layer}.{layout[0]}."
+    if part == "ffn_gate_inp":
+        return [f"{prefix}gate.{kind}"]
+    if part not in _EXPERT_PARTS:
+        return None
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    return [f"{prefix}experts.{e}.{layout[1][_EXPERT_PARTS[part]]}.{kind}" for e in range(experts)]
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -230,13 +291,24 @@ def _dequantized_tensors(
 
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        names = moe_hf_names(t.name, config)
+        name = hf_name(t.name) if names is None else names[0]
         if name is None:
             raise ModelSourceError(f"model source {str(gguf_path)!r}: unexpected GGUF tensor {t.name!r}")
         try:
             arr = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except Exception as e:
             raise ModelSourceError(f"model source {str(gguf_path)!r}: cannot dequantize {t.name} ({e})") from e
+        if names is not None and arr.ndim == 3:  # stacked experts [E, rows, cols]: one tensor each
+            if arr.shape[0] != len(names):
+                raise ModelSourceError(
+                    f"model source {str(gguf_path)!r}: {t.name} stacks {arr.shape[0]} experts, "
+                    f"the metadata says {len(names)}"
+                )
+            out.update((n, np.ascontiguousarray(a)) for n, a in zip(names, arr))
+            if progress is not None:
+                progress.advance()
+            continue
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = unpermute_qk(arr, config["num_attention_heads"])
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):

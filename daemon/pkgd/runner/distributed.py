@@ -16,10 +16,13 @@ from pkgd.config.errors import ModelConfigMismatch
 
 @dataclasses.dataclass(frozen=True)
 class TPGroup:
-    """This process's place in its tensor-parallel group (``rank`` in ``[0, size)``)."""
+    """This process's place in its tensor-parallel group (``rank`` in ``[0, size)``).
+    ``expert_parallel`` (``parallel.enable_expert_parallel``): MoE layers split their experts
+    across the group instead of each expert's features (`pkgd.runner.layers.moe`)."""
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:

@@ -141,7 +141,7 @@ class ModelRunner:
         self.config = config
         self.model_files = model_files
         self.device = device or resolve_device(config.parallel.device)
-        self.tp = TPGroup(rank, world_size)
+        self.tp = TPGroup(rank, world_size, expert_parallel=config.parallel.enable_expert_parallel)
         self.arch: ArchConfig = load_arch_config(model_files.model_dir)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None

@@ -103,7 +103,7 @@ class TPExecutor:
     ) -> None:
         p = config.parallel
         self.world_size = p.tp
-        check_tp_size(load_arch_config(model_files.model_dir), p.tp)  # fail before spawning
+        check_tp_size(load_arch_config(model_files.model_dir), p.tp, p.enable_expert_parallel)  # fail before spawning
         port = p.master_port or free_port(p.master_addr)
         spec: dict[str, Any] = {
             "config": config.to_json_dict(reveal_secrets=True),

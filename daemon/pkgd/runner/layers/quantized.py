@@ -10,7 +10,10 @@ blocks: uint8 ``[out, row_bytes]``, rows already permuted as the model wants the
   ``pkgd_kernels.quant_linear`` (int8 activations; its C form for every batch size: a decode
   step reads ~4.5-6.5 bits a weight, a prefill step runs int8 dot products);
 * `QuantizedLMHead`: the LM head, whose table also serves a tied embedding's lookups
-  (``pkgd_kernels.quant_gather``); `QuantizedEmbedding`: an untied embedding.
+  (``pkgd_kernels.quant_gather``); `QuantizedEmbedding`: an untied embedding;
+* `QuantizedMoE`: an MoE MLP (`pkgd.runner.layers.moe`) whose experts are each a gate/up and a
+  down `QuantizedLinear` (the router stays float32): tokens sorted by expert, each expert that
+  any token chose run once on its contiguous run of tokens.
 
 They are tensor-parallel size 1 only (the runner keeps the float path for TP). The packed bytes
 are a uint8 parameter (``qdata``), so the runner's huge-page pass covers them;
@@ -19,12 +22,13 @@ are a uint8 parameter (``qdata``), so the runner's huge-page pass covers them;
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 import pkgd_kernels as pk
+from pkgd.runner.layers.moe import MoELayer
 from pkgd_kernels.quant_layout import QuantWeight, pack_gguf_rows
 
 
@@ -163,3 +167,62 @@ class QuantizedEmbedding(_Packed):
 
     def load(self, tensor: torch.Tensor) -> None:
         self._take(0, tensor, "embedding")
+
+
+class QuantizedMoE(MoELayer):
+    """An MoE MLP on quantized experts (`MoELayer`'s interface; tensor-parallel size 1).
+
+    Args:
+        moe: the float layer it replaces (a `pkgd.runner.layers.moe.FusedMoE`: sizes, routing).
+        qtypes: the GGML type of each expert part ("gate", "up", "down"), one per stacked tensor.
+
+    ``forward(h [T, H] float32) -> [T, H] float32``: `MoELayer.route` on the float32 router, the
+    ``T * k`` (token, slot) pairs stable-sorted by expert, then for each expert with pairs one
+    ``down(silu(gate(x)) * up(x))`` on its run (``pkgd_kernels.quant_linear``), weighted and
+    scatter-added back into token order. A loop over the experts hit, never over tokens.
+    """
+
+    def __init__(self, moe: Any, qtypes: dict[str, int], kernels=None) -> None:
+        if moe.tp.size != 1:
+            raise ValueError("quantized weights are for tensor-parallel size 1")
+        hidden, inter = moe.w13.shape[2], moe.intermediate_size
+        super().__init__(moe.num_experts, moe.top_k, hidden, renormalize=moe.renormalize, dtype=torch.float32)
+        self.kernels = kernels
+        self.num_local_experts, self.first_expert, self.intermediate_size = moe.num_experts, 0, inter
+        self.gate_up = nn.ModuleList(
+            QuantizedLinear(hidden, [inter, inter], [qtypes["gate"], qtypes["up"]], bias=False, kernels=kernels)
+            for _ in range(moe.num_experts)
+        )
+        self.down = nn.ModuleList(
+            QuantizedLinear(inter, [hidden], [qtypes["down"]], bias=False, kernels=kernels)
+            for _ in range(moe.num_experts)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(h)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        pairs = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = pairs[start : start + n]
+                tok = rows // k
+                act = pk.silu_and_mul(self.gate_up[e](h[tok]), kernels=self.kernels)
+                y = self.down[e](act)
+                out.index_add_(0, tok, y.float() * weights.reshape(-1)[rows, None])
+            start += n
+        return out.to(h.dtype)
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """One expert's GGUF rows of blocks: ``part`` "gate" / "up" (``[I, row bytes]``) or "down"."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is outside [0, {self.num_experts})")
+        if part == "down":
+            cast(QuantizedLinear, self.down[expert]).load(tensor)
+        elif part in ("gate", "up"):
+            cast(QuantizedLinear, self.gate_up[expert]).load_part(0 if part == "gate" else 1, tensor)
+        else:
+            raise ValueError(f"unknown expert part {part!r}")

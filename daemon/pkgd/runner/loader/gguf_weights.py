@@ -2,12 +2,13 @@
 
 `choose_quantization` is the one place that decides: ``auto`` keeps the file's quantized
 blocks when every tensor can stay so (each 2-D weight of a type `pkgd_kernels.quant_layout`
-reads, norms and biases in float) and the C kernels for them load, on CPU without tensor
-parallelism; otherwise, and for ``none``, the runner loads the dequantized float weights
-(`pkgd.model_files.resolve.ensure_float_weights`). The choice and its reason are logged.
+reads, norms and biases in float; an MoE router is dequantized) and the C kernels for them load,
+on CPU without tensor parallelism; otherwise, and for ``none``, the runner loads the dequantized
+float weights (`pkgd.model_files.resolve.ensure_float_weights`). The choice and its reason are
+logged.
 
-`load_quantized_model` builds the model, swaps its linears, LM head and embedding for the
-layers of `pkgd.runner.layers.quantized`, and feeds the GGUF tensors through the model's own
+`load_quantized_model` builds the model, swaps its linears, MoE MLPs, LM head and embedding for
+the layers of `pkgd.runner.layers.quantized`, and feeds the GGUF tensors through the model's own
 ``load_weights`` (HF names, llama.cpp's Q/K row permutation undone on the rows of blocks, as
 the float conversion does on floats), read from the memory-mapped file.
 """
@@ -24,15 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from pkgd.model_files.gguf_convert import hf_name, permutes_qk, read_gguf_tensors, unpermute_qk
-from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead
+from pkgd.model_files.gguf_convert import hf_name, moe_hf_names, permutes_qk, read_gguf_tensors, unpermute_qk
+from pkgd.runner.layers.moe import MoELayer
+from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead, QuantizedMoE
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
 from pkgd_kernels.quant_layout import BLOCK, GROUP_ROWS, QTYPE_NAMES, supports
 
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 # Parts of fused projections: every part but the last of a fused weight starts a 16-row group.
-_FUSED_PARTS = ("q_proj", "k_proj", "gate_proj")
+_FUSED_PARTS = ("q_proj", "k_proj", "gate_proj", "ffn_gate_exps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +59,33 @@ class GGUFWeights:
         self.cfg = cfg
         tensors, arch = read_gguf_tensors(path)
         self._permute = permutes_qk(arch)
-        self.tensors = {hf_name(t.name) or t.name: t for t in tensors}
-        self._unknown = [t.name for t in tensors if hf_name(t.name) is None]
+        # An MoE router under its HF name; stacked experts under their GGUF name, with the HF
+        # names of the experts they hold (`__iter__` yields one tensor per expert).
+        self._experts: dict[str, list[str]] = {}
+        self._routers: set[str] = set()
+        self.tensors: dict[str, Any] = {}
+        self._unknown: list[str] = []
+        for t in tensors:
+            moe = moe_hf_names(t.name, cfg.raw)
+            if moe is not None and t.name.split(".")[2] == "ffn_gate_inp":
+                self._routers.add(moe[0])
+                self.tensors[moe[0]] = t
+            elif moe is not None:
+                self._experts[t.name] = moe
+                self.tensors[t.name] = t
+            else:
+                name = hf_name(t.name)
+                self.tensors[name or t.name] = t
+                if name is None:
+                    self._unknown.append(t.name)
 
     def qtype(self, name: str) -> int:
         """GGML type id of tensor ``name`` (HF name)."""
         return int(self.tensors[name].tensor_type)
+
+    def num_items(self) -> int:
+        """How many ``(name, tensor)`` pairs `__iter__` yields (stacked experts one per expert)."""
+        return len(self.tensors) + sum(len(names) - 1 for names in self._experts.values())
 
     def tensor_types(self) -> dict[str, int]:
         return dict(collections.Counter(_type_name(int(t.tensor_type)) for t in self.tensors.values()))
@@ -72,6 +95,8 @@ class GGUFWeights:
         out = [f"{name} has no counterpart in the model" for name in self._unknown]
         for name, t in self.tensors.items():
             qt, shape = int(t.tensor_type), [int(d) for d in reversed(t.shape)]
+            if name in self._routers:
+                continue  # dequantized to float32 whatever its type
             if len(shape) == 1:
                 if qt not in _FLOAT_TYPES:
                     out.append(f"{t.name} (1-D) is {_type_name(qt)}")
@@ -79,8 +104,8 @@ class GGUFWeights:
                 out.append(f"{t.name} is {_type_name(qt)}, a type the quantized kernels do not read")
             elif not supports(qt, shape[-1]):
                 out.append(f"{t.name} has {shape[-1]} inputs per row, not a multiple of {BLOCK[qt]}")
-            elif name.rsplit(".", 2)[-2] in _FUSED_PARTS and shape[0] % GROUP_ROWS:
-                out.append(f"{t.name} has {shape[0]} rows, not a multiple of {GROUP_ROWS} (a fused projection's part)")
+            elif name.rsplit(".", 2)[-2] in _FUSED_PARTS and shape[-2] % GROUP_ROWS:
+                out.append(f"{t.name} has {shape[-2]} rows, not a multiple of {GROUP_ROWS} (a fused projection's part)")
         return out
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -91,10 +116,14 @@ class GGUFWeights:
         c = self.cfg
         for name, t in self.tensors.items():
             qt = int(t.tensor_type)
-            if qt in QTYPE_NAMES:
+            if qt in QTYPE_NAMES and name not in self._routers:
                 a = np.asarray(t.data)
             else:
                 a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            if name in self._experts:  # [E, rows, ...]: each expert's rows
+                for expert_name, rows in zip(self._experts[name], a):
+                    yield expert_name, torch.from_numpy(np.array(rows, copy=True))
+                continue
             if self._permute and ".q_proj." in name:
                 a = unpermute_qk(a, c.num_attention_heads)
             elif self._permute and ".k_proj." in name:
@@ -182,7 +211,7 @@ def load_quantized_model(cfg: ArchConfig, weights: GGUFWeights, *, kernels: Any,
     _swap_layers(model, weights, kernels)
     tensors: Iterator[tuple[str, torch.Tensor]] = iter(weights)
     if progress is not None:
-        progress.set_total(len(weights.tensors) + 1)
+        progress.set_total(weights.num_items() + 1)
         tensors = _counted(tensors, progress)
     with torch.no_grad():
         model.load_weights(tensors)
@@ -212,6 +241,10 @@ def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
             attn.qkv_proj, [weights.qtype(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
         )
         attn.o_proj = QuantizedLinear.replacing(attn.o_proj, [weights.qtype(p + "self_attn.o_proj.weight")])
+        if isinstance(mlp, MoELayer):
+            parts = ("gate", "up", "down")
+            layer.mlp = QuantizedMoE(mlp, {x: weights.qtype(f"blk.{i}.ffn_{x}_exps.weight") for x in parts}, kernels)
+            continue
         mlp.gate_up_proj = QuantizedLinear.replacing(
             mlp.gate_up_proj, [weights.qtype(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
         )

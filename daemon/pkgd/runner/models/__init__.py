@@ -8,8 +8,10 @@ import importlib
 # HF architectures name -> "module:class" (imported on use).
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "pkgd.runner.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "pkgd.runner.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "pkgd.runner.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pkgd.runner.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "pkgd.runner.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,4 +1,5 @@
-"""Llama (Touvron et al., 2023) for the paged KV cache; also the base of Qwen2 and Qwen3.
+"""Llama (Touvron et al., 2023) for the paged KV cache; also the base of Qwen2 and Qwen3, and of
+the MoE families (Mixtral, Qwen3-MoE), whose layers build their own MLP (`LlamaDecoderLayer.build_mlp`).
 
 Pre-norm decoder: ``h += attn(rms_norm(h)); h += mlp(rms_norm(h))`` with the residual adds
 fused into the next norm (`RMSNorm` with a residual), GQA attention with RoPE, SwiGLU MLP,
@@ -31,6 +32,7 @@ from pkgd.runner.attention import AttentionMetadata, KVCache, paged_attention
 from pkgd.runner.distributed import SINGLE, TPGroup
 from pkgd.runner.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pkgd.runner.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pkgd.runner.layers.moe import check_moe_tp_size, moe_sizes
 from pkgd.runner.layers.norm import RMSNorm
 from pkgd.runner.layers.rotary import RotaryEmbedding, to_interleaved
 from pkgd.runner.models.config import ArchConfig
@@ -56,12 +58,15 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, int]:
     return 1, num_kv_heads
 
 
-def check_tp_size(cfg: ArchConfig, tp_size: int) -> None:
-    """Raise `ValueError` naming the first size ``tp_size`` ranks cannot split evenly."""
-    tp = TPGroup(0, tp_size)
+def check_tp_size(cfg: ArchConfig, tp_size: int, expert_parallel: bool = False) -> None:
+    """Raise `ValueError` naming the first size ``tp_size`` ranks cannot split evenly (an MoE
+    model's experts or their features by ``expert_parallel``, `pkgd.runner.layers.moe`)."""
+    tp = TPGroup(0, tp_size, expert_parallel)
     tp.shard(cfg.num_attention_heads, "num_attention_heads")
     kv_heads_per_rank(cfg.num_key_value_heads, tp)
-    tp.shard(cfg.intermediate_size, "intermediate_size")
+    check_moe_tp_size(cfg.raw, cfg.intermediate_size, tp)
+    if not moe_sizes(cfg.raw, cfg.intermediate_size)[0] or "moe_intermediate_size" in cfg.raw:
+        tp.shard(cfg.intermediate_size, "intermediate_size")  # the dense MLPs'
     tp.shard(cfg.vocab_size, "vocab_size")
 
 
@@ -130,10 +135,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(cfg, tp, dtype, kernels)
-        self.mlp = LlamaMLP(cfg, tp, dtype, kernels)
+        self.mlp = self.build_mlp(cfg, tp, dtype, kernels, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
@@ -145,6 +150,10 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, positions, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def build_mlp(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels, layer_idx: int) -> nn.Module:
+        """The layer's MLP (``forward(h [T, H]) -> [T, H]``): SwiGLU here; MoE families override."""
+        return LlamaMLP(cfg, tp, dtype, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -169,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
         )
         tied = self.lm_head.embedding_rows if cfg.tie_word_embeddings else None
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp, dtype=dtype, tied_rows=tied)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, tp, dtype, kernels) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.layer_cls(cfg, tp, dtype, kernels, layer_idx=i) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         # Q/K rows are loaded in the adjacent-pair layout (`to_interleaved`): GPT-J-style RoPE.
         self.rotary_emb = RotaryEmbedding(
@@ -238,10 +249,14 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
             names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+            names += self._mlp_names(p, layer)
             if layer.self_attn.qk_norm:
                 names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return names
+
+    def _mlp_names(self, prefix: str, layer: LlamaDecoderLayer) -> list[str]:
+        """The checkpoint names of ``layer``'s MLP weights (``prefix``: ``model.layers.{i}.``)."""
+        return [prefix + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
 
     def _load_one(self, name: str, t: torch.Tensor) -> str | None:
         if "rotary_emb" in name:
@@ -263,8 +278,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         idx_str, _, rest = name[len("model.layers.") :].partition(".")
         layer = cast(LlamaDecoderLayer, self.layers[int(idx_str)])  # built from layer_cls
-        _load_layer(layer, rest, self._to_pair_layout(rest, t), name)
+        self._load_layer_tensor(layer, rest, self._to_pair_layout(rest, t), name)
         return name
+
+    def _load_layer_tensor(self, layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name: str) -> None:
+        """Load one tensor of a decoder layer (``rest``: its name after ``model.layers.{i}.``);
+        MoE families take their MLP tensors here first."""
+        _load_layer(layer, rest, t, full_name)
 
     def _to_pair_layout(self, rest: str, t: torch.Tensor) -> torch.Tensor:
         """Q/K projection rows (and QK-norm weights) in the adjacent-pair RoPE layout."""
@@ -284,16 +304,17 @@ _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 def _load_layer(layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name: str) -> None:
     module, _, kind = rest.rpartition(".")
     group, _, proj = module.partition(".")
+    mlp = layer.mlp if isinstance(layer.mlp, LlamaMLP) else None  # None: an MoE layer's
     if group == "self_attn" and proj in _QKV:
         layer.self_attn.qkv_proj.load_part(_QKV[proj], t, kind)
     elif group == "self_attn" and proj == "o_proj":
         layer.self_attn.o_proj.load(t, kind)
     elif group == "self_attn" and proj in ("q_norm", "k_norm") and layer.self_attn.qk_norm:
         _copy(getattr(layer.self_attn, proj).weight, t, full_name)
-    elif group == "mlp" and proj in _GATE_UP:
-        layer.mlp.gate_up_proj.load_part(_GATE_UP[proj], t, kind)
-    elif group == "mlp" and proj == "down_proj":
-        layer.mlp.down_proj.load(t, kind)
+    elif group == "mlp" and proj in _GATE_UP and mlp is not None:
+        mlp.gate_up_proj.load_part(_GATE_UP[proj], t, kind)
+    elif group == "mlp" and proj == "down_proj" and mlp is not None:
+        mlp.down_proj.load(t, kind)
     elif module in ("input_layernorm", "post_attention_layernorm") and kind == "weight":
         _copy(getattr(layer, module).weight, t, full_name)
     else:

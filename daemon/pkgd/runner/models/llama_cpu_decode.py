@@ -15,6 +15,8 @@ loader refuses it (the per-layer forward runs) when they disagree.
 
 It serves a step when all of these hold, else the model's per-layer forward runs:
 
+* every layer's MLP the dense SwiGLU one (an MoE model's routed experts are not in the C step:
+  such a model runs its per-layer forward);
 * CPU, float32 or bfloat16 model, no tensor parallelism, the C kernels loaded (bf16 weights:
   the GEMVs multiply by the handle's `pkgd_kernels.cpu.CpuKernels.bf16_impl`, the residual
   stream and everything between GEMVs stay float32);
@@ -244,6 +246,8 @@ class CpuDecodeStep:
         kernels = model.kernels
         if kernels is None or model.dtype not in _WEIGHT_DTYPES or model.tp.size != 1 or model.norm.weight.is_cuda:
             return None
+        if any(getattr(layer.mlp, "gate_up_proj", None) is None for layer in model.layers):
+            return None  # MoE layers (pkgd.runner.layers.moe): the C step has dense MLPs only
         attn = model.layers[0].self_attn
         if attn.head_dim % 16 or attn.num_heads > 256 or attn.num_heads % attn.num_kv_heads:
             return None
