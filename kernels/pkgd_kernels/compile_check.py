@@ -104,6 +104,7 @@ def _run_ops(dtype: torch.dtype, head_dim: int) -> None:
     K.fused_add_rms_norm_triton(x, rand(num_tokens, hidden), rand(hidden), 1e-6)
     K.rms_norm_triton(rand(2, 8192), rand(8192), 1e-6)  # two-pass rows
     K.silu_and_mul_triton(rand(num_tokens, 2 * hidden))
+    K.gelu_tanh_and_mul_triton(rand(num_tokens, 2 * hidden))
     table = torch.randn(4096, head_dim, dtype=torch.float32)
     for is_neox in (True, False):
         K.rotary_embedding_triton(

@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama / Qwen2 / Qwen3 checkpoints built with transformers (test helper)."""
+"""Tiny random-weight checkpoints of every supported family, built with transformers (test
+helper)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,26 @@ def hf_config(arch: str, **sizes):
         return tf.Qwen2Config(**TINY, tie_word_embeddings=False, rope_theta=1e6)
     if arch == "qwen3":
         return tf.Qwen3Config(**{**TINY, "num_attention_heads": 4}, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":  # a window of 8 tokens: the tests' longer prompts cross it
+        return tf.MistralConfig(**TINY, sliding_window=8, tie_word_embeddings=False)
+    if arch == "phi3":  # fused qkv / gate_up, a window of 8 tokens, partial rotary
+        return tf.Phi3Config(
+            **TINY, sliding_window=8, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=2
+        )
+    if arch == "phi3-longrope":  # LongRoPE; the short factors (and attention factor) up to 64
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+        head_half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+        rope["short_factor"] = [1.0 + 0.1 * i for i in range(head_half)]
+        rope["long_factor"] = [2.0 + 0.5 * i for i in range(head_half)]
+        return tf.Phi3Config(
+            **TINY, original_max_position_embeddings=64, rope_parameters=rope, pad_token_id=0, eos_token_id=1,
+            bos_token_id=2,
+        )  # fmt: skip
+    if arch == "gemma2":  # local (window 8) / global layers, both soft-caps, GeGLU
+        return tf.Gemma2Config(
+            **{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        )  # fmt: skip
     raise KeyError(arch)
 
 

@@ -7,7 +7,10 @@ import importlib
 
 # HF architectures name -> "module:class" (imported on use).
 MODEL_REGISTRY: dict[str, str] = {
+    "Gemma2ForCausalLM": "pkgd.runner.models.gemma2:Gemma2ForCausalLM",
     "LlamaForCausalLM": "pkgd.runner.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pkgd.runner.models.mistral:MistralForCausalLM",
+    "Phi3ForCausalLM": "pkgd.runner.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "pkgd.runner.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pkgd.runner.models.qwen3:Qwen3ForCausalLM",
 }
