@@ -1,4 +1,4 @@
-"""The dense families beyond Llama/Qwen (Mistral, Phi-3, Gemma 2, Gemma 3) against transformers,
+"""The dense families beyond Llama/Qwen (Mistral, Phi-3, Gemma 2, Gemma 3 text) against transformers,
 on tiny random-weight checkpoints (`tests.runner.tiny_models`), in float32 and bfloat16.
 
 Each case runs three prompts as one batch through the paged cache: a short one and two longer
@@ -12,12 +12,12 @@ every sampled position's logits must lie within `TOL` of the logits ``generate``
 rotation transformers picks by the length of each forward). A prefix-cache hit (a request whose first blocks another
 request computed) must give the same last logits as transformers.
 
-Tolerances: float32 1e-4 (summation order only; measured <= 4e-6). bfloat16 0.15 absolute on
+Tolerances: float32 1e-4 (summation order only; measured <= 1e-5). bfloat16 0.1 absolute on
 logits of magnitude <= 3: both sides round every matmul output and norm to 8 significant bits,
-in different orders (measured max 0.03 for Mistral and Phi-3, 0.10 for Gemma 2, whose four
-norms per layer and soft-caps round more; against transformers in float32 pkgd's bfloat16
-stays within 0.08 there). Greedy texts in bfloat16 may part at a near-tie, which is why
-a flip is allowed where transformers' own two logits lie within 2 x `TOL`.
+in different orders (measured max 0.03 for Mistral and Phi-3, 0.05 for Gemma 2 and 3, about
+what transformers' own bfloat16 differs from its float32 by). Greedy texts in bfloat16 may
+part at a near-tie, which is why a flip is allowed where transformers' own two logits lie
+within 2 x `TOL` (then that request's comparison ends).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from tests.runner.factory import LogitsRecorder, make_runner
 
 from pkgd.sampling_params import SamplingParams
 
-ARCHES = ["mistral", "phi3", "phi3-longrope", "gemma2"]
-WINDOWED = ["mistral", "phi3", "gemma2"]  # families whose tiny config has a sliding window
+ARCHES = ["mistral", "phi3", "phi3-longrope", "gemma2", "gemma3"]
+WINDOWED = ["mistral", "phi3", "gemma2", "gemma3"]  # families whose tiny config has a sliding window
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TOL = {"float32": 1e-4, "bfloat16": 0.15}
+TOL = {"float32": 1e-4, "bfloat16": 0.1}
 NEW_TOKENS = 8
 PROMPT_LENS = (5, 19, 30)
 

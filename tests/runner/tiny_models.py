@@ -63,6 +63,16 @@ def hf_config(arch: str, **sizes):
             **{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
             attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
         )  # fmt: skip
+    if arch == "gemma3":  # QK-norm, two RoPE tables (the global one scaled), local/local/global
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        }
+        return tf.Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3}, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_parameters=rope,
+            final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        )  # fmt: skip
     raise KeyError(arch)
 
 
@@ -76,8 +86,8 @@ def build_tiny(arch: str, out_dir: Path, seed: int = 0, **sizes):
     model = tf.AutoModelForCausalLM.from_config(hf_config(arch, **sizes), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # Gemma's norms scale by 1 + w: w near 0, the scale near 1 again
+                p.copy_((0.0 if arch.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
     model.save_pretrained(out_dir)

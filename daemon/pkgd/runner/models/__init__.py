@@ -8,6 +8,7 @@ import importlib
 # HF architectures name -> "module:class" (imported on use).
 MODEL_REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "pkgd.runner.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pkgd.runner.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "pkgd.runner.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pkgd.runner.models.mistral:MistralForCausalLM",
     "Phi3ForCausalLM": "pkgd.runner.models.phi3:Phi3ForCausalLM",
