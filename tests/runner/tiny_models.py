@@ -28,10 +28,11 @@ LLAMA3_ROPE = {
 
 
 def hf_config(arch: str, **sizes):
-    """The transformers config of a tiny ``arch``; ``sizes`` override `TINY`'s."""
+    """The transformers config of a tiny ``arch``; ``sizes`` override `TINY`'s (for Gemma, any
+    of its config's keys)."""
     import transformers as tf
 
-    TINY = {**globals()["TINY"], **sizes}
+    TINY = {**globals()["TINY"], **{k: v for k, v in sizes.items() if k in globals()["TINY"]}}
 
     if arch == "llama":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
@@ -59,20 +60,21 @@ def hf_config(arch: str, **sizes):
             bos_token_id=2,
         )  # fmt: skip
     if arch == "gemma2":  # local (window 8) / global layers, both soft-caps, GeGLU
-        return tf.Gemma2Config(
-            **{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
-            attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        )  # fmt: skip
+        return tf.Gemma2Config(**{
+            **TINY, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": 0, "eos_token_id": 1,
+            "bos_token_id": 2, **sizes,
+        })  # fmt: skip
     if arch == "gemma3":  # QK-norm, two RoPE tables (the global one scaled), local/local/global
         rope = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
         }
-        return tf.Gemma3TextConfig(
-            **{**TINY, "num_hidden_layers": 3}, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_parameters=rope,
-            final_logit_softcapping=3.0, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        )  # fmt: skip
+        return tf.Gemma3TextConfig(**{
+            **TINY, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "rope_parameters": rope,
+            "final_logit_softcapping": 3.0, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **sizes,
+        })  # fmt: skip
     raise KeyError(arch)
 
 
