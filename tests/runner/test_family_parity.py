@@ -93,10 +93,13 @@ def _run_batch(runner, prompts: dict[str, list[int]], chunk: int | None) -> dict
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole-prompt", "chunked-prefill"])
-def test_greedy_batch_matches_transformers_generate(tiny_dirs, hf_in_dtype, arch, dtype, chunk):
+def test_greedy_batch_matches_transformers_generate(tiny_dirs, hf_in_dtype, arch, dtype, chunk, cpu_path):
+    """On both CPU paths: with the C kernels (C decode attention where no window cuts) and
+    PyTorch's forms only."""
     model_dir, hf32 = tiny_dirs(arch)
     hf = hf_in_dtype(hf32, arch, dtype)
     runner = make_runner(model_dir, dtype=dtype)
+    assert (runner.cpu_kernels is not None) == (cpu_path is not None)
     prompts = {f"p{n}": _prompt(n, n) for n in PROMPT_LENS}
     results = _run_batch(runner, prompts, chunk)
     worst = 0.0
