@@ -19,6 +19,7 @@ rms_norm                 RMSNorm (:mod:`.norm`; C form)
 fused_add_rms_norm       residual add, then RMSNorm (C form)
 rotary_embedding         RoPE on query and key, NeoX or GPT-J pairing (:mod:`.rotary`)
 silu_and_mul             SwiGLU gate (:mod:`.activation`)
+gelu_tanh_and_mul        GeGLU gate, GELU's tanh form (:mod:`.activation`)
 top_k_top_p_mask         top-k / top-p logit filtering (:mod:`.sampling`)
 gemv_packed              ``x @ W^T`` for a few rows on oneDNN's packed weight (:mod:`.packed`;
                          CPU only: ``_ref`` and C form)
@@ -37,6 +38,10 @@ pkgd_kernels.compile_check`` (compile every kernel for sm_90/sm_80 without a GPU
 """
 
 from pkgd_kernels.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_cpu,
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
     silu_and_mul,
     silu_and_mul_cpu,
     silu_and_mul_ref,
@@ -90,6 +95,7 @@ OPS = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "top_k_top_p_mask",
 )
 """Ops on every device: each has ``<name>``, ``<name>_ref``, ``<name>_cpu`` and ``<name>_triton``."""

@@ -9,8 +9,12 @@ sequence's keys including this step's tokens, which ``reshape_and_cache`` has al
 Grouped-query attention (Ainslie et al. 2023): query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``.
 
-``out[t, h] = softmax(scale * q[t, h] . K[s]^T over keys 0..pos(t)) @ V[s]``, with softmax in
-float32 and the result rounded to the query dtype. The Triton kernels compute it in one pass
+``out[t, h] = softmax(cap(scale * q[t, h] . K[s]^T) over keys 0..pos(t)) @ V[s]``, with softmax
+in float32 and the result rounded to the query dtype. Two options every form takes (after ``scale``,
+0 = off): ``sliding_window`` W keeps only keys ``j > pos(t) - W``, the last W positions up to
+the query's own (Mistral, Gemma 2/3's local layers; transformers' ``sliding_window_overlay``);
+``soft_cap`` c makes ``cap(x) = c * tanh(x / c)`` (Gemma 2's attention-logit soft-capping,
+Gemma Team 2024), else ``cap(x) = x``. The Triton kernels compute it in one pass
 over the keys with FlashAttention's online softmax (Dao et al. 2022; Milakov & Gimelshein 2018);
 the references gather the keys densely and take an ordinary softmax. A sequence with no keys
 (``seq_lens[s] == 0``, e.g. a padded batch slot) yields zeros.
@@ -75,6 +79,13 @@ def _check_common(
         raise ValueError(f"{op}: scale must be finite, got {scale}")
 
 
+def _check_options(op: str, sliding_window: int, soft_cap: float) -> None:
+    if sliding_window < 0:
+        raise ValueError(f"{op}: sliding_window must be >= 0 (0 = none), got {sliding_window}")
+    if not math.isfinite(soft_cap) or soft_cap < 0:
+        raise ValueError(f"{op}: soft_cap must be finite and >= 0 (0 = none), got {soft_cap}")
+
+
 def _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache=False) -> None:
     _check_common(_DECODE, query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache)
     check_shape(_DECODE, "seq_lens", seq_lens, [query.shape[0]])
@@ -128,8 +139,10 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Ten
     return dense[:, :length].view(num_seqs, length, num_kv_heads, head_dim)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked softmax attention in float32.
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, soft_cap: float = 0.0
+) -> torch.Tensor:
+    """Masked softmax attention in float32 (scores soft-capped when ``soft_cap``).
 
     Args:
         q: ``[B, Q, Hq, D]``; k, v: ``[B, L, Hkv, D]``; mask: bool ``[B, Q, L]`` (True = attend).
@@ -149,6 +162,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     for h in range(num_kv_heads):
         rows = q[:, :, h * group : (h + 1) * group].reshape(batch, num_q * group, head_dim)
         scores = torch.bmm(rows, k[:, :, h].transpose(1, 2)).mul_(scale)
+        if soft_cap:
+            scores = scores.div_(soft_cap).tanh_().mul_(soft_cap)
         probs = scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
         probs = probs.nan_to_num_(0.0)  # rows with every key hidden -> 0
         out[:, :, h] = torch.bmm(probs, v[:, :, h]).view(batch, num_q, group, head_dim)
@@ -162,11 +177,13 @@ def paged_attention_decode_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention over the paged cache (PyTorch reference).
 
     Sequence ``s``'s one query token sits at position ``seq_lens[s] - 1`` and attends to all
-    of that sequence's keys.
+    of that sequence's keys (the last ``sliding_window`` of them when that is set).
 
     Args:
         query: ``[S, num_heads, head_dim]``, the cache's dtype (float32/float16/bfloat16).
@@ -175,22 +192,26 @@ def paged_attention_decode_ref(
             padding (0) and not read.
         seq_lens: int32 ``[S]``, keys per sequence (0 = empty slot, output zeros).
         scale: multiplies ``q . k`` before the softmax, usually ``head_dim ** -0.5``.
+        sliding_window, soft_cap: as in the module docstring (0 = off).
 
     Returns:
         ``[S, num_heads, head_dim]``, query dtype.
 
     Raises:
         ValueError: shapes, dtypes or devices disagree, ``num_heads`` is not a multiple of
-            ``num_kv_heads``, a length exceeds the block table, or a used block id is outside
-            the cache.
+            ``num_kv_heads``, a length exceeds the block table, a used block id is outside
+            the cache, or an option is negative.
     """
     _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    _check_options(_DECODE, sliding_window, soft_cap)
     _check_values(_DECODE, block_tables, seq_lens, *key_cache.shape[:2])
     keys = _gather(key_cache, block_tables, seq_lens)
     values = _gather(value_cache, block_tables, seq_lens)
     positions = torch.arange(keys.shape[1], device=query.device)
     mask = positions[None, None, :] < seq_lens[:, None, None]
-    out = _attend(query[:, None], keys, values, mask, scale)
+    if sliding_window:
+        mask &= positions[None, None, :] >= seq_lens[:, None, None] - sliding_window
+    out = _attend(query[:, None], keys, values, mask, scale, soft_cap)
     return out[:, 0].to(query.dtype)
 
 
@@ -202,6 +223,8 @@ def paged_attention_prefill_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Causal varlen attention over the paged cache (PyTorch reference).
 
@@ -214,7 +237,8 @@ def paged_attention_prefill_ref(
 
     Args:
         query: ``[T, num_heads, head_dim]``, ``T = query_start_loc[-1]``, the cache's dtype.
-        key_cache, value_cache, block_tables, scale: as in :func:`paged_attention_decode_ref`.
+        key_cache, value_cache, block_tables, scale, sliding_window, soft_cap: as in
+            :func:`paged_attention_decode_ref`.
         query_start_loc: int32 ``[S + 1]``, cumulative query lengths from 0.
         seq_lens: int32 ``[S]``, keys per sequence including this step's, >= its ``q_len``.
 
@@ -226,6 +250,7 @@ def paged_attention_prefill_ref(
             not run from 0 to ``T`` without decreasing or a ``q_len`` exceeds its ``seq_len``.
     """
     _check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    _check_options(_PREFILL, sliding_window, soft_cap)
     _check_values(_PREFILL, block_tables, seq_lens, *key_cache.shape[:2])
     starts, q_lens = _query_spans(query_start_loc, seq_lens, query.shape[0])
     out = torch.empty_like(query)
@@ -234,17 +259,21 @@ def paged_attention_prefill_ref(
         rows = query_start_loc[single].long()
         index = torch.tensor(single, device=query.device)
         out[rows] = paged_attention_decode_ref(
-            query[rows], key_cache, value_cache, block_tables[index], seq_lens[index], scale
-        )
+            query[rows], key_cache, value_cache, block_tables[index], seq_lens[index], scale,
+            sliding_window=sliding_window, soft_cap=soft_cap,
+        )  # fmt: skip
     for s, (start, q_len) in enumerate(zip(starts, q_lens)):
         if q_len > 1:
             keys = _gather(key_cache, block_tables[s : s + 1], seq_lens[s : s + 1])
             values = _gather(value_cache, block_tables[s : s + 1], seq_lens[s : s + 1])
             length = keys.shape[1]
             pos = torch.arange(length - q_len, length, device=query.device)
-            mask = torch.arange(length, device=query.device)[None, :] <= pos[:, None]
+            key_pos = torch.arange(length, device=query.device)[None, :]
+            mask = key_pos <= pos[:, None]
+            if sliding_window:
+                mask &= key_pos > pos[:, None] - sliding_window
             rows = query[None, start : start + q_len]
-            out[start : start + q_len] = _attend(rows, keys, values, mask[None], scale)[0]
+            out[start : start + q_len] = _attend(rows, keys, values, mask[None], scale, soft_cap)[0]
     return out
 
 
@@ -267,6 +296,8 @@ def paged_attention_decode_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_attention_decode_ref` (same arguments and result).
 
@@ -279,6 +310,7 @@ def paged_attention_decode_triton(
             need a device sync).
     """
     _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    _check_options(_DECODE, sliding_window, soft_cap)
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -292,6 +324,8 @@ def paged_attention_decode_triton(
                 unit_stride(seq_lens),
                 scale,
                 out,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
             )
     return out
 
@@ -304,6 +338,8 @@ def paged_attention_prefill_triton(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Triton version of :func:`paged_attention_prefill_ref` (same arguments and result).
 
@@ -316,6 +352,7 @@ def paged_attention_prefill_triton(
         ValueError: shapes, dtypes or devices disagree (values are not checked).
     """
     _check_prefill(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
+    _check_options(_PREFILL, sliding_window, soft_cap)
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -330,6 +367,8 @@ def paged_attention_prefill_triton(
                 unit_stride(seq_lens),
                 scale,
                 out,
+                sliding_window=sliding_window,
+                soft_cap=soft_cap,
             )
     return out
 
@@ -341,6 +380,8 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
     *,
     kernels=None,
     plan: list[DecodeChunk] | Callable[[], list[DecodeChunk]] | None = None,
@@ -349,13 +390,21 @@ def paged_attention_decode(
     tensors; on CPU the C form when ``kernels`` (a `pkgd_kernels.cpu.CpuKernels`) takes the
     tensors, else `paged_attention_decode_cpu` with ``plan`` (see
     :func:`paged_attention_decode_ref` for shapes and errors; on CPU the cache may also be
-    16-bit under float32 queries)."""
+    16-bit under float32 queries). The C form has neither option: it runs only where they
+    change nothing (no soft cap, no sequence longer than the window)."""
+    args = (query, key_cache, value_cache, block_tables, seq_lens, scale)
     if use_triton(query):
-        return paged_attention_decode_triton(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    _check_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, mixed_cache=True)
-    if kernels is not None and kernels.takes_paged_attention_decode(query, key_cache):
-        return kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    return paged_attention_decode_cpu(query, key_cache, value_cache, block_tables, seq_lens, scale, plan=plan)
+        return paged_attention_decode_triton(*args, sliding_window, soft_cap)
+    _check_decode(*args, mixed_cache=True)
+    _check_options(_DECODE, sliding_window, soft_cap)
+    if (
+        kernels is not None
+        and not soft_cap
+        and not (sliding_window and seq_lens.numel() and int(seq_lens.max()) > sliding_window)
+        and kernels.takes_paged_attention_decode(query, key_cache)
+    ):
+        return kernels.paged_attention_decode(*args)
+    return paged_attention_decode_cpu(*args, sliding_window, soft_cap, plan=plan)
 
 
 def paged_attention_prefill(
@@ -366,6 +415,8 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
     *,
     plan: list[PrefillSeq] | Callable[[], list[PrefillSeq]] | None = None,
 ) -> torch.Tensor:
@@ -375,6 +426,7 @@ def paged_attention_prefill(
     16-bit under float32 queries)."""
     args = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale)
     if use_triton(query):
-        return paged_attention_prefill_triton(*args)
+        return paged_attention_prefill_triton(*args, sliding_window, soft_cap)
     _check_prefill(*args, mixed_cache=True)
-    return paged_attention_prefill_cpu(*args, plan=plan)
+    _check_options(_PREFILL, sliding_window, soft_cap)
+    return paged_attention_prefill_cpu(*args, sliding_window, soft_cap, plan=plan)

@@ -16,6 +16,12 @@ attended in the query dtype.
   causal attention (``is_causal``), a chunk after cached context uses an explicit causal mask
   aligned bottom-right (query i sits at position ``seq_len - q_len + i``).
 
+Sliding window and soft cap: the plans know neither (a model's layers differ in both), so a
+sequence the window cuts (more keys than the window) gets its mask built here, attended by
+``scaled_dot_product_attention`` with that mask; with a soft cap the scores are computed
+explicitly in float32 (`_attend_masked`), since SDPA has no hook between the product and the
+softmax. Sequences within the window and layers without a cap keep the fast paths above.
+
 A plan (`plan_decode`, `plan_prefill`) depends only on the step's block tables and lengths, so
 a runner builds it once per step and passes it to every layer's call (``plan=``: the plan, or a
 function returning it, called only when this form runs, so a step the C kernel serves never
@@ -121,6 +127,8 @@ def paged_attention_decode_cpu(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
     *,
     plan: list[DecodeChunk] | Callable[[], list[DecodeChunk]] | None = None,
 ) -> torch.Tensor:
@@ -133,20 +141,33 @@ def paged_attention_decode_cpu(
         plan = plan_decode(block_tables, seq_lens.tolist(), key_cache.shape[1], kv_bytes_per_token(query, key_cache))
     _, _, hkv, d = key_cache.shape
     hq = query.shape[1]
+    options = (seq_lens, sliding_window, soft_cap)
     if len(plan) == 1:
-        return _decode_chunk(query, key_cache, value_cache, plan[0], scale, hq, hkv, d)
+        return _decode_chunk(query, key_cache, value_cache, plan[0], scale, hq, hkv, d, *options)
     out = torch.empty_like(query)
     for c in plan:
         out[c.seq_start : c.seq_end] = _decode_chunk(
-            query[c.seq_start : c.seq_end], key_cache, value_cache, c, scale, hq, hkv, d
+            query[c.seq_start : c.seq_end], key_cache, value_cache, c, scale, hq, hkv, d, *options
         )
     return out
 
 
-def _decode_chunk(q, key_cache, value_cache, c: DecodeChunk, scale, hq, hkv, d) -> torch.Tensor:
+def _decode_chunk(
+    q, key_cache, value_cache, c: DecodeChunk, scale, hq, hkv, d, seq_lens, sliding_window, soft_cap
+) -> torch.Tensor:
     n = c.seq_end - c.seq_start
     k = key_cache.index_select(0, c.block_ids).view(n, -1, hkv, d)
     v = value_cache.index_select(0, c.block_ids).view(n, -1, hkv, d)
+    if soft_cap or (sliding_window and c.max_len > sliding_window):
+        lens = seq_lens[c.seq_start : c.seq_end].long()[:, None]
+        pos = torch.arange(k.shape[1])[None, :]
+        visible = (pos < lens) & (pos >= lens - sliding_window) if sliding_window else pos < lens
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        out = _attend_masked(
+            q.view(n, hq, 1, d), k.transpose(1, 2), v.transpose(1, 2), visible.view(n, 1, 1, -1), scale, soft_cap
+        )
+        return out.view(n, hq, d)
     mask = c.mask
     if mask is None:
         k, v = k[:, : c.max_len], v[:, : c.max_len]
@@ -168,6 +189,8 @@ def paged_attention_prefill_cpu(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
     *,
     plan: list[PrefillSeq] | Callable[[], list[PrefillSeq]] | None = None,
 ) -> torch.Tensor:
@@ -179,11 +202,15 @@ def paged_attention_prefill_cpu(
         plan = plan_prefill(block_tables, query_start_loc.tolist(), seq_lens.tolist(), key_cache.shape[1])
     out = torch.empty_like(query)
     for seq in plan:
-        out[seq.token_start : seq.token_end] = _prefill_one(query, key_cache, value_cache, seq, scale)
+        out[seq.token_start : seq.token_end] = _prefill_one(
+            query, key_cache, value_cache, seq, scale, sliding_window, soft_cap
+        )
     return out
 
 
-def _prefill_one(q, key_cache, value_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
+def _prefill_one(
+    q, key_cache, value_cache, seq: PrefillSeq, scale: float, sliding_window: int, soft_cap: float
+) -> torch.Tensor:
     hq, d = q.shape[1], q.shape[2]
     hkv = key_cache.shape[2]
     qs = q[seq.token_start : seq.token_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -197,7 +224,30 @@ def _prefill_one(q, key_cache, value_cache, seq: PrefillSeq, scale: float) -> to
     # views far slower than it makes the copies (measured: a 16 x 128-token bf16 prefill's
     # attention 1.4x faster with them; float32 about the same).
     qs, ks, vs = qs.contiguous(), ks.contiguous(), vs.contiguous()
+    if soft_cap or (sliding_window and seq.seq_len > sliding_window):
+        n = seq.token_end - seq.token_start
+        pos = torch.arange(seq.seq_len - n, seq.seq_len)[:, None]
+        key_pos = torch.arange(seq.seq_len)[None, :]
+        visible = (key_pos <= pos) & (key_pos > pos - sliding_window) if sliding_window else key_pos <= pos
+        return _attend_masked(qs, ks, vs, visible.view(1, 1, n, -1), scale, soft_cap)[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=hq != hkv
     )
     return out[0].transpose(0, 1)
+
+
+def _attend_masked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, soft_cap: float
+) -> torch.Tensor:
+    """``q [B, Hq, n, D]`` over ``k``/``v [B, Hkv, L, D]`` (one dtype) where ``visible`` (bool,
+    broadcast to ``[B, Hq, n, L]``) allows; scores ``c * tanh(s / c)`` when ``soft_cap`` c is
+    set (computed in float32, as the references do). Every row must see a key. Returns
+    ``[B, Hq, n, D]``, q's dtype."""
+    hq, hkv = q.shape[1], k.shape[1]
+    if not soft_cap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=hq != hkv)
+    if hq != hkv:
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+    probs = scores.masked_fill_(visible.logical_not(), float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -8,6 +8,11 @@ address taken from the block table, keeping a running max ``m``, sum ``l`` and o
 (online softmax, Dao et al. 2022). With one partition the program writes ``acc / l``; with
 several it writes ``(m, l, acc)`` and ``_reduce_kernel`` rescales and sums them
 (vLLM's paged attention v2, flash-decoding). Tiles are padded to 16 for ``tl.dot``.
+
+A sliding window W starts each sequence's sweep at key ``seq_len - W``: partitions wholly
+before it exit at once and the reducer skips them (its first partition is
+``(seq_len - W) // PARTITION``). A soft cap c maps each score to ``c * tanh(score / c)``.
+Both are compile-time switches, so the plain kernel is unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ BLOCK_N = 64  # keys per inner tile on GPU (half that for float32, whose tiles t
 
 
 @triton.jit
+def _soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)``, tanh written with ``exp`` (saturates to +-1, no NaN)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -35,6 +46,8 @@ def _decode_kernel(
     part_l_ptr,
     part_acc_ptr,
     scale,
+    sliding_window,
+    soft_cap,
     num_partitions,
     stride_q_s,
     stride_q_h,
@@ -56,6 +69,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -66,6 +81,12 @@ def _decode_kernel(
         if start >= seq_len:  # beyond this context: the reducer skips it
             return
     end = tl.minimum(start + partition_size, seq_len)
+    lo = start
+    if HAS_WINDOW:
+        lo = tl.maximum(start, seq_len - sliding_window)
+        if not SINGLE:
+            if end <= lo:  # wholly before the window: the reducer skips it
+                return
     rows = tl.arange(0, G_PAD)
     dims = tl.arange(0, D_PAD)
     heads = kv_head * group_size + rows
@@ -79,7 +100,7 @@ def _decode_kernel(
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(lo, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < end
         block = tl.load(block_tables_ptr + seq * stride_bt_s + offs // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -88,6 +109,8 @@ def _decode_kernel(
         k_off = block * stride_kc_b + in_block * stride_kc_o + kv_head * stride_kc_h
         k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if HAS_SOFT_CAP:
+            scores = _soft_cap(scores, soft_cap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
@@ -121,8 +144,10 @@ def _reduce_kernel(
     stride_o_h,
     head_dim,
     partition_size,
+    sliding_window,
     P_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     # Program (s, h) merges the partitions that hold keys: weight_p = exp(m_p - max m).
     seq = tl.program_id(0).to(tl.int64)
@@ -132,6 +157,8 @@ def _reduce_kernel(
     parts = tl.arange(0, P_PAD)
     dims = tl.arange(0, D_PAD)
     p_mask = parts < used
+    if HAS_WINDOW:
+        p_mask = p_mask & (parts >= tl.maximum(seq_len - sliding_window, 0) // partition_size)
     base = (seq * tl.num_programs(1) + head) * num_partitions
     m = tl.load(part_m_ptr + base + parts, mask=p_mask, other=float("-inf"))
     l_sum = tl.load(part_l_ptr + base + parts, mask=p_mask, other=0.0)
@@ -155,8 +182,11 @@ def launch_decode(
     *,
     partition_size: int | None = None,
     block_n: int | None = None,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> None:
-    """Launch on checked inputs (``query`` with unit last-dim stride) into ``out``.
+    """Launch on checked inputs (``query`` with unit last-dim stride) into ``out``;
+    ``sliding_window``, ``soft_cap`` as in `pkgd_kernels.attention` (0 = off).
 
     ``partition_size`` (a multiple of ``block_n``; None = :data:`PARTITION_SIZE` when the
     block table can hold more keys than that, else no split) sets the split of long contexts;
@@ -192,6 +222,8 @@ def launch_decode(
         part_l,
         part_acc,
         scale,
+        sliding_window,
+        float(soft_cap),
         num_partitions,
         query.stride(0),
         query.stride(1),
@@ -213,6 +245,8 @@ def launch_decode(
         BLOCK_N=block_n,
         SINGLE=single,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window > 0,
+        HAS_SOFT_CAP=soft_cap > 0,
     )
     if not single:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -226,6 +260,8 @@ def launch_decode(
             out.stride(1),
             head_dim,
             partition_size,
+            sliding_window,
             P_PAD=next_power_of_2(num_partitions),
             D_PAD=d_pad,
+            HAS_WINDOW=sliding_window > 0,
         )

@@ -9,6 +9,11 @@ A program finds its sequence by binary search, then sweeps keys ``0..min(seq_len
 position + 1)`` from the paged cache in tiles of BLOCK_N with an online softmax
 (FlashAttention, Dao et al. 2022), masking keys after each row's position (causal) and after
 ``seq_len``. Cached context (chunked prefill, prefix hits) is just keys before the first row.
+
+A sliding window W starts the sweep at the tile's first row's ``position - W + 1`` and masks
+keys ``<= position - W`` per row; a row may then see no key in a whole tile, so the running
+max is taken as 0 while it is still -inf (no ``exp(-inf - -inf)``). A soft cap c maps each
+score to ``c * tanh(score / c)``. Both are compile-time switches.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pkgd_kernels._util import next_power_of_2
+from pkgd_kernels.attention_decode_triton import _soft_cap
 
 BLOCK_M = 64  # query rows per program on GPU (half for float32: 2x the shared memory per tile)
 BLOCK_N = 64  # keys per inner tile on GPU (likewise)
@@ -47,6 +53,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     out_ptr,
     scale,
+    sliding_window,
+    soft_cap,
     num_seqs,
     stride_q_t,
     stride_q_h,
@@ -66,6 +74,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -94,7 +104,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_end = tl.minimum(seq_len, context + first_row + BLOCK_M)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context + first_row - sliding_window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < kv_end
         block = tl.load(table + offs // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -103,10 +116,17 @@ def _prefill_kernel(
         k_off = block * stride_kc_b + in_block * stride_kc_o + kv_head * stride_kc_h
         k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if HAS_SOFT_CAP:
+            scores = _soft_cap(scores, soft_cap)
         causal = (offs[None, :] <= positions[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            causal = causal & (offs[None, :] > positions[:, None] - sliding_window)
         scores = tl.where(causal, scores, float("-inf"))
-        # Key 0 is in the first tile and visible to every row, so m is finite from then on.
+        # Without a window, key 0 is in the first tile and visible to every row, so m is finite
+        # from then on; with one, a row may still have seen nothing (m = -inf): use 0 as its max.
         m_new = tl.maximum(m, tl.max(scores, axis=1))
+        if HAS_WINDOW:
+            m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
@@ -131,10 +151,13 @@ def launch_prefill(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> None:
     """Launch on checked inputs (``query`` with unit last-dim stride) into ``out``;
     ``block_m``, ``block_n`` powers of 2, >= 16 (``tl.dot``'s minimum); None =
-    :data:`BLOCK_M` / :data:`BLOCK_N`, halved for float32."""
+    :data:`BLOCK_M` / :data:`BLOCK_N`, halved for float32; ``sliding_window``, ``soft_cap`` as
+    in `pkgd_kernels.attention` (0 = off)."""
     shrink = 2 if query.dtype == torch.float32 else 1
     block_m = block_m or BLOCK_M // shrink
     block_n = block_n or BLOCK_N // shrink
@@ -156,6 +179,8 @@ def launch_prefill(
         seq_lens,
         out,
         scale,
+        sliding_window,
+        float(soft_cap),
         num_seqs,
         query.stride(0),
         query.stride(1),
@@ -175,5 +200,7 @@ def launch_prefill(
         BLOCK_N=block_n,
         D_PAD=max(16, next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=sliding_window > 0,
+        HAS_SOFT_CAP=soft_cap > 0,
         num_warps=4 if block_m * max(16, next_power_of_2(head_dim)) <= 64 * 64 else 8,
     )

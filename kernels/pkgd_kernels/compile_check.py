@@ -104,6 +104,7 @@ def _run_ops(dtype: torch.dtype, head_dim: int) -> None:
     K.fused_add_rms_norm_triton(x, rand(num_tokens, hidden), rand(hidden), 1e-6)
     K.rms_norm_triton(rand(2, 8192), rand(8192), 1e-6)  # two-pass rows
     K.silu_and_mul_triton(rand(num_tokens, 2 * hidden))
+    K.gelu_tanh_and_mul_triton(rand(num_tokens, 2 * hidden))
     table = torch.randn(4096, head_dim, dtype=torch.float32)
     for is_neox in (True, False):
         K.rotary_embedding_triton(
@@ -114,14 +115,19 @@ def _run_ops(dtype: torch.dtype, head_dim: int) -> None:
             table,
             is_neox,
         )
-    for width in (4, 64):  # one partition; split-KV with the reduction
-        tables = torch.zeros(4, width, dtype=torch.int32)
-        lens = torch.full((4,), 10, dtype=torch.int32)
-        K.paged_attention_decode_triton(rand(4, num_heads, head_dim), cache, cache, tables, lens, 0.125)
+    options = ((0, 0.0), (16, 50.0))  # plain; sliding window and soft-cap (Gemma 2)
+    for window, cap in options:
+        for width in (4, 64):  # one partition; split-KV with the reduction
+            tables = torch.zeros(4, width, dtype=torch.int32)
+            lens = torch.full((4,), 10, dtype=torch.int32)
+            q = rand(4, num_heads, head_dim)
+            K.paged_attention_decode_triton(q, cache, cache, tables, lens, 0.125, window, cap)
     tables = torch.zeros(3, 8, dtype=torch.int32)
     starts = torch.tensor([0, 10, 20, num_tokens], dtype=torch.int32)
     lens = torch.full((3,), 30, dtype=torch.int32)
-    K.paged_attention_prefill_triton(rand(num_tokens, num_heads, head_dim), cache, cache, tables, starts, lens, 0.125)
+    for window, cap in options:
+        q = rand(num_tokens, num_heads, head_dim)
+        K.paged_attention_prefill_triton(q, cache, cache, tables, starts, lens, 0.125, window, cap)
     K.top_k_top_p_mask_triton(torch.randn(4, 50000), torch.full((4,), 50, dtype=torch.int32), torch.full((4,), 0.9))
 
 

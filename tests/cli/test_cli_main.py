@@ -18,7 +18,7 @@ def test_config_keys_lists_every_leaf_and_alias_without_heavy_imports(pkgd):
         assert f"  {leaf.key}: {leaf.type_label}" in r.out
         for alias in leaf.aliases:
             assert alias.split("=")[0] in r.out
-    assert "model: llama, mixtral, qwen, qwen3-moe, smollm2*" in r.out
+    assert "model: gemma2, gemma3, llama, mistral, mixtral, phi3, qwen, qwen3-moe, smollm2*" in r.out
     assert r.out.count("\nfrontend: ") == 1  # one heading, though frontend.cors sits among its fields
 
 

@@ -49,7 +49,10 @@ CASES = [
     (
         "unknown group option",
         cli("+model=nope"),
-        ["model=nope: unknown option of group model", "options: llama, mixtral, qwen, qwen3-moe, smollm2"],
+        [
+            "model=nope: unknown option of group model",
+            "options: gemma2, gemma3, llama, mistral, mixtral, phi3, qwen, qwen3-moe, smollm2",
+        ],
     ),
     ("misspelt group option", cli("parallel=tp3"), ["parallel=tp3: unknown option", "did you mean tp2?"]),
     ("malformed override", cli("parallel.tp=[1,2"), ["parallel.tp=[1,2: malformed override"]),

@@ -95,9 +95,13 @@ def zero_padding(batch: PagedBatch) -> PagedBatch:
     return batch
 
 
-def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+def dense_causal_attention(
+    batch: PagedBatch, scale: float, sliding_window: int = 0, soft_cap: float = 0.0
+) -> torch.Tensor:
     """Textbook attention per sequence and head in float64 from the unpaged K/V:
-    ``softmax(scale * Q K^T + causal mask) V``, query row i at position seq_len - q_len + i."""
+    ``softmax(cap(scale * Q K^T) + causal mask) V``, query row i at position
+    seq_len - q_len + i; with ``sliding_window`` W only keys ``j > position - W``; with
+    ``soft_cap`` c, ``cap(x) = c * tanh(x / c)``."""
     num_heads = batch.query.shape[1]
     group = num_heads // batch.keys[0].shape[1] if batch.keys else 1
     out = torch.zeros(batch.query.shape, dtype=torch.float64)
@@ -107,8 +111,12 @@ def dense_causal_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
         q = batch.query[start : start + q_len].double()
         positions = torch.arange(length - q_len, length)
         causal = torch.arange(length)[None, :] <= positions[:, None]
+        if sliding_window:
+            causal &= torch.arange(length)[None, :] > positions[:, None] - sliding_window
         for h in range(num_heads):
             scores = scale * q[:, h] @ keys[:, h // group].double().T
+            if soft_cap:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             scores = scores.masked_fill(~causal, float("-inf"))
             out[start : start + q_len, h] = scores.softmax(-1) @ values[:, h // group].double()
         start += q_len

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkgd_kernels import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+from pkgd_kernels import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 
 
 def test_reference_matches_formula(generator):
@@ -51,3 +58,20 @@ def test_bad_inputs_raise(op):
         op(torch.zeros(2, 7))
     with pytest.raises(ValueError, match="x must be float32"):
         op(torch.zeros(2, 8, dtype=torch.int64))
+
+
+def test_gelu_tanh_reference_matches_formula(generator):
+    x = torch.randn(5, 2 * 12, generator=generator, dtype=torch.float64) * 3
+    gate, up = x[:, :12], x[:, 12:]
+    want = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+    torch.testing.assert_close(gelu_tanh_and_mul_ref(x.float()), want.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gelu_tanh_and_mul(x.float()), want.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (4, 2 * 37), (2, 3, 2 * 5)])
+def test_gelu_tanh_triton_matches_reference(triton_interpreter, generator, shape):
+    x = torch.randn(shape, generator=generator) * 4
+    want = gelu_tanh_and_mul_ref(x)
+    torch.testing.assert_close(gelu_tanh_and_mul_triton(x), want, atol=1e-5, rtol=1e-5)
+    xb = x.to(torch.bfloat16)
+    torch.testing.assert_close(gelu_tanh_and_mul_triton(xb), gelu_tanh_and_mul_ref(xb), atol=1e-2, rtol=2**-6)

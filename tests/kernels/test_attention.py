@@ -370,3 +370,94 @@ def test_empty_batches_and_empty_sequences(request, impl):
         starts = torch.zeros(num_seqs + 1, dtype=torch.int32)
         out = prefill(query[:0], cache, cache, tables, starts, lens, 0.25)
         assert out.shape == (0, 4, 16)
+
+
+# Sliding window and soft cap: (sliding_window, soft_cap); windows shorter and longer than
+# the sequences (a window that cuts nothing must equal none), a cap that bites on scores of
+# randn inputs (|scale * q . k| reaches ~4 at head_dim 16).
+OPTIONS = [(5, 0.0), (0, 2.0), (3, 1.5), (64, 0.0)]
+WINDOW_DECODE = ([1, 5, 17, 40], 4, 2, 16, 4)
+WINDOW_PREFILL = ([7, 20, 5, 40, 9], [7, 5, 1, 40, 1], 4, 2, 16, 4)
+
+
+def _window_batch(generator, prefill: bool, dtype=torch.float32):
+    if prefill:
+        seq_lens, q_lens, hq, hkv, d, bs = WINDOW_PREFILL
+    else:
+        seq_lens, hq, hkv, d, bs = WINDOW_DECODE
+        q_lens = [1] * len(seq_lens)
+    return make_batch(
+        generator, seq_lens, q_lens, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=dtype
+    )
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+def test_references_with_window_and_soft_cap_match_dense_attention(generator, sliding_window, soft_cap):
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    for prefill in (False, True):
+        batch = _window_batch(generator, prefill)
+        if prefill:
+            got = paged_attention_prefill_ref(*batch.prefill_args, 0.25, **opts)
+        else:
+            got = paged_attention_decode_ref(*batch.decode_args, 0.25, **opts)
+        torch.testing.assert_close(got.double(), dense_causal_attention(batch, 0.25, **opts), **NAIVE)
+
+
+def test_window_and_soft_cap_change_the_result(generator):
+    """The options are not silently ignored: each moves the output of long sequences."""
+    batch = _window_batch(generator, prefill=True)
+    plain = paged_attention_prefill_ref(*batch.prefill_args, 0.25)
+    for opts in (dict(sliding_window=5), dict(soft_cap=1.0)):
+        assert not torch.allclose(paged_attention_prefill_ref(*batch.prefill_args, 0.25, **opts), plain)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+@pytest.mark.parametrize("partition_size", [None, 16])
+def test_decode_triton_with_window_and_soft_cap(
+    triton_interpreter, generator, sliding_window, soft_cap, partition_size
+):
+    from pkgd_kernels import attention_decode_triton
+
+    batch = _window_batch(generator, prefill=False)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    want = paged_attention_decode_ref(*batch.decode_args, 0.25, **opts)
+    out = torch.empty_like(batch.query)
+    attention_decode_triton.launch_decode(
+        *batch.decode_args, 0.25, out, partition_size=partition_size, block_n=16, **opts
+    )
+    torch.testing.assert_close(out, want, **KERNEL)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+def test_prefill_triton_with_window_and_soft_cap(triton_interpreter, generator, sliding_window, soft_cap):
+    from pkgd_kernels import attention_prefill_triton
+
+    batch = _window_batch(generator, prefill=True)
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    want = paged_attention_prefill_ref(*batch.prefill_args, 0.25, **opts)
+    out = torch.full_like(batch.query, float("nan"))
+    attention_prefill_triton.launch_prefill(*batch.prefill_args, 0.25, out, block_m=32, block_n=16, **opts)
+    torch.testing.assert_close(out, want, **KERNEL)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", OPTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_forms_with_window_and_soft_cap(generator, sliding_window, soft_cap, dtype):
+    opts = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    tol = CPU_FORM if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    batch = zero_padding(_window_batch(generator, prefill=False, dtype=dtype))
+    got = paged_attention_decode(*batch.decode_args, 0.25, **opts)
+    torch.testing.assert_close(got, paged_attention_decode_ref(*batch.decode_args, 0.25, **opts), **tol)
+    batch = zero_padding(_window_batch(generator, prefill=True, dtype=dtype))
+    got = paged_attention_prefill(*batch.prefill_args, 0.25, **opts)
+    torch.testing.assert_close(got, paged_attention_prefill_ref(*batch.prefill_args, 0.25, **opts), **tol)
+
+
+@pytest.mark.parametrize("op", [paged_attention_decode_ref, paged_attention_prefill_ref])
+def test_negative_options_raise(generator, op):
+    batch = _window_batch(generator, prefill=op is paged_attention_prefill_ref)
+    args = batch.prefill_args if op is paged_attention_prefill_ref else batch.decode_args
+    with pytest.raises(ValueError, match="sliding_window must be >= 0"):
+        op(*args, 0.25, sliding_window=-1)
+    with pytest.raises(ValueError, match="soft_cap must be finite"):
+        op(*args, 0.25, soft_cap=-1.0)

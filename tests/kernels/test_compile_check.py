@@ -43,6 +43,7 @@ def test_kernels_compile_for_sm90(tmp_path):
         "_reshape_and_cache_kernel",
         "_rms_norm_kernel",
         "_silu_and_mul_kernel",
+        "_gelu_tanh_and_mul_kernel",
         "_rotary_kernel",
         "_decode_kernel",
         "_reduce_kernel",

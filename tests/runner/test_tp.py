@@ -47,6 +47,29 @@ def test_tp2_greedy_and_seeded_match_tp1(tiny_dirs):
     assert [p.returncode for p in workers] == [0] and not torch.distributed.is_initialized()
 
 
+def test_tp2_gemma2_matches_tp1(tiny_dirs):
+    """A dense family beyond Llama under tp=2: Gemma 2's extra norms, scaled embeddings,
+    GeGLU, soft-caps (attention per rank's heads, final logits after the vocab gather) and
+    alternating windowed layers, prompts longer than the 8-token window."""
+    model_dir, _ = tiny_dirs("gemma2")
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (19, 5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    one = make_runner(model_dir)
+    rec1 = LogitsRecorder(one)
+    want = _run(one, prompts, greedy, chunk=7)
+    cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32"}, parallel={"tp": 2})
+    tp = TPExecutor(cfg, resolve_model(cfg.model), device=torch.device("cpu"))
+    try:
+        rec2 = LogitsRecorder(tp.runner)
+        assert _run(tp, prompts, greedy, chunk=7) == want
+        assert len(rec1.calls) == len(rec2.calls)
+        for a, b in zip(rec1.calls, rec2.calls):
+            assert (a - b).abs().max().item() <= 1e-4
+    finally:
+        tp.shutdown()
+
+
 def test_tp_size_that_does_not_divide_the_heads_fails_cleanly(tiny_dirs):
     model_dir, _ = tiny_dirs("llama")
     cfg = VllmConfig(model={"source": str(model_dir), "dtype": "float32"}, parallel={"tp": 3})

@@ -1,5 +1,7 @@
 """Write a tiny GGUF from a transformers model the way llama.cpp's converter does (test helper):
-llama-family Q/K rows permuted to llama.cpp's interleaved rotary layout, 2-D weights optionally
+llama-family (and Mistral, written as llama) Q/K rows permuted to llama.cpp's interleaved
+rotary layout, Gemma's norm weights stored as 1 + w and its extra norms under their GGUF names,
+Phi-3's fused tensors and LongRoPE factors as llama.cpp names them, 2-D weights optionally
 quantized (Q8_0, or any of Q4_0/Q4_1/Q8_0/Q4_K/Q6_K per tensor), a byte-level BPE tokenizer
 with ChatML specials and a chat template.
 
@@ -21,7 +23,17 @@ CHAT_TEMPLATE = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h i", "\u0120 t"]
 
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+    "mixtral": "llama",
+    "qwen3_moe": "qwen3moe",
+}
 _LAYER = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -36,6 +48,15 @@ _LAYER = {
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",  # an MoE router
 }
+_ARCH_LAYER = {
+    "gemma2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+_ARCH_LAYER["gemma3"] = _ARCH_LAYER["gemma2"]
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -43,7 +64,7 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -52,7 +73,7 @@ def _gguf_name(hf: str) -> str:
         return "output.weight"
     _, _, layer, rest = hf.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(module) or _LAYER[module]}.{kind}"
 
 
 def _tensors(model):
@@ -138,7 +159,7 @@ def quantize_blocks(a: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str | None] = False) -> Path:
-    """Write ``model`` (a transformers Llama/Qwen2/Qwen3/Mixtral/Qwen3-MoE) as a GGUF file at ``path``. With
+    """Write ``model`` (a transformers model of a supported family) as a GGUF file at ``path``. With
     ``quantize`` every 2-D weight is quantized: to Q8_0 (True), to the type named, or to what
     the callable returns for its GGUF name (None: float32)."""
     import gguf
@@ -156,7 +177,7 @@ def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    _add_family_keys(w, cfg, arch)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -181,7 +202,9 @@ def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str 
             a = permute(a, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             a = permute(a, cfg.num_key_value_heads)
-        gname = name if name.startswith("blk.") else _gguf_name(name)
+        elif arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's Gemma converters store 1 + w
+        gname = name if name.startswith("blk.") else _gguf_name(name, arch)
         qtype = (
             (quantize(gname) if callable(quantize) else "Q8_0" if quantize is True else quantize or None)
             if a.ndim in (2, 3)
@@ -198,3 +221,41 @@ def write_gguf(model, path: Path, *, quantize: bool | str | Callable[[str], str 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_family_keys(w, cfg, arch: str) -> None:
+    """RoPE, window and soft-cap keys as llama.cpp's converters write them; Phi-3's LongRoPE
+    factors as the tensors ``rope_factors_long`` / ``rope_factors_short``."""
+    import math
+
+    rope = cfg.rope_parameters
+    if arch == "gemma3":
+        w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+        w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        if rope["full_attention"].get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf_scaling("linear"))
+            w.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
+    else:
+        w.add_rope_freq_base(float(rope["rope_theta"]))
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(int(cfg.sliding_window))
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
+    if arch in ("gemma2", "gemma3") and cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    if arch == "phi3":
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if rope.get("rope_type") == "longrope":
+            original = int(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_orig_ctx_len(original)
+            scale = cfg.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+
+
+def gguf_scaling(name: str):
+    import gguf
+
+    return {"linear": gguf.RopeScalingType.LINEAR}[name]

@@ -1,5 +1,5 @@
-"""Tiny random-weight Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE checkpoints built with transformers
-(test helper)."""
+"""Tiny random-weight checkpoints of every supported family, built with transformers (test
+helper)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ LLAMA3_ROPE = {
 
 
 def hf_config(arch: str, **sizes):
-    """The transformers config of a tiny ``arch``; ``sizes`` override `TINY`'s."""
+    """The transformers config of a tiny ``arch``; ``sizes`` override `TINY`'s (for Gemma, any
+    of its config's keys)."""
     import transformers as tf
 
-    TINY = {**globals()["TINY"], **sizes}
+    TINY = {**globals()["TINY"], **{k: v for k, v in sizes.items() if k in globals()["TINY"]}}
 
     if arch == "llama":
         return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)
@@ -45,6 +46,10 @@ def hf_config(arch: str, **sizes):
         return tf.Qwen3Config(**{**TINY, "num_attention_heads": 4}, head_dim=32, tie_word_embeddings=True)
     if arch == "mixtral":  # 4 experts, top 2; the intermediate size is each expert's
         return tf.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "mixtral-window":  # Mixtral with Mistral's sliding window (8 tokens)
+        return tf.MixtralConfig(
+            **TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False
+        )
     if arch == "qwen3-moe":  # 8 experts of 32 features, top 2 unnormalised; layer 1 dense
         return tf.Qwen3MoeConfig(
             **TINY,
@@ -67,6 +72,37 @@ def hf_config(arch: str, **sizes):
             decoder_sparse_step=2,
             tie_word_embeddings=True,
         )
+    if arch == "mistral":  # a window of 8 tokens: the tests' longer prompts cross it
+        return tf.MistralConfig(**TINY, sliding_window=8, tie_word_embeddings=False)
+    if arch == "phi3":  # fused qkv / gate_up, a window of 8 tokens, partial rotary
+        return tf.Phi3Config(
+            **TINY, sliding_window=8, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=2
+        )
+    if arch == "phi3-longrope":  # LongRoPE; the short factors (and attention factor) up to 64
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64}
+        head_half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+        rope["short_factor"] = [1.0 + 0.1 * i for i in range(head_half)]
+        rope["long_factor"] = [2.0 + 0.5 * i for i in range(head_half)]
+        return tf.Phi3Config(
+            **TINY, original_max_position_embeddings=64, rope_parameters=rope, pad_token_id=0, eos_token_id=1,
+            bos_token_id=2,
+        )  # fmt: skip
+    if arch == "gemma2":  # local (window 8) / global layers, both soft-caps, GeGLU
+        return tf.Gemma2Config(**{
+            **TINY, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "pad_token_id": 0, "eos_token_id": 1,
+            "bos_token_id": 2, **sizes,
+        })  # fmt: skip
+    if arch == "gemma3":  # QK-norm, two RoPE tables (the global one scaled), local/local/global
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+        }
+        return tf.Gemma3TextConfig(**{
+            **TINY, "num_hidden_layers": 3, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "rope_parameters": rope,
+            "final_logit_softcapping": 3.0, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, **sizes,
+        })  # fmt: skip
     raise KeyError(arch)
 
 
@@ -80,8 +116,8 @@ def build_tiny(arch: str, out_dir: Path, seed: int = 0, **sizes):
     model = tf.AutoModelForCausalLM.from_config(hf_config(arch, **sizes), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # Gemma's norms scale by 1 + w: w near 0, the scale near 1 again
+                p.copy_((0.0 if arch.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
     model.save_pretrained(out_dir)

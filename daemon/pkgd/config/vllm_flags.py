@@ -451,7 +451,10 @@ SATISFIED: dict[str, tuple[str, ...]] = {
     _NO_GRAPHS + ": both forms run eagerly": ("--enforce-eager", "--no-enforce-eager"),
     "pkgd tokenizes with the model's Hugging Face fast tokenizer": ("--tokenizer-mode=auto|hf",),
     "the model's config.json is read as Hugging Face's": ("--config-format=auto|hf",),
-    "pkgd runs its own model implementations (Llama, Qwen2, Qwen3, Mixtral, Qwen3-MoE)": ("--model-impl=auto|vllm",),
+    "pkgd runs its own model implementations"
+    " (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE: docs/models.md)": (
+        "--model-impl=auto|vllm",
+    ),
     "pkgd reads the format from the file: a safetensors directory or a .gguf file": ("--load-format=auto",),
     "logprobs are the raw log-softmax of the model's logits": ("--logprobs-mode=raw_logprobs",),
     "tensor-parallel workers and engine cores are separate processes on this node": (

@@ -18,7 +18,15 @@ representable in fp32), renamed to the HF names, and for llama-family attention 
 llama.cpp's Q/K row permutation undone. llama.cpp's ``convert_hf_to_gguf.py``
 (``LlamaModel.permute``) reorders each head's rows from HF's rotate-half layout to interleaved
 pairs, ``w.reshape(n_head, 2, d // n_head // 2, ...).swapaxes(1, 2)``; `unpermute_qk` is its
-inverse. Qwen2/Qwen3 files are written without the permutation.
+inverse. Qwen2/Qwen3, Gemma 2/3 and Phi-3 files are written without the permutation.
+
+Families beyond Llama's layout: llama.cpp writes Mistral as ``llama`` (a
+``llama.attention.sliding_window`` becomes the window); ``gemma2``/``gemma3`` name Gemma's two
+extra norms (``post_attention_norm``, ``post_ffw_norm``; their ``ffn_norm`` is the
+pre-feed-forward norm) and store every norm weight as ``1 + w`` (llama.cpp's converter adds
+the 1), which is taken back off here so the tensors are HF's; ``phi3`` keeps the fused
+``attn_qkv`` and ``ffn_up`` (gate | up) tensors and LongRoPE's factors as the tensors
+``rope_factors_long`` / ``rope_factors_short``, read into the config.
 
 MoE files (Mixtral, written as ``llama`` with ``llama.expert_count``; ``qwen3moe``) hold each
 layer's experts stacked, ``ffn_{gate,up,down}_exps [E, ...]``, and the router ``ffn_gate_inp``;
@@ -46,6 +54,9 @@ _ARCHES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
 # llama.cpp writes Mixtral as a "llama" file with {arch}.expert_count set.
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -58,6 +69,21 @@ _MOE_LAYOUT = {
     "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
     "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
 }
+# Per-architecture GGUF layer names that differ from `_LAYER_NAMES`.
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# Tensors that are configuration, not weights (read by `gguf_config`).
+CONFIG_TENSORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
+# Architectures whose norm weights llama.cpp stores as 1 + w (`norm_shift`).
+_NORM_SHIFTED = frozenset({"gemma2", "gemma3"})
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -83,10 +109,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Any = None) -> None:
 
     Raises:
         ModelSourceError: the file is not a readable GGUF, its architecture is not one of
-            llama/qwen2/qwen3/qwen3moe, or it uses a feature this converter does not handle.
+            llama/qwen2/qwen3/qwen3moe/gemma2/gemma3/phi3, or it uses a feature this converter does not handle.
     """
     reader, meta, arch = read_gguf(gguf_path)
-    config = gguf_config(meta, arch, {t.name for t in reader.tensors})
+    config = gguf_config(meta, arch, {t.name for t in reader.tensors}, _rope_factors(reader))
     if progress is not None:
         progress.set_total(2)
         progress.note(tensors=len(reader.tensors))
@@ -106,10 +132,10 @@ def write_float_weights(gguf_path: Path, out_path: Path, progress: Any = None) -
         ModelSourceError: as `convert_gguf`, or a tensor that cannot be dequantized.
     """
     reader, meta, arch = read_gguf(gguf_path)
-    config = gguf_config(meta, arch, {t.name for t in reader.tensors})
+    config = gguf_config(meta, arch, {t.name for t in reader.tensors}, _rope_factors(reader))
     if progress is not None:
         progress.set_total(len(reader.tensors) + 1)
-    tensors = _dequantized_tensors(reader, config, _ARCHES[arch][2], gguf_path, progress)
+    tensors = _dequantized_tensors(reader, config, arch, gguf_path, progress)
     from safetensors.numpy import save_file
 
     save_file(tensors, str(out_path), metadata={"format": "pt"})
@@ -121,7 +147,8 @@ def read_gguf(gguf_path: Path) -> tuple[Any, dict[str, Any], str]:
     """``(reader, metadata, architecture)`` of a GGUF file (`gguf.GGUFReader`, memory-mapped).
 
     Raises:
-        ModelSourceError: not a readable GGUF, or an architecture other than llama/qwen2/qwen3/qwen3moe.
+        ModelSourceError: not a readable GGUF, or an architecture other than
+            llama/qwen2/qwen3/qwen3moe/gemma2/gemma3/phi3.
     """
     from gguf import GGUFReader
 
@@ -164,8 +191,25 @@ def permutes_qk(arch: str) -> bool:
     return _ARCHES[arch][2]
 
 
-def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict[str, Any]:
-    """The HF ``config.json`` dict for a GGUF's metadata."""
+def norm_shift(arch: str) -> float:
+    """What llama.cpp added to this architecture's norm weights (subtract it for HF's)."""
+    return 1.0 if arch in _NORM_SHIFTED else 0.0
+
+
+def _rope_factors(reader: Any) -> dict[str, list[float]]:
+    """LongRoPE's factor tensors of a GGUF (Phi-3), by tensor name."""
+    return {
+        t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+        for t in reader.tensors
+        if t.name in CONFIG_TENSORS
+    }
+
+
+def gguf_config(
+    meta: dict[str, Any], arch: str, tensor_names: set[str], rope_factors: dict[str, list[float]] | None = None
+) -> dict[str, Any]:
+    """The HF ``config.json`` dict for a GGUF's metadata (``rope_factors``: LongRoPE's factor
+    tensors by name, where the file has them)."""
     hf_arch, model_type, _ = _ARCHES[arch]
 
     def get(key: str, default: Any = None) -> Any:
@@ -212,6 +256,13 @@ def gguf_config(meta: dict[str, Any], arch: str, tensor_names: set[str]) -> dict
         if arch == "qwen3moe":  # a layer without a router keeps a dense MLP
             layers = range(cfg["num_hidden_layers"])
             cfg["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    window = get("attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(cfg, get, arch)
+    if arch == "phi3":
+        _phi3_config(cfg, get, rope_factors or {})
     for key, name in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -261,6 +312,44 @@ def moe_hf_names(gguf_name: str, config: dict[str, Any]) -> list[str] | None:
     return [f"{prefix}experts.{e}.{layout[1][_EXPERT_PARTS[part]]}.{kind}" for e in range(experts)]
 
 
+def _gemma_config(cfg: dict[str, Any], get: Any, arch: str) -> None:
+    """Gemma 2/3 keys. The attention scale is llama.cpp's: ``1/sqrt(head_dim)``, but
+    ``1/sqrt(hidden / heads)`` for the 27B models (46 and 62 layers), as their HF configs'
+    ``query_pre_attn_scalar`` say."""
+    cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    big = cfg["num_hidden_layers"] == {"gemma2": 46, "gemma3": 62}[arch]
+    cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = get(key)
+        cfg[key] = float(value) if value is not None else None
+    if arch == "gemma3":
+        cfg["attn_logit_softcapping"] = None
+        cfg["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+        cfg["sliding_window_pattern"] = 6
+
+
+def _phi3_config(cfg: dict[str, Any], get: Any, factors: dict[str, list[float]]) -> None:
+    """Phi-3 keys: partial rotary from ``rope.dimension_count``, LongRoPE from the factor
+    tensors and ``rope.scaling.original_context_length`` / ``.attn_factor``."""
+    rot = get("rope.dimension_count")
+    if rot:
+        cfg["partial_rotary_factor"] = int(rot) / cfg["head_dim"]
+    original = get("rope.scaling.original_context_length")
+    if original:
+        cfg["original_max_position_embeddings"] = int(original)
+    if factors:
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+            "original_max_position_embeddings": int(original or cfg["max_position_embeddings"]),
+        }
+        attn = get("rope.scaling.attn_factor")
+        if attn is not None:
+            scaling["attention_factor"] = float(attn)
+        cfg["rope_scaling"] = scaling
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rotary row permutation of a Q or K weight/bias.
 
@@ -272,27 +361,34 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor name, None when it has no HF counterpart."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name of a GGUF tensor name of architecture ``arch``, None when it has no
+    HF counterpart."""
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        module = _ARCH_LAYER_NAMES.get(arch, {}).get(part) or _LAYER_NAMES.get(part)
+        if module is None:
             return None
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{module}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
 
 def _dequantized_tensors(
-    reader: Any, config: dict[str, Any], permute: bool, gguf_path: Path, progress: Any
+    reader: Any, config: dict[str, Any], arch: str, gguf_path: Path, progress: Any
 ) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
+    permute, shift = permutes_qk(arch), norm_shift(arch)
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        if t.name in CONFIG_TENSORS:
+            if progress is not None:
+                progress.advance()
+            continue
         names = moe_hf_names(t.name, config)
-        name = hf_name(t.name) if names is None else names[0]
+        name = hf_name(t.name, arch) if names is None else names[0]
         if name is None:
             raise ModelSourceError(f"model source {str(gguf_path)!r}: unexpected GGUF tensor {t.name!r}")
         try:
@@ -313,6 +409,8 @@ def _dequantized_tensors(
             arr = unpermute_qk(arr, config["num_attention_heads"])
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = unpermute_qk(arr, config["num_key_value_heads"])
+        elif shift and name.endswith("norm.weight"):
+            arr = arr - np.float32(shift)
         out[name] = np.ascontiguousarray(arr)
         if progress is not None:
             progress.advance()

@@ -125,10 +125,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernels=None,
+    *,
+    sliding_window: int = 0,
+    soft_cap: float = 0.0,
 ) -> torch.Tensor:
     """Write this step's ``k``/``v [T, Hkv, D]`` into ``kv_cache`` and attend with
     ``q [T, Hq, D]``; returns ``[T, Hq, D]``. ``kernels``: the model's
-    `pkgd_kernels.cpu.CpuKernels`, or None."""
+    `pkgd_kernels.cpu.CpuKernels`, or None. ``sliding_window`` (keys within the last W
+    positions) and ``soft_cap`` (``c * tanh(score / c)``): the layer's, 0 = none (see
+    `pkgd_kernels.attention`)."""
     key_cache, value_cache = kv_cache
     nd = meta.num_decodes
     pk.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -136,6 +141,7 @@ def paged_attention(
     if nd:
         decode = pk.paged_attention_decode(
             q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+            sliding_window=sliding_window, soft_cap=soft_cap,
             kernels=kernels, plan=meta.decode_plan,  # built only if the PyTorch form runs
         )  # fmt: skip
         if nd == meta.num_tokens:
@@ -145,6 +151,6 @@ def paged_attention(
         out[:nd] = decode
     out[nd:] = pk.paged_attention_prefill(
         q[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.prefill_query_start_loc, meta.seq_lens[nd:], scale,
-        plan=meta.prefill_plan,
+        sliding_window=sliding_window, soft_cap=soft_cap, plan=meta.prefill_plan,
     )  # fmt: skip
     return out

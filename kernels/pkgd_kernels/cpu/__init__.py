@@ -434,6 +434,8 @@ class CpuKernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
     ) -> torch.Tensor:
         """C form of `pkgd_kernels.paged_attention_decode`: ``query [S, Hq, D]`` (heads
         contiguous, any token stride), one token per sequence at position ``seq_lens[s] - 1``,
@@ -441,14 +443,18 @@ class CpuKernels:
         contiguous) through ``block_tables`` int32 ``[S, max_blocks]``; ``seq_lens`` int32
         ``[S]``. Computes in float32 (16-bit queries widened in the kernel; bf16 queries over a
         bf16 cache take their scores by `bf16_impl`, exact products in another order); returns a new
-        ``[S, Hq, D]`` in the query dtype (16-bit: rounded once, to nearest even).
+        ``[S, Hq, D]`` in the query dtype (16-bit: rounded once, to nearest even). It attends
+        to every key: a ``sliding_window`` no sequence exceeds is accepted, a ``soft_cap`` is not.
 
         Raises:
-            ValueError: a layout or dtype `takes_paged_attention_decode` refuses.
+            ValueError: a layout or dtype `takes_paged_attention_decode` refuses, a soft cap, or
+                a sequence longer than the sliding window.
             MemoryError: the kernel could not allocate its per-thread scratch.
         """
         if not self.takes_paged_attention_decode(query, key_cache):
             raise ValueError("paged_attention_decode: unsupported layout or dtype")
+        if soft_cap or (sliding_window and seq_lens.numel() and int(seq_lens.max()) > sliding_window):
+            raise ValueError("paged_attention_decode: the C form has no soft cap or sliding window")
         s, hq, d = query.shape
         _, bs, hkv, _ = key_cache.shape
         tables = block_tables.to(torch.int32).contiguous()

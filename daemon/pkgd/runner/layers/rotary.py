@@ -9,6 +9,14 @@ rounding: ``inv_freq[i] = 1 / theta ** (2i / rot_dim)`` computed in float32, the
 * ``llama3``: Meta's Llama 3.1 rule: wavelengths longer than
   ``original_max_position_embeddings / low_freq_factor`` divided by ``factor``, shorter than
   ``... / high_freq_factor`` kept, a linear blend between.
+* ``longrope`` (``su``; Ding et al., 2024, "LongRoPE", as Phi-3 uses it): ``inv_freq[i] /
+  short_factor[i]`` for positions below ``original_max_position_embeddings``, ``/
+  long_factor[i]`` from there on, cos and sin both times ``attention_factor`` (default
+  ``sqrt(1 + ln(s) / ln(original))``, ``s = max_position / original``). Chosen per position:
+  transformers instead rotates a whole sequence with the long factors once it is longer than
+  ``original`` (its Phi-3 recomputes the cache when generation crosses that length), so the
+  two agree on sequences within the original length and differ past it, as vLLM's per-batch
+  switch does.
 
 Layout: HF checkpoints rotate dimension ``i`` with ``i + rot_dim/2`` of each head (GPT-NeoX
 "rotate half"). pkgd permutes the Q/K projection rows at load time (`to_interleaved`, the same
@@ -26,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,10 +48,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rot_dim = rot_dim
         self.is_neox = is_neox
-        inv_freq = _inv_freq(rot_dim, theta, scaling or {})
+        scaling = scaling or {}
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        if scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            cache = _longrope_cache(rot_dim, t, theta, scaling)
+        else:
+            freqs = torch.outer(t, _inv_freq(rot_dim, theta, scaling))
+            cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
 
 def to_interleaved(w: torch.Tensor, num_heads: int, head_dim: int, rot_dim: int) -> torch.Tensor:
@@ -68,6 +80,22 @@ def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tens
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _longrope_cache(rot_dim: int, t: torch.Tensor, theta: float, s: dict[str, Any]) -> torch.Tensor:
+    """``[len(t), rot_dim]`` cos | sin for LongRoPE (module docstring; transformers'
+    ``_compute_longrope_parameters``). ``s`` needs ``short_factor``, ``long_factor`` and
+    ``original_max_position_embeddings``."""
+    original = int(s["original_max_position_embeddings"])
+    factor = s.get("factor") or len(t) / original
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim)
+    short = torch.outer(t[:original], 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base))
+    long = torch.outer(t[original:], 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * base))
+    freqs = torch.cat((short, long))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

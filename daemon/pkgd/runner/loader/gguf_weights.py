@@ -25,7 +25,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from pkgd.model_files.gguf_convert import hf_name, moe_hf_names, permutes_qk, read_gguf_tensors, unpermute_qk
+from pkgd.model_files.gguf_convert import (
+    CONFIG_TENSORS,
+    hf_name,
+    moe_hf_names,
+    norm_shift,
+    permutes_qk,
+    read_gguf_tensors,
+    unpermute_qk,
+)
 from pkgd.runner.layers.moe import MoELayer
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead, QuantizedMoE
 from pkgd.runner.models import get_model_class
@@ -65,7 +73,8 @@ class GGUFWeights:
         self._routers: set[str] = set()
         self.tensors: dict[str, Any] = {}
         self._unknown: list[str] = []
-        for t in tensors:
+        self._norm_shift = norm_shift(arch)
+        for t in (t for t in tensors if t.name not in CONFIG_TENSORS):  # those are read into the config
             moe = moe_hf_names(t.name, cfg.raw)
             if moe is not None and t.name.split(".")[2] == "ffn_gate_inp":
                 self._routers.add(moe[0])
@@ -74,7 +83,7 @@ class GGUFWeights:
                 self._experts[t.name] = moe
                 self.tensors[t.name] = t
             else:
-                name = hf_name(t.name)
+                name = hf_name(t.name, arch)
                 self.tensors[name or t.name] = t
                 if name is None:
                     self._unknown.append(t.name)
@@ -106,7 +115,18 @@ class GGUFWeights:
                 out.append(f"{t.name} has {shape[-1]} inputs per row, not a multiple of {BLOCK[qt]}")
             elif name.rsplit(".", 2)[-2] in _FUSED_PARTS and shape[-2] % GROUP_ROWS:
                 out.append(f"{t.name} has {shape[-2]} rows, not a multiple of {GROUP_ROWS} (a fused projection's part)")
+            elif name.rsplit(".", 2)[-2] in ("qkv_proj", "gate_up_proj") and any(
+                n % GROUP_ROWS for n in self._parts(name)
+            ):
+                out.append(f"{t.name} splits into parts of {self._parts(name)} rows, not multiples of {GROUP_ROWS}")
         return out
+
+    def _parts(self, name: str) -> list[int]:
+        """Rows of each part of a fused tensor stored whole (Phi-3's qkv_proj, gate_up_proj)."""
+        c = self.cfg
+        if name.endswith("qkv_proj.weight"):
+            return [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
+        return [c.intermediate_size]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, tensor)``: float32 for float tensors, the uint8 rows of blocks
@@ -128,6 +148,8 @@ class GGUFWeights:
                 a = unpermute_qk(a, c.num_attention_heads)
             elif self._permute and ".k_proj." in name:
                 a = unpermute_qk(a, c.num_key_value_heads)
+            elif self._norm_shift and name.endswith("norm.weight"):
+                a = a - np.float32(self._norm_shift)
             yield name, torch.from_numpy(np.array(a, copy=True))
 
     def close(self) -> None:
@@ -238,7 +260,7 @@ def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = QuantizedLinear.replacing(
-            attn.qkv_proj, [weights.qtype(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            attn.qkv_proj, _part_types(weights, p + "self_attn.", ["q_proj", "k_proj", "v_proj"], "qkv_proj")
         )
         attn.o_proj = QuantizedLinear.replacing(attn.o_proj, [weights.qtype(p + "self_attn.o_proj.weight")])
         if isinstance(mlp, MoELayer):
@@ -246,7 +268,7 @@ def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
             layer.mlp = QuantizedMoE(mlp, {x: weights.qtype(f"blk.{i}.ffn_{x}_exps.weight") for x in parts}, kernels)
             continue
         mlp.gate_up_proj = QuantizedLinear.replacing(
-            mlp.gate_up_proj, [weights.qtype(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+            mlp.gate_up_proj, _part_types(weights, p + "mlp.", ["gate_proj", "up_proj"], "gate_up_proj")
         )
         mlp.down_proj = QuantizedLinear.replacing(mlp.down_proj, [weights.qtype(p + "mlp.down_proj.weight")])
     table = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -259,3 +281,12 @@ def _swap_layers(model: Any, weights: GGUFWeights, kernels: Any) -> None:
         model.embed_tokens = QuantizedEmbedding(
             cfg.vocab_size, cfg.hidden_size, weights.qtype("model.embed_tokens.weight"), kernels=kernels
         )
+
+
+def _part_types(weights: GGUFWeights, prefix: str, parts: list[str], fused: str) -> list[int]:
+    """GGML types of a fused linear's parts: each part's own, or the fused tensor's (Phi-3
+    stores ``qkv_proj`` and ``gate_up_proj`` whole) for every part."""
+    whole = f"{prefix}{fused}.weight"
+    if whole in weights.tensors:
+        return [weights.qtype(whole)] * len(parts)
+    return [weights.qtype(f"{prefix}{part}.weight") for part in parts]

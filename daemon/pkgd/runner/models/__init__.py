@@ -7,8 +7,12 @@ import importlib
 
 # HF architectures name -> "module:class" (imported on use).
 MODEL_REGISTRY: dict[str, str] = {
+    "Gemma2ForCausalLM": "pkgd.runner.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pkgd.runner.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "pkgd.runner.models.llama:LlamaForCausalLM",
     "MixtralForCausalLM": "pkgd.runner.models.mixtral:MixtralForCausalLM",
+    "MistralForCausalLM": "pkgd.runner.models.mistral:MistralForCausalLM",
+    "Phi3ForCausalLM": "pkgd.runner.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "pkgd.runner.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pkgd.runner.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "pkgd.runner.models.qwen3_moe:Qwen3MoeForCausalLM",

@@ -39,10 +39,20 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     raw: dict[str, Any] = dataclasses.field(repr=False, compare=False, default_factory=dict)
+    # Sliding-window attention: the window in tokens (0 = none) and, when only some layers
+    # use it, each layer's type ("sliding_attention" or "full_attention"; None = every layer).
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def rot_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def window_of(self, layer_idx: int) -> int:
+        """The sliding window of layer ``layer_idx`` in tokens (0 = it attends to every key)."""
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return 0
 
 
 def load_arch_config(model_dir: Path) -> ArchConfig:
@@ -78,6 +88,9 @@ def arch_config_from_dict(raw: dict[str, Any], gen: dict[str, Any] | None = None
     dtype = raw.get("torch_dtype") or raw.get("dtype")
     eos = (gen or {}).get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    # Qwen2/3 write a window and switch it off with use_sliding_window: false.
+    window = int(raw.get("sliding_window") or 0) if raw.get("use_sliding_window", True) else 0
+    layer_types = raw.get("layer_types")
     return ArchConfig(
         architecture=str(archs[0]),
         hidden_size=hidden,
@@ -101,6 +114,8 @@ def arch_config_from_dict(raw: dict[str, Any], gen: dict[str, Any] | None = None
         bos_token_id=_opt_int((gen or {}).get("bos_token_id", raw.get("bos_token_id"))),
         eos_token_ids=eos_ids,
         raw=raw,
+        sliding_window=window,
+        layer_types=tuple(layer_types) if layer_types else None,
     )
 
 

@@ -71,16 +71,22 @@ def check_tp_size(cfg: ArchConfig, tp_size: int, expert_parallel: bool = False) 
 
 
 class LlamaAttention(nn.Module):
+    """GQA self-attention of layer ``layer_idx``: ``sliding_window`` its window in tokens (from
+    `ArchConfig.window_of`; 0 = none), ``soft_cap`` its attention-logit cap (0 = none; a
+    subclass sets it), both applied by `paged_attention`."""
+
     qk_norm = False
     o_proj_bias_follows_attention_bias = True
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None, layer_idx: int = 0) -> None:
         super().__init__()
         self.kernels = kernels
         self.head_dim = d = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
         self.num_kv_heads, kv_shards = kv_heads_per_rank(cfg.num_key_value_heads, tp)
         self.scale = d**-0.5
+        self.sliding_window = cfg.window_of(layer_idx)
+        self.soft_cap = 0.0
         self.qkv_proj = MergedColumnParallelLinear(
             cfg.hidden_size,
             [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
@@ -112,32 +118,45 @@ class LlamaAttention(nn.Module):
         q, k = pk.rotary_embedding(
             positions, q, k, d, rope.table.cos_sin_cache, rope.table.is_neox, plan=rope.plan, kernels=self.kernels
         )
-        out = paged_attention(q.view(t, -1, d), k.view(t, -1, d), v, kv_cache, meta, self.scale, self.kernels)
+        out = paged_attention(
+            q.view(t, -1, d), k.view(t, -1, d), v, kv_cache, meta, self.scale, self.kernels,
+            sliding_window=self.sliding_window, soft_cap=self.soft_cap,
+        )  # fmt: skip
         return self.o_proj(out.view(t, q_size))
 
 
 class LlamaMLP(nn.Module):
+    """Gated MLP: ``down(act(gate(h)) * up(h))``, SwiGLU here (``hidden_act`` silu); a
+    subclass names its activations and overrides `act_and_mul`."""
+
+    activations: tuple[str, ...] = ("silu",)
+
     def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None) -> None:
         super().__init__()
         self.kernels = kernels
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if cfg.hidden_act not in self.activations:
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only {', '.join(self.activations)})")
         i = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [i, i], bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels
         )
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp, dtype=dtype, kernels=kernels)
 
+    def act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[T, 2*I]`` (gate | up) -> ``[T, I]``."""
+        return pk.silu_and_mul(gate_up, kernels=self.kernels)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(pk.silu_and_mul(self.gate_up_proj(h), kernels=self.kernels))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[LlamaMLP] = LlamaMLP
 
     def __init__(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels=None, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, tp, dtype, kernels)
+        self.self_attn = self.attention_cls(cfg, tp, dtype, kernels, layer_idx)
         self.mlp = self.build_mlp(cfg, tp, dtype, kernels, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
@@ -152,8 +171,9 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def build_mlp(self, cfg: ArchConfig, tp: TPGroup, dtype: torch.dtype, kernels, layer_idx: int) -> nn.Module:
-        """The layer's MLP (``forward(h [T, H]) -> [T, H]``): SwiGLU here; MoE families override."""
-        return LlamaMLP(cfg, tp, dtype, kernels)
+        """The layer's MLP (``forward(h [T, H]) -> [T, H]``): ``mlp_cls`` (SwiGLU here, GeGLU for
+        Gemma); MoE families override."""
+        return self.mlp_cls(cfg, tp, dtype, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # False for a pooling model (the loader sets it): a checkpoint without lm_head.weight loads.
     requires_lm_head = True
+    # Whether `CpuDecodeStep` computes this family's layers (False where they are not Llama's).
+    one_call_decode = True
 
     def __init__(
         self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None
@@ -315,8 +337,8 @@ def _load_layer(layer: LlamaDecoderLayer, rest: str, t: torch.Tensor, full_name:
         mlp.gate_up_proj.load_part(_GATE_UP[proj], t, kind)
     elif group == "mlp" and proj == "down_proj" and mlp is not None:
         mlp.down_proj.load(t, kind)
-    elif module in ("input_layernorm", "post_attention_layernorm") and kind == "weight":
-        _copy(getattr(layer, module).weight, t, full_name)
+    elif module.endswith("layernorm") and kind == "weight" and isinstance(getattr(layer, module, None), RMSNorm):
+        _copy(getattr(layer, module).weight, t, full_name)  # Gemma's layers have two more
     else:
         raise ValueError(f"unexpected tensor {full_name!r} in checkpoint")
 

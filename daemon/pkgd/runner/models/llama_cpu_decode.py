@@ -27,7 +27,10 @@ It serves a step when all of these hold, else the model's per-layer forward runs
 * contiguous KV caches of one dtype (float32, float16 or bfloat16);
 * every sequence of the step is a decode (one new token) and there are at most
   `pkgd.runner.layers.linear.GEMV_MAX_BATCH` of them (beyond that the step is compute-bound
-  and oneDNN's GEMM wins).
+  and oneDNN's GEMM wins);
+* the model is Llama-shaped (``one_call_decode`` true on its class: Gemma's norms, scaled
+  embeddings and GeGLU are not), no layer soft-caps its attention logits, and no sequence
+  of the step is longer than a layer's sliding window (the kernel attends to every key).
 """
 
 from __future__ import annotations
@@ -229,6 +232,8 @@ class CpuDecodeStep:
             ptrs.gate_up, ptrs.gate_up_bias = _w(mlp.gate_up_proj), _ptr(mlp.gate_up_proj.bias)
             ptrs.down, ptrs.down_bias = _w(mlp.down_proj), _ptr(mlp.down_proj.bias)
         self._caches_key: tuple[int, ...] | None = None
+        windows = [layer.self_attn.sliding_window for layer in model.layers if layer.self_attn.sliding_window]
+        self.max_seq_len = min(windows, default=None)  # beyond it a window would cut keys
 
     def _f32_ptr(self, t: torch.Tensor | None) -> int | None:
         """Address of ``t`` as float32 (a copy this step keeps for a 16-bit tensor), or None."""
@@ -245,6 +250,8 @@ class CpuDecodeStep:
         library that cannot be built or loaded is logged as ``one_call_decode_unavailable``)."""
         kernels = model.kernels
         if kernels is None or model.dtype not in _WEIGHT_DTYPES or model.tp.size != 1 or model.norm.weight.is_cuda:
+            return None
+        if not model.one_call_decode or any(layer.self_attn.soft_cap for layer in model.layers):
             return None
         if any(getattr(layer.mlp, "gate_up_proj", None) is None for layer in model.layers):
             return None  # MoE layers (pkgd.runner.layers.moe): the C step has dense MLPs only
@@ -284,6 +291,7 @@ class CpuDecodeStep:
             or meta.num_decodes != t
             or meta.num_tokens != t
             or not self._bind_caches(kv_caches, meta.block_size)
+            or (self.max_seq_len is not None and int(meta.seq_lens.max()) > self.max_seq_len)
         ):
             return None
         self.dims.bf16_impl = BF16_IMPLS[self.kernels.bf16_impl]

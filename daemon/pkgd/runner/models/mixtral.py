@@ -2,8 +2,8 @@
 biases) with every MLP a sparse mixture of ``num_local_experts`` SwiGLU experts, the top
 ``num_experts_per_tok`` per token weighted by a softmax over their router logits
 (`pkgd.runner.layers.moe`). Checkpoint names: ``block_sparse_moe.gate`` (router) and
-``block_sparse_moe.experts.{N}.w1/w3/w2`` (gate/up/down), stacked at load time. Sliding-window
-attention (``sliding_window`` below the context length) is not supported.
+``block_sparse_moe.experts.{N}.w1/w3/w2`` (gate/up/down), stacked at load time. A
+``sliding_window`` is Mistral's: each token attends to the last W positions (`ArchConfig.window_of`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(
         self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None
     ) -> None:
-        window = cfg.raw.get("sliding_window")
-        if window is not None and int(window) < cfg.max_position_embeddings:
-            raise ValueError(f"Mixtral with sliding_window {window} is not supported (sliding-window attention)")
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         super().__init__(
