@@ -128,6 +128,19 @@ def test_unfinished_engine_requests_end_as_abort_and_stop_strings_as_stop(anyio_
     assert prefill[0].value == pytest.approx(1.0)  # 2 x (2.0 - 1.5)
 
 
+def test_requests_cut_has_every_reason_at_zero_before_any_cut():
+    """Before the first cut each reason's series exists at 0 (a counter that appears only
+    when it first moves hides the first increase from rate() and from absent() alerts)."""
+    m = Metrics("m", max_model_len=64)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
+    cut = {s.labels["reason"]: s.value for s in fams["pkgd:requests_cut"].samples if s.name.endswith("_total")}
+    assert cut == {"engine_lost": 0.0, "drain_timeout": 0.0, "reload_drain_timeout": 0.0}
+    m.count_cut("drain_timeout", 2)
+    fams = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
+    cut = {s.labels["reason"]: s.value for s in fams["pkgd:requests_cut"].samples if s.name.endswith("_total")}
+    assert cut["drain_timeout"] == 2.0
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 def test_engine_counters_are_the_cores_cumulative_numbers(anyio_backend):
     """Read from the newest SchedulerStats of each core (so N API servers do not multiply

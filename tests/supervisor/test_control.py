@@ -58,7 +58,19 @@ def test_reload_reports_the_outcome_and_the_hash_changes(start_daemon):
 
     d.write_config("frontend: [not, a, mapping")
     r = ctl("reload", "--runtime-dir", str(d.runtime_dir))
-    assert r.returncode == 1 and "rejected" in r.stdout
+    assert r.returncode == 2 and "rejected" in r.stdout  # as docs/operations.md says
+
+
+def test_an_engine_reload_to_a_missing_model_is_rejected_before_anything_stops(start_daemon):
+    """A model.source that names nothing is refused as ``pkgd serve`` refuses it (exit 2),
+    before the serving generation is touched: a stop_first swap used to drain it first."""
+    d = start_daemon({"supervisor": {"engine_swap": "stop_first"}})
+    d.wait_ready()
+    pids = d.all_child_pids()
+    d.write_config({**d.config, "model": {"source": str(d.workdir / "missing.gguf")}})
+    r = ctl("reload", "--runtime-dir", str(d.runtime_dir))
+    assert r.returncode == 2 and "rejected" in r.stdout and "model.source" in r.stdout, r.stdout + r.stderr
+    assert d.all_child_pids() == pids and not d.find("generation_retired")
 
 
 def test_no_daemon_is_a_clear_error(workdir):

@@ -153,14 +153,19 @@ class ReloadCommand(_ControlCommand):
     help = "make the running daemon compose its configuration again"
     description = (
         "Make the running daemon compose its configuration again and apply the difference, as SIGHUP does; "
-        "waits for the outcome and exits 1 when the new configuration was rejected or failed to start."
+        "waits for the outcome and exits 2 when the new configuration does not validate (nothing changed), "
+        "1 when it failed to start (the previous one keeps serving)."
     )
 
     def format(self, reply: dict[str, Any]) -> str:
         return format_reload(reply)
 
     def exit_status(self, reply: dict[str, Any]) -> int:
-        return 0 if reply.get("ok") else 1
+        """0 applied or unchanged; 2 rejected (an invalid tree, as every pkgd command exits on
+        one); 1 otherwise (failed to start, refused while stopping)."""
+        if reply.get("ok"):
+            return 0
+        return 2 if reply.get("result") == "rejected" else 1
 
 
 def cmd_init() -> list[CLISubcommand]:

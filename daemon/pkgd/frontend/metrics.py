@@ -128,6 +128,11 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+# Why a request in flight was ended from outside (``pkgd:requests_cut_total{reason}``): a lost
+# engine core, the shutdown drain deadline, a replaced generation's drain deadline.
+CUT_REASONS = ("engine_lost", "drain_timeout", "reload_drain_timeout")
+
+
 @dataclasses.dataclass
 class _Timer:
     """One engine request's timing and counts (monotonic ``t_*``; engine Unix ``*_ts``)."""
@@ -241,6 +246,8 @@ class Metrics:
             ["model_name", "reason"],
             registry=r,
         )
+        for reason in CUT_REASONS:  # every series at 0 from the start, so rate() and alerts see them
+            self.requests_cut.labels(self.model_name, reason)
         self._tracked: dict[str, _Tracked] = {}
         self._by_engine_id: dict[str, str] = {}
 

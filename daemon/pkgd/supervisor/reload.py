@@ -45,8 +45,10 @@ from pkgd import host, log
 from pkgd.config.fields import ReloadClass
 from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
+from pkgd.model_files.resolve import model_source_problems
 from pkgd.supervisor.children import Child, ChildStartError
 from pkgd.supervisor.fleet import Fleet, Generation
+from pkgd.supervisor.preflight import host_problems
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
 
 logger = log.get_logger(__name__)
@@ -113,6 +115,10 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
             changed,
             [f"{fields}: cannot change by reload; restart pkgd (systemctl restart pkgd)"],
         )
+    if cls is not ReloadClass.LIVE and (problems := await asyncio.to_thread(_host_problems, new)):
+        # Before anything stops: a stop_first swap would otherwise drain the serving generation
+        # for a model that cannot load.
+        return _outcome("rejected", started, cls, changed, problems)
     apply = {ReloadClass.LIVE: _apply_live, ReloadClass.API: _apply_api, ReloadClass.ENGINE: _apply_engine}[cls]
     try:
         await apply(sup, new)
@@ -120,6 +126,12 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
         return _outcome("failed", started, cls, changed, [str(exc)])
     sup.adopt_config(new)
     return _outcome("applied", started, cls, changed)
+
+
+def _host_problems(new: VllmConfig) -> list[str]:
+    """What ``pkgd serve`` checks before a start (the model source exists, the host can hold
+    the KV budget, the chat template reads), checked before a new generation starts."""
+    return model_source_problems(new.model) + host_problems(new)
 
 
 def _outcome(
