@@ -272,7 +272,8 @@ class ParallelConfig(Section):
     )
     cpu_threads: int | None = field(
         None,
-        "Torch threads per engine worker on CPU; null = every core pkgd may use, shared among "
+        "Torch threads per engine worker on CPU; null = every core pkgd may use (its affinity mask, "
+        "capped by its cgroup CPU quota rounded up, e.g. a Kubernetes CPU limit), shared among "
         "this node's engine workers (dp_local x tp), at least 1. No core is reserved for the "
         "API servers (they need a few percent of one); set this to leave cores to other work.",
         aliases=("--cpu-threads",),
