@@ -14,6 +14,7 @@ import yaml
 
 from pkgd import log
 from pkgd.config.vllm_config import VllmConfig
+from pkgd.supervisor.preflight import host_problems, serve_problems
 from pkgd.supervisor.supervisor import Supervisor
 from pkgd.supervisor.topology import Entrypoints
 
@@ -24,6 +25,13 @@ ENTRYPOINTS = Entrypoints(
 )
 
 
+def preflight(config: VllmConfig) -> list[str]:
+    """`serve_problems`, but a ``fake:`` model source (read by the fake engine) exists."""
+    if str(config.model.source).startswith("fake:"):
+        return host_problems(config)
+    return serve_problems(config)
+
+
 def load(path: str) -> VllmConfig:
     return VllmConfig.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
@@ -32,7 +40,7 @@ def main() -> int:
     path = sys.argv[1]
     config = load(path)
     log.configure(config.logging, role="supervisor")
-    return Supervisor(config, lambda: load(path), entrypoints=ENTRYPOINTS).run()
+    return Supervisor(config, lambda: load(path), entrypoints=ENTRYPOINTS, preflight=preflight).run()
 
 
 if __name__ == "__main__":

@@ -279,6 +279,15 @@ class ParallelConfig(Section):
         aliases=("--cpu-threads",),
         ge=1,
     )
+    cpu_threads_adaptive: bool = field(
+        True,
+        "On CPU without tensor parallelism, let the engine lower its thread count below "
+        "cpu_threads while fewer threads measure faster (another process holds one of the cores: "
+        "every parallel region then waits for the thread sharing that core), and raise it again "
+        "once the load is gone; each change is logged as cpu_threads_changed. false = always "
+        "cpu_threads.",
+        reload=E,
+    )
     cpu_kernels: bool = field(
         True,
         "On CPU, build (once per host, then cached) and use pkgd's C kernels for decode; false = "

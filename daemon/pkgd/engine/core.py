@@ -28,6 +28,7 @@ from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
 from pkgd.engine.structured_output import StructuredOutputManager
+from pkgd.engine.threads import ThreadGovernor
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
 from pkgd.scheduler_output import SchedulerOutput
@@ -277,6 +278,7 @@ class EngineCore:
         # (request id, reason) of requests refused after add_request returned (a constraint
         # that failed to compile); the caller reports them (core_proc, LLM).
         self.failed_requests: list[tuple[str, str]] = []
+        self.thread_governor = _thread_governor(config, self.model_runner)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -400,7 +402,12 @@ class EngineCore:
             # keep the finished ids for the next step the runner sees.
             self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
             return []
+        governor = self.thread_governor
+        if governor is not None:
+            governor.before_step()
         runner_output = self.model_runner.execute_model(scheduler_output)
+        if governor is not None:
+            governor.after_step(scheduler_output.total_num_scheduled_tokens)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
@@ -493,6 +500,19 @@ class EngineCore:
         close = getattr(self.model_runner, "shutdown", None)
         if close is not None:
             close()
+
+
+def _thread_governor(config: VllmConfig, runner: Any) -> ThreadGovernor | None:
+    """The governor of the step thread count (`pkgd.engine.threads`), on a CPU runner of this
+    process (no tensor parallelism: the ranks' threads live in other processes) when
+    ``parallel.cpu_threads_adaptive`` is on; None otherwise."""
+    device = getattr(runner, "device", None)
+    if not config.parallel.cpu_threads_adaptive or config.parallel.tp != 1 or getattr(device, "type", None) != "cpu":
+        return None
+    import torch
+
+    governor = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+    return governor if governor.active else None
 
 
 def _cuda_memory(runner: ModelRunnerLike) -> DeviceMemory | None:

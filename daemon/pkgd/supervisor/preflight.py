@@ -15,6 +15,14 @@ import os
 from pkgd import host
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.frontend.tokenizer import TokenizerError, resolve_chat_template
+from pkgd.model_files.resolve import model_source_problems
+
+
+def serve_problems(config: VllmConfig) -> list[str]:
+    """Everything ``pkgd serve`` refuses a tree for on this host: a ``model.source`` /
+    ``model.tokenizer`` that names nothing here, then `host_problems`. Run by the supervisor
+    before it starts and before a reload starts a new generation."""
+    return model_source_problems(config.model) + host_problems(config)
 
 
 def host_problems(config: VllmConfig) -> list[str]:

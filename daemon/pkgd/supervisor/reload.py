@@ -45,10 +45,8 @@ from pkgd import host, log
 from pkgd.config.fields import ReloadClass
 from pkgd.config.reload import plan_reload
 from pkgd.config.vllm_config import ServePlan, VllmConfig
-from pkgd.model_files.resolve import model_source_problems
 from pkgd.supervisor.children import Child, ChildStartError
 from pkgd.supervisor.fleet import Fleet, Generation
-from pkgd.supervisor.preflight import host_problems
 from pkgd.supervisor.sockets import BindError, Listener, bind, listen_specs
 
 logger = log.get_logger(__name__)
@@ -73,6 +71,7 @@ class Supervisor(Protocol):
     listeners: list[Listener]
     fleet: Fleet
     recompose: Callable[[], VllmConfig]
+    preflight: Callable[[VllmConfig], list[str]]
 
     def adopt_config(self, new: VllmConfig) -> None: ...
 
@@ -115,7 +114,7 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
             changed,
             [f"{fields}: cannot change by reload; restart pkgd (systemctl restart pkgd)"],
         )
-    if cls is not ReloadClass.LIVE and (problems := await asyncio.to_thread(_host_problems, new)):
+    if cls is not ReloadClass.LIVE and (problems := await asyncio.to_thread(sup.preflight, new)):
         # Before anything stops: a stop_first swap would otherwise drain the serving generation
         # for a model that cannot load.
         return _outcome("rejected", started, cls, changed, problems)
@@ -126,12 +125,6 @@ async def reload(sup: Supervisor) -> dict[str, Any]:
         return _outcome("failed", started, cls, changed, [str(exc)])
     sup.adopt_config(new)
     return _outcome("applied", started, cls, changed)
-
-
-def _host_problems(new: VllmConfig) -> list[str]:
-    """What ``pkgd serve`` checks before a start (the model source exists, the host can hold
-    the KV budget, the chat template reads), checked before a new generation starts."""
-    return model_source_problems(new.model) + host_problems(new)
 
 
 def _outcome(

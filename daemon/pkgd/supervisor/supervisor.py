@@ -42,7 +42,7 @@ from pkgd.supervisor.fleet import Fleet, Generation, StopRequested
 from pkgd.supervisor.headline import ready_headline
 from pkgd.supervisor.health import HealthMonitor
 from pkgd.supervisor.notify import Notifier
-from pkgd.supervisor.preflight import host_problems
+from pkgd.supervisor.preflight import serve_problems
 from pkgd.supervisor.restart import RestartPolicy
 from pkgd.supervisor.retire import API_STOP_EXTRA, Retirements
 from pkgd.supervisor.runtime import RuntimeDir, RuntimeDirError, resolve_runtime_dir
@@ -73,8 +73,12 @@ class Supervisor:
         *,
         entrypoints: Entrypoints | None = None,
         environ: dict[str, str] | None = None,
+        preflight: Callable[[VllmConfig], list[str]] = serve_problems,
     ) -> None:
         self.config = config
+        # What this host cannot serve of a tree (one line each), checked before the first start
+        # and before a reload starts a new generation (`pkgd.supervisor.reload`).
+        self.preflight = preflight
         self.plan = config.serve_plan()
         self.recompose = recompose
         self.entry = entrypoints or Entrypoints()
@@ -102,7 +106,7 @@ class Supervisor:
     def run(self) -> int:
         """Serve until stopped; the process exit status (0, 1, or 2 for start-up errors)."""
         try:
-            if problems := host_problems(self.config):
+            if problems := self.preflight(self.config):
                 for problem in problems:
                     logger.error("startup_failed", error=problem)
                 return EXIT_USAGE
