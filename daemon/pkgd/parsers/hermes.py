@@ -41,14 +41,16 @@ def parse_call(block: str) -> dict[str, Any] | None:
 
 
 class HermesToolParser:
-    def __init__(self, tokenizer: Any = None) -> None:
+    """``tools``: the request's tools; unused, Hermes calls carry their arguments as JSON."""
+
+    def __init__(self, tokenizer: Any = None, *, tools: list[dict[str, Any]] | None = None) -> None:
         self._stream = TagSplitter(CALL_OPEN, CALL_CLOSE)
         self._block: ToolCallStream | None = None  # the open <tool_call> block's scanner
         self._block_text: list[str] = []
         self._num_calls = 0  # calls streamed in earlier blocks
 
     @staticmethod
-    def extract(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def extract(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole completion."""
         content, blocks, unclosed = split_all(text, CALL_OPEN, CALL_CLOSE)
         calls = []
