@@ -31,7 +31,10 @@ TOOLS = [
     for name in ("get_weather", "get_forecast")
 ]
 MESSAGES = [{"role": "user", "content": "Weather in Paris and the forecast for Lyon?"}]
-OUTPUT = 'I will check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_forecast[ARGS]{"city": "Lyon", "days": 3}'
+OUTPUT = (
+    'I will check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    '[TOOL_CALLS]get_forecast[ARGS]{"city": "Lyon", "days": 3}'
+)
 CALLS = [("get_weather", {"city": "Paris"}), ("get_forecast", {"city": "Lyon", "days": 3})]
 FORCE = {"structured_outputs": {"regex": re.escape(OUTPUT).replace('\\"', '"')}, "temperature": 0, "max_tokens": 96}
 

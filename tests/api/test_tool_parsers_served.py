@@ -104,7 +104,9 @@ async def test_parallel_off_required_and_named_with_each_parser(tokenizer, parse
         fake.script = answer_script(tokenizer, '[{"name": "get_forecast", "parameters": {"city": "Lyon", "days": 3}}]')
         r = await c.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required")
         assert r.choices[0].finish_reason == "tool_calls"
-        assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == CALLS[1:]
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == CALLS[
+            1:
+        ]
         fake.script = answer_script(tokenizer, '{"city": "Paris"}')
         named = {"type": "function", "function": {"name": "get_weather"}}
         async with c.chat.completions.stream(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named) as s:

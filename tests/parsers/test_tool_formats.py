@@ -28,7 +28,11 @@ WRITE = {
         "name": "write_file",
         "parameters": {
             "type": "object",
-            "properties": {"path": {"type": "string"}, "content": {"type": "string"}, "mode": {"type": ["object", "null"]}},
+            "properties": {
+                "path": {"type": "string"},
+                "content": {"type": "string"},
+                "mode": {"type": ["object", "null"]},
+            },
         },
     },
 }
@@ -43,13 +47,15 @@ RECORDED = [
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
     (
         "llama3_json",
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}',
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}',
         None,
         [PARIS, TIME],
     ),
     (
         "llama3_json",
-        'Let me look that up.\n\n{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}\nOne moment.',
+        "Let me look that up.\n\n"
+        '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}\nOne moment.',
         "Let me look that up.\n\n\nOne moment.",
         [PARIS],
     ),
@@ -68,13 +74,15 @@ RECORDED = [
     # ---- mistral: pre-v11 (Mistral 7B v0.3, NeMo) and v11+ (Small 3.2, Magistral, Devstral) ----
     (
         "mistral",
-        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]',
         None,
         [PARIS, TIME],
     ),
     (
         "mistral",
-        'I will check both.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}',
+        'I will check both.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+        '[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}',
         "I will check both.",
         [PARIS, TIME],
     ),
@@ -82,14 +90,14 @@ RECORDED = [
     ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}', None, [PARIS]),
     (
         "mistral",
-        'Use [TOOL] tags like [TOOL_CALLS ] or [TOOL_CALLS]? no.',
+        "Use [TOOL] tags like [TOOL_CALLS ] or [TOOL_CALLS]? no.",
         "Use [TOOL] tags like [TOOL_CALLS ] or [TOOL_CALLS]? no.",
         [],
     ),
     # ---- pythonic: Llama 3.2 (pythonic template), Llama 4, ToolACE ----
     (
         "pythonic",
-        '[get_weather(city="Paris"), get_time(tz=\'Europe/Paris\')]',
+        "[get_weather(city=\"Paris\"), get_time(tz='Europe/Paris')]",
         None,
         [PARIS, TIME],
     ),
@@ -128,7 +136,10 @@ RECORDED = [
         "</parameter>\n</function>\n</tool_call>",
         "I'll create the file.",
         [
-            ("write_file", {"path": "src/app.py", "content": 'def main():\n    print("</param>")\n', "mode": {"append": False}}),
+            (
+                "write_file",
+                {"path": "src/app.py", "content": 'def main():\n    print("</param>")\n', "mode": {"append": False}},
+            ),
             PARIS,
         ],
     ),
@@ -183,7 +194,7 @@ CUT = [
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa'),
     ("pythonic", '[get_weather(city="Pa'),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
-    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"ci"),
+    ("deepseek_v3", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"ci'),
 ]
 
 

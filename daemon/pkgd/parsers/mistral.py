@@ -56,9 +56,10 @@ class _NamedCallRegion(CallRegion):
                 i += j + len(ARGS)
                 continue
             m = NAME.match(rest)
-            self.name += m.group()
-            i += m.end()
-            rest = rest[m.end() :]
+            word = m.group() if m else ""
+            self.name += word
+            i += len(word)
+            rest = rest[len(word) :]
             if not rest:
                 return i
             if rest[0] == "{":
@@ -134,8 +135,10 @@ class _FormRegion(CallRegion):
                 self.rejected = final
                 return 0
             array = text[i] == "["
-            self.inner = JsonCallsRegion(self.marker, self.tools, array=True) if array else _NamedCallRegion(
-                self.marker, self.tools
+            self.inner = (
+                JsonCallsRegion(self.marker, self.tools, array=True)
+                if array
+                else _NamedCallRegion(self.marker, self.tools)
             )
         self.inner.pos = self.pos + i
         n = self.inner.scan(text[i:], final)

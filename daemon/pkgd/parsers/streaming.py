@@ -145,9 +145,7 @@ class MarkedToolParser:
     # ---- whole text ----------------------------------------------------------------------------
 
     @classmethod
-    def extract(
-        cls, text: str, tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str | None, list[dict[str, Any]]]:
+    def extract(cls, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls in OpenAI's shape) of a whole completion: what streaming it
         gives, less a call the text ends inside (that call's text is content)."""
         p = cls(tools=tools)
@@ -182,15 +180,15 @@ class JsonCallsRegion(CallRegion):
         self.head = marker  # a lead object's text while its first key is not known
         self.checked = not lead
         if lead:
-            self._open(0)
-            self.stream.scan(marker)  # type: ignore[union-attr]
+            self._open(0).scan(marker)
 
     @property
     def committed(self) -> bool:
         return any(c.name is not None and c.has_args for c in self.calls)
 
-    def _open(self, at: int) -> None:
+    def _open(self, at: int) -> ToolCallStream:
         self.stream, self.stream_at, self.adopted = ToolCallStream(array=self.array), at, 0
+        return self.stream
 
     def scan(self, text: str, final: bool) -> int:
         if not self.checked:
