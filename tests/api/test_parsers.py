@@ -46,7 +46,7 @@ def test_hermes_streaming_gives_the_same_result_at_every_split(cut):
     text = "Hi " + CALL + " bye"
     p = HermesToolParser()
     parts = _stream(p, text, cut)
-    content = "".join(c for c, _ in parts) + p.flush()
+    content = "".join(c for c, _ in parts) + p.flush()[0]
     deltas = [d for _, ds in parts for d in ds]
     assert content == "Hi  bye" and [d.name for d in deltas if d.name] == ["get_weather"]
     assert {d.index for d in deltas} == {0}

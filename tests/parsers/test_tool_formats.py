@@ -156,6 +156,12 @@ RECORDED = [
         None,
         [("get_weather", {"days": "three", "unit": "7"})],
     ),
+    (
+        "qwen3_coder",  # the model stopped before </function>: the call ends with the text
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",
+        None,
+        [PARIS],
+    ),
     # ---- deepseek_v3: DeepSeek-V3-0324, R1-0528; and the V3.1 layout ----
     (
         "deepseek_v3",
@@ -202,8 +208,8 @@ def _stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], i
     """(content, [(name, arguments)], number of argument deltas) of a streamed output."""
     p = load_parser("tool", name)(tools=TOOLS)
     content, calls, pieces_sent = "", {}, 0
-    for piece in pieces:
-        c, deltas = p.feed(piece)
+    for piece in [*pieces, None]:
+        c, deltas = p.feed(piece) if piece is not None else p.flush()
         content += c
         for d in deltas:
             assert (d.name is not None) == (d.index not in calls), "the name comes in a call's first delta only"
@@ -212,7 +218,6 @@ def _stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]], i
                 calls[d.index] = [d.name, ""]
             calls[d.index][1] += d.arguments
             pieces_sent += bool(d.arguments)
-    content += p.flush()
     return content, [tuple(calls[i]) for i in sorted(calls)], pieces_sent
 
 
@@ -264,7 +269,7 @@ def test_text_without_calls_streams_as_it_comes(name):
     """Plain text is not held back beyond a possible marker start."""
     p = load_parser("tool", name)(tools=TOOLS)
     assert p.feed("The weather in Paris is sunny") == ("The weather in Paris is sunny", [])
-    assert p.flush() == ""
+    assert p.flush() == ("", [])
 
 
 def test_mistral_keeps_special_tokens_and_uses_its_id_format():
@@ -272,3 +277,25 @@ def test_mistral_keeps_special_tokens_and_uses_its_id_format():
     assert cls.skip_special_tokens is False and load_parser("tool", "qwen3_coder").skip_special_tokens
     _content, calls = cls.extract('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', TOOLS)
     assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()
+
+
+# (parser, text before, a look-alike of the marker, the character that shows it is not one)
+LOOK_ALIKES = [
+    ("llama3_json", "Use ", "{", "x"),
+    ("llama3_json", "Use ", '{"', "i"),
+    ("mistral", "See ", "[TOOL_CALLS", "]?"),
+    ("pythonic", "See ", "[", "1"),
+    ("pythonic", "See ", "[print", '("'),
+    ("qwen3_coder", "Use ", "<tool_call>", "{"),
+    ("deepseek_v3", "Use ", "<｜tool▁calls▁begin｜>", "x"),
+]
+
+
+@pytest.mark.parametrize(("name", "before", "alike", "tell"), LOOK_ALIKES)
+def test_a_marker_look_alike_is_content_as_soon_as_it_is_told_apart(name, before, alike, tell):
+    p = load_parser("tool", name)(tools=TOOLS)
+    held, _ = p.feed(before + alike)
+    assert held == before  # the look-alike could still start a call: held back
+    content, deltas = p.feed(tell)
+    assert deltas == [] and before + content + p.feed(" more")[0] + p.flush()[0] == before + alike + tell + " more"
+    assert content.startswith(alike[0])  # released without waiting for the end of the text

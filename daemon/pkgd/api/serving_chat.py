@@ -345,7 +345,8 @@ class _ChoiceStream:
         elif self.tools is not None:
             content, calls = self.tools.feed(content)
             if finished:
-                content += self.tools.flush()
+                tail, more = self.tools.flush()
+                content, calls = content + tail, calls + more
         deltas = [self._delta_call(d) for d in calls if self.chat.max_calls is None or d.index < self.chat.max_calls]
         delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
         logprobs = self.chat._logprobs(c.logprobs) if self.chat.body.logprobs and c.logprobs else None

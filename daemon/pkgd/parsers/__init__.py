@@ -6,7 +6,7 @@ starts. Register a parser by adding it here (vLLM's ``ToolParserManager`` /
 ``ReasoningParserManager`` play the same role).
 
 A tool parser class is built per streamed choice as ``cls(tools=...)`` (the request's tools
-as dicts) and answers ``feed(delta) -> (content, [CallDelta])``, ``flush() -> content`` and
+as dicts) and answers ``feed(delta) -> (content, [CallDelta])``, ``flush() -> (content, [CallDelta])`` and
 ``cls.extract(text, tools) -> (content, calls)``; ``skip_special_tokens = False`` on the class
 makes the chat route keep special tokens in the text. Every parser but ``hermes`` is a
 `pkgd.parsers.streaming.MarkedToolParser`.

@@ -98,13 +98,13 @@ class HermesToolParser:
         self._num_calls += len(block.calls)
         return ""
 
-    def flush(self) -> str:
-        """Content held back at the end (an unclosed block that named no call comes back as
-        text)."""
+    def flush(self) -> tuple[str, list[CallDelta]]:
+        """(content held back at the end, no call deltas: every delta went out with `feed`).
+        An unclosed block that named no call comes back as text."""
         outside, _inside, unclosed = self._stream.flush()
         if unclosed is None:
-            return outside
+            return outside, []
         block = self._block
         if block is not None and block.calls and block.calls[0].name is not None:
-            return outside  # streamed as a call already (cut by max_tokens)
-        return outside + f"{CALL_OPEN}{unclosed}"
+            return outside, []  # streamed as a call already (cut by max_tokens)
+        return outside + f"{CALL_OPEN}{unclosed}", []

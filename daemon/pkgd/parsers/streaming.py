@@ -24,7 +24,7 @@ import uuid
 from typing import Any, ClassVar
 
 from pkgd.parsers.json_calls import Call, CallDelta, ToolCallStream, drain
-from pkgd.parsers.tags import _partial_suffix
+from pkgd.parsers.tags import partial_suffix
 
 
 class CallRegion:
@@ -68,7 +68,7 @@ class MarkedToolParser:
         self.tools = tools or []
         self._buf = ""
         self._region: CallRegion | None = None
-        self._raw = ""  # the open region's text so far, marker first
+        self._raw: list[str] = []  # the open region's text so far, marker first
         self._num_calls = 0  # calls named in closed regions
         self.cut: tuple[int, str] | None = None  # after flush: (first call, text) the text ended inside
 
@@ -86,23 +86,24 @@ class MarkedToolParser:
         self._buf += delta
         return self._run(final=False)
 
-    def flush(self) -> str:
-        """Content held back at the end. A region that named no call comes back as text; a
-        call the text ends inside stays streamed as a call (its text is in ``self.cut``)."""
-        content, _deltas = self._run(final=True)
-        region = self._region
+    def flush(self) -> tuple[str, list[CallDelta]]:
+        """End of text: what was held back. A region that named no call comes back as
+        content; a call the text ends inside stays streamed as a call (its text is in
+        ``self.cut``)."""
+        content, deltas = self._run(final=True)
+        region, raw = self._region, "".join(self._raw)
         if region is None:
-            return content
+            return content, deltas
         self._region = None
         if not region.committed:
-            return content + self._raw + self._buf
+            return content + raw + self._buf, deltas
         named = [c for c in region.calls if c.name is not None]
         open_calls = [i for i, c in enumerate(named) if not c.complete]
         if open_calls:
             i = open_calls[0]
             start = 0 if i == 0 else len(region.marker) + named[i].start
-            self.cut = (self._num_calls + i, self._raw[start:] + self._buf)
-        return content
+            self.cut = (self._num_calls + i, raw[start:] + self._buf)
+        return content, deltas
 
     def _run(self, final: bool) -> tuple[str, list[CallDelta]]:
         content: list[str] = []
@@ -115,30 +116,32 @@ class MarkedToolParser:
                 continue
             n = region.scan(self._buf, final)
             region.pos += n
-            self._raw, self._buf = self._raw + self._buf[:n], self._buf[n:]
+            self._raw.append(self._buf[:n])
+            self._buf = self._buf[n:]
             if region.rejected:
-                content.append(self._raw[0])
-                self._buf, self._raw, self._region = self._raw[1:] + self._buf, "", None
+                raw = "".join(self._raw)
+                content.append(raw[0])
+                self._buf, self._raw, self._region = raw[1:] + self._buf, [], None
                 continue
             if region.committed:
                 deltas += drain(region.calls, self._num_calls)
             if not region.ended:
                 return "".join(content), deltas
             self._num_calls += sum(c.name is not None for c in region.calls)
-            self._region, self._raw = None, ""
+            self._region, self._raw = None, []
 
     def _start_region(self, content: list[str], final: bool) -> bool:
         """Move the content before the next marker to ``content``; open a region at it."""
         buf = self._buf
         found = [(i, m) for m in self.markers if (i := buf.find(m)) != -1]
         if not found:
-            hold = 0 if final else max((_partial_suffix(buf, m) for m in self.markers), default=0)
+            hold = 0 if final else max((partial_suffix(buf, m) for m in self.markers), default=0)
             content.append(buf[: len(buf) - hold])
             self._buf = buf[len(buf) - hold :]
             return False
         idx, marker = min(found, key=lambda f: (f[0], -len(f[1])))
         content.append(buf[:idx])
-        self._buf, self._raw = buf[idx + len(marker) :], marker
+        self._buf, self._raw = buf[idx + len(marker) :], [marker]
         self._region = self.new_region(marker)
         return True
 
@@ -150,7 +153,8 @@ class MarkedToolParser:
         gives, less a call the text ends inside (that call's text is content)."""
         p = cls(tools=tools)
         content, deltas = p.feed(text)
-        content += p.flush()
+        tail, more = p.flush()
+        content, deltas = content + tail, deltas + more
         calls: dict[int, dict[str, Any]] = {}
         for d in deltas:
             if d.index not in calls:
@@ -256,7 +260,7 @@ def until(text: str, delim: str, final: bool) -> tuple[str, bool]:
     i = text.find(delim)
     if i != -1:
         return text[:i], True
-    hold = 0 if final else _partial_suffix(text, delim)
+    hold = 0 if final else partial_suffix(text, delim)
     return text[: len(text) - hold], False
 
 
