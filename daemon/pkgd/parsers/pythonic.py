@@ -31,6 +31,7 @@ class _ListRegion(CallRegion):
         super().__init__(marker, tools)
         self.state = "open" if marker == PYTHON_START else "name"
         self.word = ""  # the name or keyword being read
+        self.name, self.start = "", 0  # the call being read: its name, where its text starts
         self.call: Call | None = None  # the call whose arguments are being read
         self.value: list[str] = []
         self.nest: list[str] = []  # brackets open in the value
