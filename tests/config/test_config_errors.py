@@ -109,7 +109,10 @@ CASES = [
     (
         "unregistered tool parser",
         cli("frontend.tool_call_parser=nope"),
-        ["frontend.tool_call_parser: 'nope' is not a registered tool parser; registered: hermes"],
+        [
+            "frontend.tool_call_parser: 'nope' is not a registered tool parser; "
+            "registered: deepseek_v3, hermes, llama3_json, mistral, pythonic, qwen3_coder"
+        ],
     ),
     ("unregistered reasoning parser", cli("frontend.reasoning_parser=nope"), ["registered: deepseek_r1, qwen3"]),
     ("trust_remote_code", cli(flags=["--trust-remote-code"]), ["model.trust_remote_code: true is refused"]),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
@@ -362,6 +362,13 @@ class DeltaToolCall(BaseModel):
     id: str | None = None
     type: Literal["function"] | None = None
     function: dict[str, str] | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any) -> dict[str, Any]:
+        # A call's later deltas are {"index", "function": {"arguments"}} as OpenAI sends them:
+        # an explicit "type": null would overwrite the call's type in clients that merge
+        # deltas key by key (the openai SDK's stream helpers fail on it).
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(BaseModel):

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -106,6 +107,9 @@ def _prepare(
         logprobs_field="top_logprobs",
     )
     params, constraint = serving.with_constraint(state, body, params)
+    if use_tools and not getattr(state.tool_parser, "skip_special_tokens", True):
+        # The format's markers are special tokens (Mistral's [TOOL_CALLS]): keep them in the text.
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
     template = _template_args(body)
     if rendered is None:
         build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **template)  # noqa: E731
@@ -193,6 +197,7 @@ class _Chat:
     ) -> None:
         self.state, self.body, self.rid, self.model, self.processed = state, body, rid, model, processed
         self.use_tools = use_tools
+        self.tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         self.forced_tool = constraint if constraint is not None and constraint.tool_mode else None
         self.max_calls = None if body.parallel_tool_calls else 1
         self.created = int(time.time())
@@ -215,7 +220,7 @@ class _Chat:
                 tool_calls = tool_calls_of(self.forced_tool, text)
                 content = None if tool_calls else text
             elif self.use_tools:
-                content, tool_calls = self.state.tool_parser.extract(text)  # type: ignore[union-attr]
+                content, tool_calls = self.state.tool_parser.extract(text, self.tools)  # type: ignore[union-attr]
             tool_calls = tool_calls[: self.max_calls]
             finish = (
                 "tool_calls" if tool_calls and c.finish_reason == "stop" and self._named() is None else c.finish_reason
@@ -312,7 +317,8 @@ class _ChoiceStream:
         self.chat = chat
         state = chat.state
         self.reasoning = state.reasoning_parser() if state.reasoning_parser is not None else None
-        self.tools = state.tool_parser() if chat.use_tools and state.tool_parser is not None else None
+        self.tools = state.tool_parser(tools=chat.tools) if chat.use_tools and state.tool_parser is not None else None
+        self.new_call_id = getattr(self.tools, "new_call_id", new_call_id)  # Mistral's ids are 9 characters
         forced = chat.forced_tool
         self.calls_json = ToolCallStream(array=True) if forced is not None and forced.tool_mode == "required" else None
         self.named = chat._named()
@@ -339,7 +345,8 @@ class _ChoiceStream:
         elif self.tools is not None:
             content, calls = self.tools.feed(content)
             if finished:
-                content += self.tools.flush()
+                tail, more = self.tools.flush()
+                content, calls = content + tail, calls + more
         deltas = [self._delta_call(d) for d in calls if self.chat.max_calls is None or d.index < self.chat.max_calls]
         delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None, tool_calls=deltas or None)
         logprobs = self.chat._logprobs(c.logprobs) if self.chat.body.logprobs and c.logprobs else None
@@ -353,7 +360,7 @@ class _ChoiceStream:
 
     def _delta_call(self, d: CallDelta) -> DeltaToolCall:
         if d.index not in self.ids:  # the call's first delta: its id, type and name
-            self.ids[d.index] = new_call_id()
+            self.ids[d.index] = self.new_call_id()
             return DeltaToolCall(
                 index=d.index,
                 id=self.ids[d.index],

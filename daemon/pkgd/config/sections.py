@@ -469,7 +469,8 @@ class FrontendConfig(Section):
     )
     tool_call_parser: str | None = field(
         None,
-        "Registered tool-call parser for chat completions (e.g. hermes).",
+        "Tool-call parser for chat completions, by the model family's call format: hermes, llama3_json, "
+        "mistral, pythonic, qwen3_coder or deepseek_v3 (docs/tool-calling.md).",
         aliases=("--tool-call-parser",),
         reload=A,
     )

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import json
 from importlib.resources import files
-from typing import Any
+from typing import Any, Literal
 
 # Features pkgd does not have; the "off" form of such a switch is satisfied below.
 _NO_LORA = "pkgd serves no LoRA adapters"
@@ -543,8 +543,23 @@ def mapping(flag: str) -> str | None:
         return None
     leaf, const = entry
     if const is None:
-        return f"`{leaf.key}`"
+        return f"`{leaf.key}`" + _registered(leaf.key)
     return f"`{leaf.key}` = {const}"
+
+
+# Keys whose values are names in a registry: the docs list the names a value may take.
+_REGISTRIES: dict[str, Literal["tool", "reasoning"]] = {
+    "frontend.tool_call_parser": "tool",
+    "frontend.reasoning_parser": "reasoning",
+}
+
+
+def _registered(key: str) -> str:
+    if key not in _REGISTRIES:
+        return ""
+    from pkgd.parsers import registered_names  # light: names only, no parser code
+
+    return " (one of " + ", ".join(f"`{n}`" for n in registered_names(_REGISTRIES[key])) + ")"
 
 
 def markdown() -> str:

@@ -4,6 +4,12 @@ The config validator only needs the names, so this module maps each name to the 
 of its class and imports nothing heavy; `load_parser` imports a parser when an API server
 starts. Register a parser by adding it here (vLLM's ``ToolParserManager`` /
 ``ReasoningParserManager`` play the same role).
+
+A tool parser class is built per streamed choice as ``cls(tools=...)`` (the request's tools
+as dicts) and answers ``feed(delta) -> (content, [CallDelta])``, ``flush() -> (content, [CallDelta])`` and
+``cls.extract(text, tools) -> (content, calls)``; ``skip_special_tokens = False`` on the class
+makes the chat route keep special tokens in the text. Every parser but ``hermes`` is a
+`pkgd.parsers.streaming.MarkedToolParser`.
 """
 
 from __future__ import annotations
@@ -14,7 +20,12 @@ from typing import Literal
 ParserKind = Literal["tool", "reasoning"]
 
 TOOL_PARSERS: dict[str, str] = {
+    "deepseek_v3": "pkgd.parsers.deepseek_v3:DeepSeekV3ToolParser",
     "hermes": "pkgd.parsers.hermes:HermesToolParser",
+    "llama3_json": "pkgd.parsers.llama3_json:Llama3JsonToolParser",
+    "mistral": "pkgd.parsers.mistral:MistralToolParser",
+    "pythonic": "pkgd.parsers.pythonic:PythonicToolParser",
+    "qwen3_coder": "pkgd.parsers.qwen3_coder:Qwen3CoderToolParser",
 }
 
 REASONING_PARSERS: dict[str, str] = {

@@ -41,14 +41,16 @@ def parse_call(block: str) -> dict[str, Any] | None:
 
 
 class HermesToolParser:
-    def __init__(self, tokenizer: Any = None) -> None:
+    """``tools``: the request's tools; unused, Hermes calls carry their arguments as JSON."""
+
+    def __init__(self, tokenizer: Any = None, *, tools: list[dict[str, Any]] | None = None) -> None:
         self._stream = TagSplitter(CALL_OPEN, CALL_CLOSE)
         self._block: ToolCallStream | None = None  # the open <tool_call> block's scanner
         self._block_text: list[str] = []
         self._num_calls = 0  # calls streamed in earlier blocks
 
     @staticmethod
-    def extract(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    def extract(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a whole completion."""
         content, blocks, unclosed = split_all(text, CALL_OPEN, CALL_CLOSE)
         calls = []
@@ -96,13 +98,13 @@ class HermesToolParser:
         self._num_calls += len(block.calls)
         return ""
 
-    def flush(self) -> str:
-        """Content held back at the end (an unclosed block that named no call comes back as
-        text)."""
+    def flush(self) -> tuple[str, list[CallDelta]]:
+        """(content held back at the end, no call deltas: every delta went out with `feed`).
+        An unclosed block that named no call comes back as text."""
         outside, _inside, unclosed = self._stream.flush()
         if unclosed is None:
-            return outside
+            return outside, []
         block = self._block
         if block is not None and block.calls and block.calls[0].name is not None:
-            return outside  # streamed as a call already (cut by max_tokens)
-        return outside + f"{CALL_OPEN}{unclosed}"
+            return outside, []  # streamed as a call already (cut by max_tokens)
+        return outside + f"{CALL_OPEN}{unclosed}", []

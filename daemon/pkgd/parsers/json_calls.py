@@ -29,14 +29,36 @@ class CallDelta:
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
+    """One call being streamed: its ``name`` once known, argument text not sent yet, and
+    whether its text is ``complete``; ``start``: where its text starts in the scanned text."""
+
     name: str | None = None
     name_sent: bool = False
     pending: list[str] = dataclasses.field(default_factory=list)
+    has_args: bool = False  # an "arguments"/"parameters" key was written
+    complete: bool = False
+    start: int = 0
+
+
+def drain(calls: list[Call], first_index: int = 0) -> list[CallDelta]:
+    """The deltas of ``calls`` not sent yet, merged per call; a call is sent once named and
+    numbered ``first_index`` + its place among the named calls."""
+    out: list[CallDelta] = []
+    for i, call in enumerate(c for c in calls if c.name is not None):
+        delta = CallDelta(first_index + i)
+        if not call.name_sent:
+            call.name_sent, delta.name = True, call.name
+        if call.pending:
+            delta.arguments, call.pending = "".join(call.pending), []
+        if delta.name is not None or delta.arguments:
+            out.append(delta)
+    return out
 
 
 class ToolCallStream:
-    """Feed the text of one JSON call object (``array=False``) or an array of them."""
+    """Feed the text of one JSON call object (``array=False``) or an array of them; text
+    after the object (array) closes is not consumed (`scan` says how much was)."""
 
     def __init__(self, *, array: bool) -> None:
         self.base = 2 if array else 1  # depth inside a call object
@@ -48,24 +70,23 @@ class ToolCallStream:
         self.buf: list[str] = []  # key or name characters (raw JSON string content)
         self.reading: str | None = None  # "key" / "name" / "args-string" while in such a string
         self.capturing = False  # inside the arguments value (object, array or scalar)
-        self.calls: list[_Call] = []
+        self.calls: list[Call] = []
+        self.pos = 0  # characters consumed
+        self.closed = False  # the top-level object (array) closed
 
     def feed(self, text: str) -> list[CallDelta]:
         """The deltas this text adds, merged per call."""
-        for ch in text:
+        self.scan(text)
+        return drain(self.calls)
+
+    def scan(self, text: str) -> int:
+        """Consume ``text`` up to where the top-level value closes; the count consumed."""
+        for n, ch in enumerate(text):
+            if self.closed:
+                return n
             self._char(ch)
-        out: list[CallDelta] = []
-        for i, call in enumerate(self.calls):
-            if call.name is None:
-                continue
-            delta = CallDelta(i)
-            if not call.name_sent:
-                call.name_sent, delta.name = True, call.name
-            if call.pending:
-                delta.arguments, call.pending = "".join(call.pending), []
-            if delta.name is not None or delta.arguments:
-                out.append(delta)
-        return out
+            self.pos += 1
+        return len(text)
 
     # ---- the scanner ---------------------------------------------------------------------------
 
@@ -108,12 +129,15 @@ class ToolCallStream:
         if ch in "{[":
             self.depth += 1
             if ch == "{" and self.depth == self.base:
-                self.calls.append(_Call())
+                self.calls.append(Call(start=self.pos))
                 self.expect = "key"
             elif self.depth == self.base + 1 and at_base and self.expect == "value":
                 self.expect = "comma"
         elif ch in "}]":
             self.depth -= 1
+            if at_base and ch == "}" and self.calls:
+                self.calls[-1].complete = True
+            self.closed = self.depth == 0
         elif at_base and ch == ":" and self.expect == "colon":
             self.expect = "value"
         elif at_base and ch == ",":
@@ -142,6 +166,8 @@ class ToolCallStream:
         value = _decode("".join(self.buf))
         if self.reading == "key":
             self.key, self.expect = value, "colon"
+            if value in ARGUMENT_KEYS and self.calls:
+                self.calls[-1].has_args = True
         elif self.reading == "name" and self.calls:
             self.calls[-1].name = value
         elif self.reading == "args-string" and self.calls:

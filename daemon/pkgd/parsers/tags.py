@@ -8,7 +8,7 @@ of a tag, so a tag split across two deltas never leaks out as text.
 from __future__ import annotations
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -35,7 +35,7 @@ class TagSplitter:
             tag = self.close_tag if self.inside else self.open_tag
             idx = self._buf.find(tag)
             if idx == -1:
-                cut = len(self._buf) - _partial_suffix(self._buf, tag)
+                cut = len(self._buf) - partial_suffix(self._buf, tag)
                 self._emit(self._buf[:cut], outside, inside)
                 self._buf = self._buf[cut:]
                 return "".join(outside), "".join(inside), closed
