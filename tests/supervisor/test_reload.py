@@ -87,7 +87,8 @@ def test_a_replaced_generation_keeps_its_requests_past_drain_timeout(start_daemo
     url = d.wait_ready()
     before = d.child_pids()
     answer: dict = {}
-    slow = threading.Thread(target=lambda: answer.update(r=httpx.get(url + "/slow?s=4", timeout=30)))
+    # 8 s: the old generation must still hold it 1.5 s after the reload, which takes seconds on a loaded host
+    slow = threading.Thread(target=lambda: answer.update(r=httpx.get(url + "/slow?s=8", timeout=30)))
     slow.start()
     time.sleep(0.5)
     change = {"frontend": {"api_server_count": 2}} if reload_class == "api" else {"model": {"source": "fake:load=0.3"}}
@@ -101,7 +102,7 @@ def test_a_replaced_generation_keeps_its_requests_past_drain_timeout(start_daemo
     assert pid_alive(before["api-server-0"])
     slow.join(30)
     assert answer["r"].status_code == 200, answer["r"].text
-    assert answer["r"].json() == {"pid": before["api-server-0"], "slept": 4.0, "reload_drain_timeout": 300.0}
+    assert answer["r"].json() == {"pid": before["api-server-0"], "slept": 8.0, "reload_drain_timeout": 300.0}
     d.wait_event("generation_retired", timeout=15, generation=0)
     assert not pid_alive(before["api-server-0"]) and d.status()["draining"] == []
     if reload_class == "engine":
