@@ -44,7 +44,7 @@ def test_quiet_host_keeps_every_thread_and_never_probes_early():
 
 def test_a_contended_core_drops_to_one_thread_within_a_few_steps():
     host = Host({1: 1.8e-3, 2: 1.0e-3})
-    gov = _governor(host, probe_every_s=1e9)
+    gov = _governor(host, probe_every_s=30.0)
     host.run(gov, 40)
     host.per_token = {1: 2.0e-3, 2: 20e-3}  # a busy loop took one core: 2 threads wait at every barrier
     used = host.run(gov, 20)
@@ -73,6 +73,18 @@ def test_a_failed_probe_costs_one_slow_step_and_backs_off():
     slow = used[20:].count(2)
     # 2000 steps x 0.128 s = 256 busy s; probes at 1, 2, 4, 8, 8, ... s intervals: about 33
     assert 0 < slow <= 40
+
+
+def test_prefill_and_decode_steps_of_one_size_are_not_a_slowdown():
+    """A 64-token prefill of one request costs far less per token than 64 decodes: steps are
+    compared within their shape (tokens and requests), so alternating them starts no probe."""
+    host = Host({1: 1.8e-3, 2: 1.0e-3})
+    gov = _governor(host, probe_every_s=30.0)  # 200 steps: 9 busy s, past MIN_GAP, short of 30
+    for i in range(200):
+        gov.before_step()
+        host.now += 64 * (0.1e-3 if i % 3 == 0 else 1.0e-3)  # every third step a prefill
+        gov.after_step(64, 1 if i % 3 == 0 else 64)
+    assert host.applied == [] and gov.changes == 0
 
 
 def test_a_small_gain_is_not_worth_a_change():

@@ -407,7 +407,7 @@ class EngineCore:
             governor.before_step()
         runner_output = self.model_runner.execute_model(scheduler_output)
         if governor is not None:
-            governor.after_step(scheduler_output.total_num_scheduled_tokens)
+            governor.after_step(scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens))
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:

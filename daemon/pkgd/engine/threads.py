@@ -7,18 +7,18 @@ for it: on a 2-core host with a busy loop on one core, a 2-thread engine ran 20x
 one thread on the free core runs at about half its quiet speed.
 
 How: `ThreadGovernor` watches the time per scheduled token of each step, grouped by the step's
-size (a power-of-two bucket of its token count, since a prefill token costs far less than a
-decode token). When steps of a bucket become ``SLOWDOWN`` times slower than the fastest of the
-recent ones at the current thread count, or every ``probe_every_s`` seconds of busy stepping, it
-probes: ``PAIRS`` pairs of consecutive steps, one at the current count and one at the
-alternative (half of it while above one thread; ``max_threads`` again from below, so a load
+shape (power-of-two buckets of its token count and of its request count: a prefill token costs
+far less than a decode token). When steps of a shape become ``SLOWDOWN`` times slower than the
+fastest of the recent ones at the current thread count (at most once per ``MIN_GAP`` of the
+probe interval), or every ``probe_every_s`` seconds of busy stepping, it probes: ``PAIRS``
+pairs of consecutive steps, one at the current count and one at the alternative (half of it while above one thread; ``max_threads`` again from below, so a load
 that went away gives the cores back). Paired steps see nearly the same batch, so the median of
 their per-token time ratios compares the two counts under the load of that moment; the
 alternative wins when it is at least ``1 / WIN`` times faster. A pair whose alternative step is
 ``GIVE_UP`` times slower ends the probe at once (a contended core makes a wider step many times
 slower: one such step is the whole cost), and each probe that changes nothing doubles the
 interval to the next unprompted one (up to ``MAX_BACKOFF`` times). A pair whose two steps differ
-in size bucket is not counted. Nothing here is timed against a fixed figure: every decision is
+in shape is not counted. Nothing here is timed against a fixed figure: every decision is
 a ratio of two measurements taken side by side.
 """
 
@@ -40,6 +40,7 @@ GIVE_UP = 2.0  # an alternative step this many times slower ends the probe
 MAX_BACKOFF = 8  # the unprompted probe interval grows to at most this many times its base
 HISTORY = 32  # steps per bucket whose best is the baseline
 RECENT = 4  # steps per bucket whose median is compared with the baseline
+MIN_GAP = 0.1  # a slowdown starts a probe only after this fraction of the probe interval
 
 
 class ThreadGovernor:
@@ -70,8 +71,8 @@ class ThreadGovernor:
         self._history: dict[tuple[int, int], collections.deque[float]] = {}
         self._backoff = 1
         self._probe: list[float] | None = None  # alternative / current per-token time of each pair
-        # The current count's (per-token time, size bucket) of an open pair.
-        self._pending: tuple[float, int] | None = None
+        # The current count's (per-token time, shape) of an open pair.
+        self._pending: tuple[float, tuple[int, int]] | None = None
         self._step_threads = max_threads
         self._started = 0.0
         self.changes = 0
@@ -95,29 +96,35 @@ class ThreadGovernor:
             self._step_threads = want
         self._started = self._clock()
 
-    def after_step(self, num_tokens: int) -> None:
-        """Record the step just run, of ``num_tokens`` scheduled tokens; may start or end a probe."""
+    def after_step(self, num_tokens: int, num_reqs: int = 1) -> None:
+        """Record the step just run, of ``num_tokens`` scheduled tokens over ``num_reqs``
+        requests; may start or end a probe."""
         if not self.active or num_tokens <= 0:
             return
         elapsed = self._clock() - self._started
         self._busy_s += elapsed
-        per_token, size = elapsed / num_tokens, num_tokens.bit_length()
+        per_token, shape = elapsed / num_tokens, (num_tokens.bit_length(), max(num_reqs, 1).bit_length())
         if self._probe is not None:
-            self._record_probe(per_token, size)
+            self._record_probe(per_token, shape)
             return
-        hist = self._history.setdefault((self.threads, size), collections.deque(maxlen=HISTORY))
+        hist = self._history.setdefault((self.threads, *shape), collections.deque(maxlen=HISTORY))
         hist.append(per_token)
-        slowed = len(hist) > RECENT and statistics.median(list(hist)[-RECENT:]) > SLOWDOWN * min(hist)
-        if slowed or self._busy_s >= self._probe_every_s * self._backoff:
+        interval = self._probe_every_s * self._backoff
+        slowed = (
+            self._busy_s >= MIN_GAP * interval
+            and len(hist) > RECENT
+            and statistics.median(list(hist)[-RECENT:]) > SLOWDOWN * min(hist)
+        )
+        if slowed or self._busy_s >= interval:
             self._probe, self._pending, self._busy_s = [], None, 0.0
 
-    def _record_probe(self, per_token: float, size: int) -> None:
+    def _record_probe(self, per_token: float, shape: tuple[int, int]) -> None:
         assert self._probe is not None
         if self._pending is None:
-            self._pending = (per_token, size)  # the current count; the alternative runs next
+            self._pending = (per_token, shape)  # the current count; the alternative runs next
             return
-        (current, current_size), self._pending = self._pending, None
-        if size != current_size or current <= 0:
+        (current, current_shape), self._pending = self._pending, None
+        if shape != current_shape or current <= 0:
             return  # not comparable: the batch changed between the two steps
         ratio = per_token / current
         self._probe.append(ratio)
