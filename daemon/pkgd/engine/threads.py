@@ -3,23 +3,24 @@
 Why: an OpenMP region ends at a barrier that waits for its slowest thread. When another process
 takes one of the cores the engine's threads run on, the thread sharing that core gets a time
 slice now and then, and every one of the hundreds of parallel regions of a decode step waits
-for it: on a 2-core host with a busy loop on one core, a 2-thread engine ran 20x slower, where
-one thread on the free core runs at about half its quiet speed.
+for it: with a busy loop on one of two cores, a 2-thread engine's steps take many times as long,
+while one thread on the free core loses only what two threads gained over one.
 
 How: `ThreadGovernor` watches the time per scheduled token of each step, grouped by the step's
 shape (power-of-two buckets of its token count and of its request count: a prefill token costs
 far less than a decode token). When steps of a shape become ``SLOWDOWN`` times slower than the
 fastest of the recent ones at the current thread count (at most once per ``MIN_GAP`` of the
-probe interval), or every ``probe_every_s`` seconds of busy stepping, it probes: ``PAIRS``
-pairs of consecutive steps, one at the current count and one at the alternative (half of it while above one thread; ``max_threads`` again from below, so a load
-that went away gives the cores back). Paired steps see nearly the same batch, so the median of
-their per-token time ratios compares the two counts under the load of that moment; the
-alternative wins when it is at least ``1 / WIN`` times faster. A pair whose alternative step is
-``GIVE_UP`` times slower ends the probe at once (a contended core makes a wider step many times
-slower: one such step is the whole cost), and each probe that changes nothing doubles the
-interval to the next unprompted one (up to ``MAX_BACKOFF`` times). A pair whose two steps differ
-in shape is not counted. Nothing here is timed against a fixed figure: every decision is
-a ratio of two measurements taken side by side.
+probe interval), or every ``probe_every_s`` seconds of busy stepping, it probes: ``PAIRS`` pairs
+of consecutive steps, one at the current count and one at the alternative (half of it while
+above one thread; ``max_threads`` again from below, so a load that went away gives the cores
+back). Paired steps see nearly the same batch, so the median of their per-token time ratios
+compares the two counts under the load of that moment; the alternative wins when it is at least
+``1 / WIN`` times faster. A pair whose alternative step is ``GIVE_UP`` times slower ends the
+probe at once (a contended core makes a wider step many times slower: one such step is the whole
+cost), and each probe that changes nothing doubles the interval to the next unprompted one (up
+to ``MAX_BACKOFF`` times). A pair whose two steps differ in shape is not counted. Nothing here
+is timed against a fixed figure: every decision is a ratio of two measurements taken side by
+side.
 """
 
 from __future__ import annotations
