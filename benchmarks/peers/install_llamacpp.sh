@@ -13,7 +13,7 @@ started=$SECONDS
 sdist=$PEERS_WORK/sdist
 if [ ! -d "$LLAMA_SRC/vendor/llama.cpp" ]; then
   mkdir -p "$sdist"
-  "$PKGD_PY" -m pip download --disable-pip-version-check --quiet --no-deps --no-binary :all: \
+  "$PKGD_PY" -m pip download --disable-pip-version-check --quiet --no-deps --no-binary llama-cpp-python \
     "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" -d "$sdist" \
     2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
   tar xzf "$sdist/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz" -C "$PEERS_WORK"
