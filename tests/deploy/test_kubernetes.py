@@ -178,6 +178,15 @@ def test_conf_d_passes_pkgd_config_validate(name, tmp_path):
     assert r.returncode == 2 and "supervisor.watch_confg" in r.stdout + r.stderr
 
 
+def test_the_ci_command_of_the_docs_validates_the_component():
+    """docs/kubernetes.md's CI step: `pkgd config validate deploy/kubernetes/components/common`."""
+    assert "config validate /cfg" in (REPO / "docs" / "kubernetes.md").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PKGD_", "VLLM_"))}
+    cmd = [sys.executable, "-m", "pkgd.cli.main", "config", "validate", str(KUBE / "components" / "common")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 @needs_kustomize
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_the_pods_config_watches_its_configmap_and_threads_follow_the_cpu_limit(name, tmp_path):
