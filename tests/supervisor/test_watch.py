@@ -3,10 +3,13 @@ conf.d is a ConfigMap volume, updated the kubelet's way (tests/configmap.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import sys
 from pathlib import Path
 
+import openai
+import pytest
 import yaml
 from supervisor_helpers import BASE_CONFIG, HARNESS, merge
 from tests.configmap import write_configmap
@@ -108,3 +111,37 @@ def test_watch_config_is_a_live_key(start_daemon, workdir):
     d.wait_event("reload_applied", after=mark)
     d.wait_event("config_watch_stopped", after=mark)
     assert d.get("/whoami").json()["model_name"] == "three"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("pkgd.cli.serve") is None, reason="needs `pkgd serve`")
+def test_real_pkgd_serve_follows_a_configmap_and_keeps_serving_a_bad_one(start_daemon):
+    """`pkgd serve --config-dir` with SmolLM2: a conf.d ConfigMap appears, then changes, then
+    turns invalid; the openai client sees the live key and is served throughout."""
+    real = {
+        "model": {"max_model_len": 1024},
+        "cache": {"kv_cache_memory_bytes": 64 << 20},
+        "supervisor": {"engine_ready_timeout": 300, "watch_config": True, "watch_debounce": 0.3},
+    }
+    d = start_daemon(real, real=True)
+    url = d.wait_ready(300)
+    etc = d.config_path.parent
+    d.wait_event("config_watch_started", 60)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def chat(model: str) -> str:
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=4
+        )
+        return r.choices[0].message.content or ""
+
+    mark = d.mark()
+    update(etc, {"10-names.yaml": {"frontend": {"served_model_names": ["smol-a"]}}}, "2026_12_06_01")
+    assert d.wait_event("config_changed", 60, after=mark)["files"] == ["conf.d/10-names.yaml"]
+    assert d.wait_event("reload_applied", 60, after=mark)["changed"] == ["frontend.served_model_names"]
+    assert [m.id for m in client.models.list().data] == ["smol-a"] and chat("smol-a")
+
+    mark = d.mark()
+    update(etc, {"10-names.yaml": {"frontend": {"served_model_names": ["smol-b"], "portt": 1}}}, "2026_12_06_02")
+    assert "frontend.portt" in d.wait_event("reload_rejected", 60, after=mark)["problem"]
+    assert [m.id for m in client.models.list().data] == ["smol-a"] and chat("smol-a")
