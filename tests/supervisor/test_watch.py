@@ -91,6 +91,8 @@ def test_churn_beside_the_config_does_not_reload(start_daemon, workdir):
     d.wait_event("config_watch_unchanged", after=mark)  # the watcher saw the events and compared
     assert not d.find("config_changed") and not d.find("reload_started")
     assert d.status()["last_reload"] is None
+    d.signal(signal.SIGTERM)  # the watch ends with the daemon
+    assert d.wait_exit(30) == 0
 
 
 def test_watch_config_is_a_live_key(start_daemon, workdir):

@@ -327,8 +327,8 @@ class Supervisor:
         self.fleet.cancel_restarts()
         for task in self._loops:
             task.cancel()
-        if self._watcher is not None:
-            await self._watcher.stop()
+        if self._watcher is not None:  # ends within a debounce step, meanwhile the children stop
+            self._loops.append(asyncio.ensure_future(self._watcher.stop()))
         for listener in self.listeners:
             # before the API servers' last accepts, so none of their closes resets a connection
             try:
