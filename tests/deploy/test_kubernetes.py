@@ -139,7 +139,7 @@ def test_each_kustomization_has_what_it_promises():
         "ServiceAccount",
         "ServiceMonitor",
     ]
-    assert kinds["overlays/data-parallel"] == ["ConfigMap", "Service", "ServiceAccount", "StatefulSet"]
+    assert kinds["overlays/data-parallel"] == ["ConfigMap", "NetworkPolicy", "Service", "ServiceAccount", "StatefulSet"]
     assert one(render("base"), "Deployment", "pkgd")["spec"]["replicas"] == 1
 
 
@@ -358,3 +358,8 @@ def test_data_parallel_ranks_get_pkgds_multi_node_flags(tmp_path):
     # the head reaches rank 1 by its StatefulSet DNS name, on the port it listens on
     assert leader.parallel.remote_engines == ["tcp://pkgd-dp-1.pkgd-dp:13346"]
     assert sts["spec"]["replicas"] == leader.parallel.nnodes == leader.parallel.dp
+    # only the head may reach the engine ports, every rank's among them
+    policy = one(objects, "NetworkPolicy", "pkgd-dp-engines")["spec"]["ingress"][0]
+    assert policy["from"][0]["podSelector"]["matchLabels"]["apps.kubernetes.io/pod-index"] == "0"
+    (ports,) = policy["ports"]
+    assert ports["port"] <= 13345 + 1 <= 13345 + leader.parallel.dp - 1 <= ports["endPort"]
