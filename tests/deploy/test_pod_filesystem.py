@@ -11,6 +11,7 @@ import importlib.util
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -136,6 +137,13 @@ def test_base_pod_serves_and_reloads_as_uid_10001_on_a_read_only_root(tmp_path):
             assert d.wait_event("config_changed", 60, after=mark)["files"] == ["conf.d/20-tuning.yaml"]
             assert d.wait_event("reload_applied", 60, after=mark)["changed"] == ["frontend.served_model_names"]
             assert [m.id for m in client.models.list().data] == ["smollm2", "smol-k8s"]
+            # docs/kubernetes.md's `kubectl exec deploy/pkgd -- pkgd status`, inside the "pod"
+            # (its config tree names the runtime directory under the read-only root)
+            exec_status = ["nsenter", "-t", str(d.proc.pid), "-m", "setpriv", "--reuid", str(UID), "--regid", str(UID)]
+            exec_status += ["--clear-groups", "env", "-i", *(f"{k}={v}" for k, v in env.items()), sys.executable]
+            exec_status += ["-m", "pkgd.cli.main", "status", "--config-dir", str(work / "etc" / "pkgd")]
+            r = subprocess.run(exec_status, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0 and "last reload: applied (live: frontend.served_model_names)" in r.stdout, r
 
             d.signal(15)
             assert d.wait_exit(90) == 0
