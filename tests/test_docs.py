@@ -57,6 +57,7 @@ def test_no_merge_conflict_markers_left():
             "schemas",
             "scripts",
             "systemd",
+            "deploy",
         )
         for path in ([ROOT / top] if (ROOT / top).is_file() else (ROOT / top).rglob("*"))
         # hidden folders hold what scripts fetched or built (benchmarks/peers/.work, .gpu), not the project's files

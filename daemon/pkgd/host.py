@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import os
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+
 
 def available_cores() -> int:
     """CPU cores this process may run on: its affinity mask, capped by its cgroup's CPU quota
@@ -25,7 +27,7 @@ def available_cores() -> int:
     return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
 
 
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> float | None:
     """CPUs this process's cgroup may use per period (quota / period), or None when unlimited
     or unknown. cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") of the process's own
     cgroup and its ancestors, the smallest; v1: ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
@@ -78,13 +80,81 @@ def _read_quota(directory: str) -> float | None:
 
 def mem_available_bytes() -> int | None:
     """Linux's estimate of memory available to new allocations without swapping
-    (``MemAvailable`` in /proc/meminfo), in bytes, or None where there is none."""
-    return _meminfo("MemAvailable")
+    (``MemAvailable`` in /proc/meminfo), in bytes, or None where there is none; within a
+    memory-limited cgroup (a container's ``resources.limits.memory``), at most what its limit
+    leaves (`cgroup_memory`): /proc/meminfo there still describes the whole node."""
+    host = _meminfo("MemAvailable")
+    limit, used = cgroup_memory()
+    if limit is None:
+        return host
+    left = max(0, limit - (used or 0))
+    return left if host is None else min(host, left)
 
 
 def mem_total_bytes() -> int | None:
-    """The host's memory (``MemTotal`` in /proc/meminfo), in bytes, or None where there is none."""
-    return _meminfo("MemTotal")
+    """The host's memory (``MemTotal`` in /proc/meminfo), in bytes, or None where there is
+    none; a cgroup memory limit below it wins."""
+    host = _meminfo("MemTotal")
+    limit, _ = cgroup_memory()
+    if limit is None:
+        return host
+    return limit if host is None else min(host, limit)
+
+
+def cgroup_memory(root: str = CGROUP_ROOT) -> tuple[int | None, int | None]:
+    """This process's cgroup memory ``(limit, usage)`` in bytes; limit None = unlimited.
+
+    cgroup v2: ``memory.max`` and ``memory.current`` of the process's own cgroup (from
+    /proc/self/cgroup's ``0::PATH`` line; a container sees its own at ``root``); v1:
+    ``memory/memory.limit_in_bytes`` and ``memory.usage_in_bytes`` (a limit near 2**63
+    means none). Usage leaves out the inactive file cache (`_working_set`). Anything
+    unreadable counts as no limit.
+    """
+    own = _own_cgroup()
+    for base in dict.fromkeys([os.path.join(root, own.lstrip("/")) if own else root, root]):
+        limit = _read_int(os.path.join(base, "memory.max"))
+        if limit is not None:
+            return limit, _working_set(base, "memory.current", "inactive_file")
+    limit = _read_int(os.path.join(root, "memory", "memory.limit_in_bytes"))
+    if limit is not None and limit < 1 << 60:
+        return limit, _working_set(os.path.join(root, "memory"), "memory.usage_in_bytes", "total_inactive_file")
+    return None, None
+
+
+def _working_set(base: str, usage_file: str, inactive_key: str) -> int | None:
+    """Usage minus the inactive file cache (the kernel reclaims it before the limit bites;
+    the kubelet's "working set" counts the same way)."""
+    usage = _read_int(os.path.join(base, usage_file))
+    if usage is None:
+        return None
+    try:
+        with open(os.path.join(base, "memory.stat"), encoding="ascii") as f:
+            stat = dict(line.split(maxsplit=1) for line in f if " " in line)
+    except OSError:
+        return usage
+    inactive = stat.get(inactive_key, "0").strip()
+    return max(0, usage - int(inactive)) if inactive.isdigit() else usage
+
+
+def _own_cgroup() -> str | None:
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return line[3:].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    """An integer file's value; None when absent, unreadable or ``max``."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _meminfo(key: str) -> int | None:

@@ -3,6 +3,10 @@
 ``python harness.py CONFIG.yaml``: the file is read and validated at start and again on each
 reload, standing in for the config engineer's Hydra composition (a broken file makes the
 reload fail exactly as a broken /etc/pkgd layer would).
+
+``python harness.py --config-dir DIR``: the real composition of the system tree DIR (as
+``pkgd serve --config-dir DIR``: DIR/pkgd.yaml, DIR/conf.d/*.yaml over the packaged presets),
+with its files passed as the supervisor's watched sources (``supervisor.watch_config``).
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ def load(path: str) -> VllmConfig:
 
 
 def main() -> int:
+    if sys.argv[1] == "--config-dir":
+        from pkgd.config.compose import ComposeRequest, compose
+        from pkgd.config.sources import ConfigSources
+
+        request = ComposeRequest(config_dir=sys.argv[2])
+        config = compose(request).config
+        log.configure(config.logging, role="supervisor")
+        return Supervisor(
+            config,
+            lambda: compose(request).config,
+            entrypoints=ENTRYPOINTS,
+            sources=ConfigSources.of(request),
+            preflight=preflight,
+        ).run()
     path = sys.argv[1]
     config = load(path)
     log.configure(config.logging, role="supervisor")

@@ -172,11 +172,7 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
         files.append(main)
     elif config_name is not None:
         problems.append(f"--config-name {config_name}: no file {main}")
-    conf_d = root / CONF_D
-    if conf_d.is_dir():
-        files += sorted(
-            p for p in conf_d.iterdir() if p.suffix == ".yaml" and not p.name.startswith(".") and p.is_file()
-        )
+    files += conf_d_files(root / CONF_D)
     layers = []
     for path in files:
         label = f"system:{path.relative_to(root)}"
@@ -188,6 +184,15 @@ def load_system_layers(root: Path | None, config_name: str | None) -> tuple[list
         problems += bad
         layers.append(FileLayer(label, path, data, choices))
     return layers, problems
+
+
+def conf_d_files(conf_d: Path) -> list[Path]:
+    """The layer files of a conf.d directory, in name order: ``*.yaml`` that are files (or
+    symlinks to files, as a Kubernetes ConfigMap mounts them), hidden names (the ConfigMap's
+    ``..data`` and ``..<timestamp>`` entries, editors' ``.swp``) left out."""
+    if not conf_d.is_dir():
+        return []
+    return sorted(p for p in conf_d.iterdir() if p.suffix == ".yaml" and not p.name.startswith(".") and p.is_file())
 
 
 def load_yaml(path: Path, package: str = "") -> tuple[dict[str, Any], list[str]]:

@@ -725,6 +725,23 @@ class SupervisorConfig(Section):
         "overlap on CPU when available memory holds a second set, else stop_first.",
         reload=L,
     )
+    watch_config: bool = field(
+        False,
+        "Reload by itself when a file the config layers read changes (the system tree's "
+        "NAME.yaml, conf.d/*.yaml, GROUP/*.yaml and vLLM's --config file; a conf.d mounted from "
+        "a Kubernetes ConfigMap included): after watch_debounce s without further change, the "
+        "same reload as SIGHUP, logged with the changed files (config_changed). A tree that "
+        "does not validate is logged as reload_rejected and the running config keeps serving.",
+        reload=L,
+    )
+    watch_debounce: float = field(
+        1.0,
+        "Seconds without further change to the watched files before watch_config reloads "
+        "(a burst of edits, or a ConfigMap update, becomes one reload).",
+        reload=L,
+        gt=0,
+        le=60,
+    )
 
 
 class LoggingConfig(Section):

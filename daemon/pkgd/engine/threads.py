@@ -69,7 +69,7 @@ class ThreadGovernor:
         self._clock = clock
         self._probe_every_s = probe_every_s
         self._busy_s = 0.0
-        self._history: dict[tuple[int, int], collections.deque[float]] = {}
+        self._history: dict[tuple[int, int, int], collections.deque[float]] = {}  # (threads, *shape)
         self._backoff = 1
         self._probe: list[float] | None = None  # alternative / current per-token time of each pair
         # The current count's (per-token time, shape) of an open pair.

@@ -11,8 +11,9 @@ Life cycle, as a state machine (``state``): ``starting`` → ``running`` ⇄ ``r
   once the cores answer); wait for every `Handshake` (``supervisor.engine_ready_timeout``),
   then every `ApiServerReady`; one ``ready`` log line with the URL; ``READY=1``.
 * ``running``: the loop waits for work. Signal handlers only flip state:
-  SIGHUP/``pkgd reload`` queue a reload, SIGTERM/SIGINT request the stop; crashes are handled
-  by `Fleet`. ``WATCHDOG=1`` goes out every half ``WATCHDOG_USEC`` while the children are
+  SIGHUP/``pkgd reload`` queue a reload (so does a changed config file under
+  ``supervisor.watch_config``, `pkgd.supervisor.watch`), SIGTERM/SIGINT request the stop;
+  crashes are handled by `Fleet`. ``WATCHDOG=1`` goes out every half ``WATCHDOG_USEC`` while the children are
   healthy; ``/health`` of each endpoint is probed for ``pkgd status`` and the watchdog.
 * ``stopping``: ``STOPPING=1``; make the TCP listeners drop new connections' SYNs (a client
   retries and is refused once the socket is closed; none is reset in the accept queue) and
@@ -34,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pkgd import log
+from pkgd.config.sources import ConfigSources
 from pkgd.config.vllm_config import ServePlan, VllmConfig
 from pkgd.supervisor import reload as reloading
 from pkgd.supervisor.children import Child, ChildStartError
@@ -48,6 +50,7 @@ from pkgd.supervisor.retire import API_STOP_EXTRA, Retirements
 from pkgd.supervisor.runtime import RuntimeDir, RuntimeDirError, resolve_runtime_dir
 from pkgd.supervisor.sockets import BindError, Listener, listen_specs, open_listeners
 from pkgd.supervisor.topology import Entrypoints, api_specs, child_env, engine_specs
+from pkgd.supervisor.watch import ConfigWatcher
 
 logger = log.get_logger(__name__)
 
@@ -64,6 +67,8 @@ class Supervisor:
 
     ``recompose`` returns a validated `VllmConfig` or raises (``ConfigError`` with
     ``.problems``, pydantic's ``ValidationError``, anything else: all reject the reload).
+    ``sources``: the files ``recompose`` reads, watched while ``supervisor.watch_config`` is
+    on (None: nothing to watch; turning the key on then logs ``config_watch_idle``).
     """
 
     def __init__(
@@ -74,11 +79,14 @@ class Supervisor:
         entrypoints: Entrypoints | None = None,
         environ: dict[str, str] | None = None,
         preflight: Callable[[VllmConfig], list[str]] = serve_problems,
+        sources: ConfigSources | None = None,
     ) -> None:
         self.config = config
         # What this host cannot serve of a tree (one line each), checked before the first start
         # and before a reload starts a new generation (`pkgd.supervisor.reload`).
         self.preflight = preflight
+        self.sources = sources
+        self._watcher: ConfigWatcher | None = None
         self.plan = config.serve_plan()
         self.recompose = recompose
         self.entry = entrypoints or Entrypoints()
@@ -148,6 +156,7 @@ class Supervisor:
             self.state = "running"
             self._announce_ready()
             self._loops = [asyncio.ensure_future(self._watchdog_loop()), asyncio.ensure_future(self._probe_loop())]
+            await self._sync_watcher()
             while not self.fleet.stop_event.is_set():
                 await self._wake.wait()
                 self._wake.clear()
@@ -253,6 +262,26 @@ class Supervisor:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(outcome)
+        await self._sync_watcher()
+
+    async def _sync_watcher(self) -> None:
+        """Start, stop or restart the config watcher as ``supervisor.watch_config`` and
+        ``watch_debounce`` now say (both live keys)."""
+        cfg = self.config.supervisor
+        want = cfg.watch_config and not self.fleet.stop_event.is_set()
+        if self._watcher is not None and (not want or self._watcher.debounce != cfg.watch_debounce):
+            watcher, self._watcher = self._watcher, None
+            await watcher.stop()
+            logger.info("config_watch_stopped", reason="supervisor.watch_config off" if not want else "new debounce")
+        if want and self._watcher is None:
+            if self.sources is None:
+                logger.warning("config_watch_idle", reason="this supervisor was started without config files")
+                return
+            self._watcher = ConfigWatcher(self.sources, self._on_config_changed, cfg.watch_debounce)
+            self._watcher.start()
+
+    def _on_config_changed(self, files: list[str]) -> None:
+        self._on_reload_signal()  # the SIGHUP path: same reload, same log lines
 
     def adopt_config(self, new: VllmConfig) -> None:
         """Make ``new`` current after it was applied (live supervisor settings included)."""
@@ -302,6 +331,8 @@ class Supervisor:
         self.fleet.cancel_restarts()
         for task in self._loops:
             task.cancel()
+        if self._watcher is not None:  # ends within a debounce step, meanwhile the children stop
+            self._loops.append(asyncio.ensure_future(self._watcher.stop()))
         for listener in self.listeners:
             # before the API servers' last accepts, so none of their closes resets a connection
             try:
