@@ -14,6 +14,7 @@ from pkgd.api import grpc_convert as convert  # noqa: E402
 from pkgd.api.errors import APIError  # noqa: E402
 from pkgd.api.grpc_servicer import status_of  # noqa: E402
 from pkgd.config.sections import FrontendLimits, GenerationDefaults  # noqa: E402
+from pkgd.frontend.async_llm import RequestIdInUse  # noqa: E402
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError  # noqa: E402
 from pkgd.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from pkgd.sampling_params import RequestOutputKind  # noqa: E402
@@ -138,6 +139,7 @@ def test_outputs_carry_tokens_logprobs_and_the_matched_stop():
     ("exc", "code"),
     [
         (ValueError("x"), "INVALID_ARGUMENT"),
+        (RequestIdInUse("r"), "ALREADY_EXISTS"),
         (APIError(404, "no model"), "NOT_FOUND"),
         (APIError(503, "busy"), "UNAVAILABLE"),
         (EngineUnavailableError("down"), "UNAVAILABLE"),

@@ -112,7 +112,7 @@ class GrpcServer:
         self._deadline: float | None = None
         self._cut_reason = "drain_timeout"
         self._deadline_changed = asyncio.Event()
-        self._stopped: asyncio.Future[None] | None = None
+        self._stopped: asyncio.Future[Any] | None = None
 
     async def serve(self, stop: asyncio.Event, lifespan: Any, drain_timeout: Callable[[], float]) -> None:
         """Enter ``lifespan`` (the engine client's start-up and shutdown), serve until ``stop``
@@ -162,7 +162,7 @@ class GrpcServer:
             if left is not None and left <= 0:
                 break
             self._deadline_changed.clear()
-            changed = asyncio.ensure_future(self._deadline_changed.wait())
+            changed: asyncio.Future[Any] = asyncio.ensure_future(self._deadline_changed.wait())
             await asyncio.wait({self._stopped, changed}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             changed.cancel()
         if not self._stopped.done():

@@ -9,7 +9,7 @@ files as a zip archive) and `GetModelInfo`.
 Errors are status codes, never a broken stream: a bad field is INVALID_ARGUMENT naming it, a
 model that cannot do what is asked FAILED_PRECONDITION or UNIMPLEMENTED, no engine core or a
 draining server UNAVAILABLE (a router retries elsewhere), ``frontend.request_timeout``
-DEADLINE_EXCEEDED, a request id in use ALREADY_EXISTS. `Abort` ends the named Generate
+DEADLINE_EXCEEDED, a ``request_id`` already in flight ALREADY_EXISTS. `Abort` ends the named Generate
 streams with a final ``complete`` whose ``finish_reason`` is ``abort``.
 """
 
@@ -34,7 +34,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from pkgd import __version__, log
 from pkgd.api import grpc_convert as convert
 from pkgd.api.errors import APIError
-from pkgd.frontend.async_llm import RequestAborted
+from pkgd.frontend.async_llm import RequestAborted, RequestIdInUse
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 from pkgd.pooling_params import PoolingParams
 
@@ -72,6 +72,8 @@ _HTTP_TO_GRPC = {
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for what a request raised (INTERNAL only for a bug)."""
+    if isinstance(exc, RequestIdInUse):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, ValueError):  # RequestFieldError, InputProcessor's checks, verify()
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, APIError):

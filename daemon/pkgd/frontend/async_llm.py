@@ -44,6 +44,10 @@ class RequestAborted(Exception):
     another task: the gRPC ``Abort`` RPC); the engine stopped it."""
 
 
+class RequestIdInUse(ValueError):
+    """A request id already in flight was given again (a client-supplied id)."""
+
+
 class RequestStream:
     """Outputs of one client request, in order; an error ends it. ``processed`` is kept for a
     pooling request, whose one output bypasses the `OutputProcessor`."""
@@ -210,7 +214,7 @@ class AsyncLLM:
         if self._refusing is not None:
             raise EngineUnavailableError(self._refusing)
         if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise RequestIdInUse(f"request id {rid!r} is already in use")
         engine_ids = [r.request_id for r in processed.engine_requests]
         pooling = processed if processed.pooling_params is not None else None
         stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids), pooling)
