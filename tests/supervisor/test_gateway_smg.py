@@ -334,6 +334,8 @@ def test_reload_then_kill_9_under_16_streams(fleet):
             "sent": len(after_kill),
             "failed": sum(not o[2] for o in after_kill),
             "failed_started_after_kill": sum(not o[2] and o[0] > t_kill for o in after_kill),
+            # streams open on either backend when the kill came: the most that may fail
+            "open_at_kill": sum(o[0] < t_kill < o[1] for o in streams.since(t_kill)),
         },
         "restart": {"sent": len(back), "failed": sum(not o[2] for o in back)},
         "failures": sorted({o[3] for o in reload_phase + after_kill + back if not o[2]}),
@@ -341,5 +343,6 @@ def test_reload_then_kill_9_under_16_streams(fleet):
     with NOTES.open("a") as f:
         f.write(json.dumps(figures) + "\n")
     assert figures["reload"]["failed"] == 0, figures
-    assert figures["kill"]["failed"] <= 16 and figures["kill"]["failed_started_after_kill"] == 0, figures
+    kill = figures["kill"]
+    assert kill["failed"] <= kill["open_at_kill"] and kill["failed_started_after_kill"] == 0, figures
     assert figures["restart"]["failed"] == 0, figures

@@ -6,12 +6,16 @@ server info, loads, the tokenizer archive, status codes for bad input and API ke
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import io
 import json
 import shutil
+import signal
 import sys
 import tempfile
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -25,7 +29,7 @@ pytest.importorskip("smg_grpc_proto")
 from cases import build_fault_model  # noqa: E402
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc  # noqa: E402
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # noqa: E402
-from supervisor_helpers import Daemon  # noqa: E402
+from supervisor_helpers import Daemon, reload_and_wait  # noqa: E402
 
 from pkgd.config.sections import DEFAULT_MODEL_SOURCE  # noqa: E402
 
@@ -44,9 +48,9 @@ def served():
             "source": str(work / "tiny"),
             "tokenizer": DEFAULT_MODEL_SOURCE,
             "name": "tiny",
-            "max_model_len": 256,
+            "max_model_len": 4096,
         },
-        "cache": {"num_blocks": 256},
+        "cache": {"num_blocks": 1024},
         "parallel": {"cpu_threads": 1},
         "frontend": {"api_keys": [KEY], "limits": {"max_logprobs": 5}},
         "supervisor": {"engine_ready_timeout": 600, "drain_timeout": 30},
@@ -156,7 +160,7 @@ def test_health_info_loads_tokenizer(served):
     health = call(target, "HealthCheck", pb.HealthCheckRequest(), key=None)  # open, as /health
     assert health.healthy and health.message == "ok"
     info = call(target, "GetModelInfo", pb.GetModelInfoRequest())
-    assert info.served_model_name == "tiny" and info.is_generation and info.max_context_length == 256
+    assert info.served_model_name == "tiny" and info.is_generation and info.max_context_length == 4096
     assert info.vocab_size > 0 and list(info.eos_token_ids)
     server = call(target, "GetServerInfo", pb.GetServerInfoRequest())
     assert server.server_type == "vllm-grpc" and server.data_parallel_size == 1 and server.block_size > 0
@@ -181,7 +185,7 @@ def test_health_info_loads_tokenizer(served):
         (generate([1, 2], logprobs=6), "INVALID_ARGUMENT"),  # over frontend.limits.max_logprobs
         (generate([], max_tokens=4), "INVALID_ARGUMENT"),
         (generate([10**7], max_tokens=4), "INVALID_ARGUMENT"),  # outside the vocabulary
-        (generate([1] * 250, max_tokens=100), "INVALID_ARGUMENT"),  # beyond max_model_len
+        (generate([1] * 4000, max_tokens=200), "INVALID_ARGUMENT"),  # beyond max_model_len
         (generate([1, 2], json_schema="{not json"), "INVALID_ARGUMENT"),
         (generate([1, 2], structural_tag="{}"), "INVALID_ARGUMENT"),
         (pb.GenerateRequest(request_id="t", text="hi"), "INVALID_ARGUMENT"),
@@ -209,3 +213,100 @@ def test_default_sampling_params_are_json(served):
     _, target = served
     info = call(target, "GetModelInfo", pb.GetModelInfoRequest())
     assert isinstance(json.loads(info.default_sampling_params_json), dict)
+
+
+def test_supervisor_probes_the_grpc_endpoint(served):
+    d, target = served
+    deadline = time.monotonic() + 60
+    while not (health := d.status()["health"]) or not health[0]["healthy"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.5)
+    assert health[0]["url"] == f"grpc://{target}" and health[0]["status"] == 200
+
+
+def _long_stream(target: str, rid: str, opened: threading.Event, out: list, max_tokens: int) -> None:
+    async def run():
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+            md = [("authorization", f"Bearer {KEY}")]
+            req = generate([1, 2, 3], max_tokens=max_tokens, ignore_eos=True, request_id=rid)
+            async for m in stub.Generate(req, metadata=md, timeout=600):
+                out.append(m)
+                opened.set()
+
+    try:
+        asyncio.run(run())
+    except grpc.aio.AioRpcError as exc:
+        out.append(exc)
+    opened.set()
+
+
+def test_an_api_reload_finishes_the_streams_in_flight(served):
+    d, target = served
+    opened, out = threading.Event(), []
+    t = threading.Thread(target=_long_stream, args=(target, "during-reload", opened, out, 3000))
+    t.start()
+    assert opened.wait(120)
+    event = reload_and_wait(d, {"frontend": {"limits": {"max_logprobs": 4}}}, timeout=300)
+    assert event["event"] == "reload_applied" and event["reload_class"] == "api", event
+    t.join(600)
+    ended = time.time()
+    deadline = time.monotonic() + 120
+    while d.status()["retiring"]:  # the old API server drained and exited
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert isinstance(out[-1], pb.GenerateResponse), out[-1]
+    assert out[-1].complete.finish_reason == "length"
+    assert sum(len(m.chunk.token_ids) for m in out if m.HasField("chunk")) == 3000
+    drained = datetime.datetime.fromisoformat(d.find("draining")[-1]["timestamp"]).timestamp()
+    assert drained < ended  # the old API server began its drain while the stream ran
+    # the new API server took over the port and the new limit (frontend.limits is live there)
+    assert code_of(target, "Generate", generate([1, 2], logprobs=5)).name == "INVALID_ARGUMENT"
+    assert call(target, "Generate", generate([1, 2], max_tokens=2, logprobs=4, ignore_eos=True))[-1].HasField(
+        "complete"
+    )
+
+
+def test_sigterm_drains_the_stream_in_flight_then_exits(served):
+    d, target = served  # the module's last test: the daemon stops
+    opened, out = threading.Event(), []
+    t = threading.Thread(target=_long_stream, args=(target, "during-stop", opened, out, 500))
+    t.start()
+    assert opened.wait(120)
+    d.signal(signal.SIGTERM)
+    t.join(300)
+    assert isinstance(out[-1], pb.GenerateResponse) and out[-1].complete.finish_reason == "length", out[-1]
+    assert d.wait_exit(120) == 0
+
+
+def test_embed_on_a_pooling_model():
+    work = Path(tempfile.mkdtemp(prefix="pkgd-ge-", dir="/tmp"))
+    try:
+        build_fault_model(work / "tiny")
+        config = {
+            "model": {
+                "source": str(work / "tiny"),
+                "tokenizer": DEFAULT_MODEL_SOURCE,
+                "name": "tiny-embed",
+                "max_model_len": 256,
+                "runner": "pooling",
+            },
+            "cache": {"num_blocks": 64},
+            "parallel": {"cpu_threads": 1},
+            "supervisor": {"engine_ready_timeout": 600},
+        }
+        d = serve_grpc(work / "d", config)
+        try:
+            target = d.wait_ready(600).removeprefix("grpc://")
+            req = pb.EmbedRequest(request_id="e1", tokenized=pb.TokenizedInput(input_ids=[1, 2, 3, 4]))
+            reply = call(target, "Embed", req, key=None)
+            assert reply.embedding_dim == len(reply.embedding) == 64 and reply.prompt_tokens == 4
+            assert abs(sum(x * x for x in reply.embedding) - 1.0) < 1e-3  # normalized, as the pooler says
+            again = call(target, "Embed", pb.EmbedRequest(request_id="e2", tokenized=req.tokenized), key=None)
+            assert list(again.embedding) == list(reply.embedding)
+            assert code_of(target, "Generate", generate([1, 2], max_tokens=2), key=None).name == "UNIMPLEMENTED"
+            assert not call(target, "GetModelInfo", pb.GetModelInfoRequest(), key=None).is_generation
+        finally:
+            d.cleanup()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -169,6 +169,11 @@ class GrpcServer:
             logger.warning(self._cut_reason, inflight=self.state.llm.num_inflight())
             self.on_drain_timeout(self._cut_reason)
             await asyncio.wait({self._stopped}, timeout=CLOSE_GRACE_S)
+        if self.relays:
+            # gRPC closes its side of each connection once it is done with it; until then the
+            # relay carries its last frames (the final GOAWAY naming the calls it took, so a
+            # client retries one it sent meanwhile elsewhere): cut, the client could not tell
+            await asyncio.wait(set(self.relays), timeout=CLOSE_GRACE_S)
         for task in list(self.relays):
             task.cancel()
         await asyncio.gather(*self.relays, return_exceptions=True)

@@ -6,11 +6,12 @@ template, parses tool calls and detokenizes itself; it sends token ids and gets 
 back. What it needs to do so without a model hub comes from `GetTokenizer` (the tokenizer
 files as a zip archive) and `GetModelInfo`.
 
-Errors are status codes, never a broken stream: a bad field is INVALID_ARGUMENT naming it, a
-model that cannot do what is asked FAILED_PRECONDITION or UNIMPLEMENTED, no engine core or a
-draining server UNAVAILABLE (a router retries elsewhere), ``frontend.request_timeout``
-DEADLINE_EXCEEDED, a ``request_id`` already in flight ALREADY_EXISTS. `Abort` ends the named Generate
-streams with a final ``complete`` whose ``finish_reason`` is ``abort``.
+Errors are status codes, never a broken stream: a bad field is INVALID_ARGUMENT naming it; a
+model that cannot do what is asked (Generate on a pooling model, Embed on a generating one)
+UNIMPLEMENTED; no engine core, or a draining server, UNAVAILABLE (a router retries
+elsewhere); ``frontend.request_timeout`` DEADLINE_EXCEEDED; a ``request_id`` already in
+flight ALREADY_EXISTS. `Abort` ends the named Generate streams with a final ``complete``
+whose ``finish_reason`` is ``abort``.
 """
 
 from __future__ import annotations
@@ -70,8 +71,15 @@ _HTTP_TO_GRPC = {
 }
 
 
+class Unsupported(Exception):
+    """What the served model cannot do (Generate on a pooling model, Embed on a generating
+    one): UNIMPLEMENTED, as vLLM answers a method its model has no runner for."""
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status for what a request raised (INTERNAL only for a bug)."""
+    if isinstance(exc, Unsupported):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
     if isinstance(exc, RequestIdInUse):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, ValueError):  # RequestFieldError, InputProcessor's checks, verify()
@@ -134,7 +142,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         state.check_ready()
         ip = _input_processor(state)
         if state.llm.handshake is not None and state.llm.handshake.runner != "generate":
-            raise APIError(400, "this model is served as a pooling model (model.runner: pooling): use Embed")
+            raise Unsupported("this model is served as a pooling model (model.runner: pooling): use Embed")
         dp = request.data_parallel_rank if request.HasField("data_parallel_rank") else None
         if dp is not None and not (dp == 0 and state.config.serve_plan().dp_size == 1):
             raise convert.RequestFieldError(
@@ -171,10 +179,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             state.check_ready()
             hs = state.llm.handshake
             if hs is not None and hs.runner != "pooling":
-                await context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
+                raise Unsupported(
                     "this model is served for generation (model.runner: generate); an embedding model needs "
-                    "model.runner: pooling (--runner pooling)",
+                    "model.runner: pooling (--runner pooling)"
                 )
             ip = _input_processor(state)
             ids = convert.prompt_token_ids(request, ip.max_model_len)
