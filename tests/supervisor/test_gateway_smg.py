@@ -264,7 +264,12 @@ class Streams:
                 finish = None
                 for ch in c.chat.completions.create(
                     model=MODEL,
-                    messages=[{"role": "user", "content": f"Client {i}: count from one to ten."}],
+                    # prompts that differ right after the template's first tokens: cache-aware
+                    # routing then balances the clients by load, so both backends carry streams
+                    messages=[
+                        {"role": "system", "content": f"{(i + 1) * 7919} is your number."},
+                        {"role": "user", "content": "Count from one to ten."},
+                    ],
                     temperature=0,
                     max_tokens=16,
                     stream=True,

@@ -17,6 +17,7 @@ whose ``finish_reason`` is ``abort``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import hashlib
 import io
@@ -301,7 +302,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self._tokenizer_zip = asyncio.ensure_future(asyncio.to_thread(tokenizer_archive, self.state))
         try:
             data, digest = await asyncio.shield(self._tokenizer_zip)
-        except OSError as exc:
+        except Exception as exc:  # OSError, ModelSourceError: the files are not (or no longer) there
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot read the tokenizer files: {exc}")
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
             end = start + TOKENIZER_CHUNK_BYTES
@@ -317,8 +318,6 @@ def _input_processor(state: ServerState) -> InputProcessor:
 
 def _emptied(completion: Any) -> Any:
     """``completion`` without tokens: a stream's chunks carried them already."""
-    import dataclasses
-
     return dataclasses.replace(completion, token_ids=[], logprobs=None)
 
 
@@ -341,7 +340,7 @@ def _model_config(state: ServerState) -> dict[str, Any]:
 
         path = resolve_model(state.config.model, convert=False).model_dir / "config.json"
         data = json.loads(path.read_text())
-    except (OSError, ValueError, RuntimeError):
+    except Exception:  # OSError, ValueError, ModelSourceError: GetModelInfo answers without it
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -361,7 +360,8 @@ def tokenizer_archive(state: ServerState) -> tuple[bytes, str]:
     pkgd renders with (``model.chat_template`` or the tokenizer's) as ``chat_template.jinja``,
     so a router renders chats as the HTTP API does.
 
-    Raises OSError when the directory cannot be read.
+    Raises OSError when the directory cannot be read, `ModelSourceError` / `NotConverted`
+    when the model no longer resolves to it.
     """
     from pkgd.model_files.resolve import resolve_model
 
