@@ -123,15 +123,20 @@ class GuardMiddleware:
 
     @staticmethod
     def _authorized(scope: Scope, keys: list[Any]) -> bool:
-        header = _header(scope, b"authorization") or ""
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        given = token.strip().encode()
-        ok = False
-        for key in keys:  # no early exit: the time taken does not tell which key matched
-            ok |= hmac.compare_digest(given, key.get_secret_value().encode())
-        return ok
+        return bearer_authorized(_header(scope, b"authorization") or "", keys)
+
+
+def bearer_authorized(header: str, keys: list[Any]) -> bool:
+    """Whether an ``Authorization`` value (``Bearer <key>``) holds one of ``keys``
+    (``SecretStr``s), compared in constant time (also the gRPC frontend's check)."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    given = token.strip().encode()
+    ok = False
+    for key in keys:  # no early exit: the time taken does not tell which key matched
+        ok |= hmac.compare_digest(given, key.get_secret_value().encode())
+    return ok
 
 
 def _closing_when_draining(send: Send, state: ServerState) -> Send:

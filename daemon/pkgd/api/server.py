@@ -1,4 +1,5 @@
-"""The API-server process: hypercorn serving the ASGI app on a socket the supervisor bound.
+"""The API-server process: hypercorn serving the ASGI app on a socket the supervisor bound
+(with ``frontend.grpc``, gRPC's ``VllmEngine`` service instead: `pkgd.api.grpc_server`).
 
 Started by the supervisor as::
 
@@ -43,6 +44,7 @@ import os
 import signal
 import socket
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from hypercorn.config import Config as HypercornConfig
 
@@ -55,6 +57,9 @@ from pkgd.frontend.async_llm import AsyncLLM
 from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
 from pkgd.ipc import child
 from pkgd.ipc.messages import ApiServerReady
+
+if TYPE_CHECKING:
+    from pkgd.api.grpc_server import GrpcServer
 
 ROLE = "api-server"
 
@@ -86,7 +91,7 @@ class ApiServer:
         self.stop = asyncio.Event()
         self.reload = asyncio.Event()
         self.startup_error: BaseException | None = None  # hypercorn hides it in a string
-        self.http: HttpServer | None = None
+        self.front: HttpServer | GrpcServer | None = None  # the protocol served on the socket
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: object) -> AsyncIterator[None]:
@@ -181,9 +186,9 @@ class ApiServer:
     def _begin_drain(self, within: float | None, reason: str, *, retire: bool) -> None:
         first = not self.state.draining
         self.state.draining = True
-        if self.http is not None:
+        if self.front is not None:
             # at once: later connections are refused (or left queued for a newer generation)
-            self.http.begin_drain(within, cut_reason=reason, retire=retire)
+            self.front.begin_drain(within, cut_reason=reason, retire=retire)
         if first:
             logger.info("draining", inflight=self.llm.num_inflight(), retire=retire, deadline_s=within)
         self.stop.set()
@@ -211,12 +216,19 @@ class ApiServer:
         else:
             loop.add_signal_handler(signal.SIGHUP, lambda: None)  # configurations come on the pipe
         cfg = self.state.config
+        sock = socket.socket(fileno=self.args.listen_fd)
+        drain_timeout = lambda: self.state.config.supervisor.drain_timeout  # noqa: E731
+        if cfg.frontend.grpc:
+            from pkgd.api.grpc_server import GrpcServer  # grpc's import only where it serves
+
+            grpc_front = self.front = GrpcServer(self.state, sock, on_drain_timeout=self._abort_inflight)
+            await grpc_front.serve(self.stop, self.lifespan(None), drain_timeout)
+            return
         hc = HypercornConfig()
         hc.keep_alive_timeout = cfg.frontend.keep_alive_timeout
         hc.accesslog = None
         hc.errorlog = logging.getLogger("hypercorn.error")
-        sock = socket.socket(fileno=self.args.listen_fd)
-        self.http = HttpServer(
+        self.front = http = HttpServer(
             build_app(self.state, lifespan=self.lifespan),
             hc,
             sock,
@@ -224,7 +236,7 @@ class ApiServer:
             shared=cfg.serve_plan().api_server_count > 1,
             on_drain_timeout=self._abort_inflight,
         )
-        await self.http.serve(self.stop, drain_timeout=lambda: self.state.config.supervisor.drain_timeout)
+        await http.serve(self.stop, drain_timeout=drain_timeout)
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -442,6 +442,15 @@ class FrontendConfig(Section):
     uds: str | None = field(
         None, "Listen on this Unix domain socket path instead of host:port.", aliases=("--uds",), reload=A
     )
+    grpc: bool = field(
+        False,
+        "Serve gRPC instead of HTTP on this listener (vLLM's --grpc): the VllmEngine service of "
+        "smg-grpc-proto (Generate on token ids, Embed, Abort, HealthCheck, GetModelInfo, "
+        "GetServerInfo, GetLoads, GetTokenizer) for routers that tokenize themselves, such as "
+        "the Shepherd Model Gateway (smg). Same engine cores, API keys, limits, drain and reload.",
+        aliases=("--grpc",),
+        reload=R,
+    )
     api_server_count: int | None = field(
         None,
         "API server processes; null = derived: 1 with the external LB, dp_local (or 1) with the hybrid LB, else dp.",

@@ -51,7 +51,8 @@ _UVICORN = "pkgd serves HTTP with hypercorn; its limits are frontend.* keys (see
 _LB_OFF = "lb.mode chooses internal, external or hybrid; to undo a switch set lb.mode=internal"
 
 REFUSED: dict[str, tuple[str, ...]] = {
-    "pkgd has no gRPC server; clients use the OpenAI HTTP API": ("--grpc", "--grpc-port"),
+    "with --grpc (frontend.grpc) the gRPC server listens on --port itself; pkgd has no second port serving "
+    "gRPC beside HTTP": ("--grpc-port",),
     _NO_LORA: (
         "--lora-modules",
         "--enable-lora",

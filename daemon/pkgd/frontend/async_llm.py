@@ -39,6 +39,15 @@ WAIT_NOTICE_S = 1.0  # an engine core not answering by then is loading: log wait
 ALL_CORES_WAIT_S = 10.0  # how long start() waits for every core before it goes on with the first
 
 
+class RequestAborted(Exception):
+    """Raised by a request's stream after `AsyncLLM.abort` ended it (vLLM's ``abort`` from
+    another task: the gRPC ``Abort`` RPC); the engine stopped it."""
+
+
+class RequestIdInUse(ValueError):
+    """A request id already in flight was given again (a client-supplied id)."""
+
+
 class RequestStream:
     """Outputs of one client request, in order; an error ends it. ``processed`` is kept for a
     pooling request, whose one output bypasses the `OutputProcessor`."""
@@ -205,7 +214,7 @@ class AsyncLLM:
         if self._refusing is not None:
             raise EngineUnavailableError(self._refusing)
         if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise RequestIdInUse(f"request id {rid!r} is already in use")
         engine_ids = [r.request_id for r in processed.engine_requests]
         pooling = processed if processed.pooling_params is not None else None
         stream = RequestStream(rid, engine_ids, len(processed.prompt_token_ids), pooling)
@@ -242,6 +251,20 @@ class AsyncLLM:
             if not stream.finished:  # consumer left, timed out, or the engine failed it
                 self._finished(stream, "abort")
             self._forget(rid, abort=not stream.finished)
+
+    def abort(self, request_ids: Sequence[str]) -> int:
+        """End the client requests ``request_ids`` in flight: the engine aborts them and each
+        one's `generate` raises `RequestAborted`. Ids not in flight (finished, never seen) are
+        skipped; returns how many were aborted."""
+        count = 0
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            stream.put(RequestAborted(f"request {rid!r} was aborted"))
+            self._forget(rid, abort=True)
+            count += 1
+        return count
 
     def abort_all(self, message: str, *, reason: str = "drain_timeout") -> None:
         """Fail every request in flight with ``message`` (a drain deadline passed: ``reason``

@@ -5,7 +5,8 @@ external load balancer, as vLLM's DP supervisor checks each rank's server), so `
 and systemd's ``STATUS=`` show whether each endpoint answers, and the watchdog stops when an
 endpoint stays unhealthy while every child claims to be ready (a hung server: systemd then
 restarts the service). A 200 is healthy; a 503 (engine core restarting, draining) or no answer
-within ``timeout`` seconds is not.
+within ``timeout`` seconds is not. A gRPC listener (``frontend.grpc``) is probed with
+``VllmEngine.HealthCheck`` instead, its answer recorded as 200 or 503.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class EndpointHealth:
     """Latest probe of one endpoint. Times are ``time.monotonic()`` seconds."""
 
     url: str
-    status: int | None = None  # HTTP status of the last answer; None: no answer yet/at all
+    status: int | None = None  # HTTP status of the last answer (gRPC: 200/503); None: no answer
     error: str | None = None
     checked_at: float | None = None
     failing_since: float | None = None  # start of the current run of failed probes
@@ -47,18 +48,10 @@ class HealthMonitor:
     async def probe(self, listener: Listener) -> EndpointHealth:
         """Probe one listener now and record the result."""
         entry = self.endpoints.setdefault(listener.url, EndpointHealth(listener.url))
-        if listener.url.startswith("unix:"):
-            transport = httpx.AsyncHTTPTransport(uds=listener.url[len("unix:") :])
-            base = "http://localhost"
+        if listener.spec.scheme == "grpc":
+            entry.status, entry.error = await self._probe_grpc(listener.url)
         else:
-            transport = httpx.AsyncHTTPTransport()
-            base = listener.url
-        try:
-            async with httpx.AsyncClient(transport=transport, timeout=self.timeout) as client:
-                response = await client.get(f"{base}/health", headers={"connection": "close"})
-            entry.status, entry.error = response.status_code, None
-        except httpx.HTTPError as exc:
-            entry.status, entry.error = None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            entry.status, entry.error = await self._probe_http(listener.url)
         now = time.monotonic()
         entry.checked_at = now
         if entry.healthy:
@@ -66,6 +59,35 @@ class HealthMonitor:
         elif entry.failing_since is None:
             entry.failing_since = now
         return entry
+
+    async def _probe_http(self, url: str) -> tuple[int | None, str | None]:
+        if url.startswith("unix:"):
+            transport = httpx.AsyncHTTPTransport(uds=url[len("unix:") :])
+            base = "http://localhost"
+        else:
+            transport = httpx.AsyncHTTPTransport()
+            base = url
+        try:
+            async with httpx.AsyncClient(transport=transport, timeout=self.timeout) as client:
+                response = await client.get(f"{base}/health", headers={"connection": "close"})
+        except httpx.HTTPError as exc:
+            return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return response.status_code, None
+
+    async def _probe_grpc(self, url: str) -> tuple[int | None, str | None]:
+        """``VllmEngine.HealthCheck`` (``frontend.grpc``): healthy is recorded as 200, not
+        healthy (draining, no engine core) as 503 with the server's message."""
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+        target = url.removeprefix("grpc://")
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+                reply = await stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            return None, f"{exc.code().name}: {exc.details()}"
+        return (200, None) if reply.healthy else (503, reply.message)
 
     async def probe_all(self, listeners: list[Listener]) -> list[EndpointHealth]:
         """Probe every listener concurrently; forget endpoints no longer held."""

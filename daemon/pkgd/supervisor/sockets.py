@@ -51,13 +51,15 @@ class BindError(Exception):
 class ListenSpec:
     """Where one listener should be: TCP ``host:port`` or a Unix socket path (``uds``).
 
-    ``rank`` is the DP rank it serves with the external LB (None: all ranks).
+    ``rank`` is the DP rank it serves with the external LB (None: all ranks); ``scheme`` is
+    the protocol its API servers speak (``http``, or ``grpc`` with ``frontend.grpc``).
     """
 
     host: str
     port: int
     uds: str | None
     rank: int | None = None
+    scheme: str = "http"
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,17 +120,18 @@ def refuse_new_connections(sock: socket.socket) -> bool:
 def listen_specs(config: VllmConfig, plan: ServePlan) -> list[ListenSpec]:
     """The listeners a config needs, in rank order (empty when headless)."""
     f = config.frontend
+    scheme = "grpc" if f.grpc else "http"
     if plan.api_server_count == 0:
         return []
     if plan.mode != "external_lb":
-        return [ListenSpec(f.host, f.port, f.uds)]
+        return [ListenSpec(f.host, f.port, f.uds, scheme=scheme)]
     if f.uds:
         raise BindError(
             "frontend.uds cannot be used with lb.mode: external (each DP rank needs its own "
             "endpoint on frontend.port + rank); use frontend.host/port"
         )
     ranks = range(plan.dp_start_rank, plan.dp_start_rank + plan.dp_local)
-    return [ListenSpec(f.host, f.port + r if f.port else 0, None, r) for r in ranks]
+    return [ListenSpec(f.host, f.port + r if f.port else 0, None, r, scheme) for r in ranks]
 
 
 def bind(spec: ListenSpec) -> Listener:
@@ -152,7 +155,7 @@ def bind(spec: ListenSpec) -> Listener:
         raise BindError(_bind_message(spec, exc)) from exc
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
-    return Listener(spec, sock, f"http://{shown}:{port}")
+    return Listener(spec, sock, f"{spec.scheme}://{shown}:{port}")
 
 
 def _bind_message(spec: ListenSpec, exc: OSError) -> str:
@@ -225,7 +228,7 @@ def adopt(specs: list[ListenSpec], fds: list[int]) -> list[Listener]:
             url = f"unix:{name}"
         else:
             host = f"[{name[0]}]" if sock.family == socket.AF_INET6 else name[0]
-            url = f"http://{host}:{name[1]}"
+            url = f"{spec.scheme}://{host}:{name[1]}"
         listeners.append(Listener(spec, sock, url, from_systemd=True))
     return listeners
 
