@@ -262,6 +262,8 @@ class EngineCore:
         self.hidden_size: int = getattr(info, "hidden_size", 0)
         self.pooling_type: str = getattr(info, "pooling_type", "last")
         self.matryoshka: bool = getattr(info, "matryoshka", False)
+        labels = getattr(info, "labels", None)
+        self.labels: list[str] | None = list(labels) if labels else None  # a sequence classifier's
         dims = getattr(info, "matryoshka_dimensions", None)
         self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
         self.sleep_level = 0  # 0 = awake
@@ -482,6 +484,7 @@ class EngineCore:
             "hidden_size": self.hidden_size,
             "matryoshka": self.matryoshka,
             "matryoshka_dimensions": self.matryoshka_dimensions,
+            "labels": self.labels,
             "enable_sleep_mode": self.config.model.enable_sleep_mode,
         }
 

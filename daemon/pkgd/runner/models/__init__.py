@@ -8,9 +8,12 @@ import importlib
 # HF architectures name -> "module:class" (imported on use).
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "pkgd.runner.models.llama:LlamaForCausalLM",
+    "LlamaForSequenceClassification": "pkgd.runner.models.classifier:LlamaForSequenceClassification",
     "MixtralForCausalLM": "pkgd.runner.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "pkgd.runner.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2ForSequenceClassification": "pkgd.runner.models.classifier:Qwen2ForSequenceClassification",
     "Qwen3ForCausalLM": "pkgd.runner.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification": "pkgd.runner.models.classifier:Qwen3ForSequenceClassification",
     "Qwen3MoeForCausalLM": "pkgd.runner.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 

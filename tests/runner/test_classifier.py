@@ -1,0 +1,132 @@
+"""Sequence classifiers (`pkgd.runner.models.classifier`): pkgd's logits match transformers'
+``*ForSequenceClassification`` on tiny random Llama / Qwen3 checkpoints (fp32, <= 1e-4), and a
+causal LM served by the Qwen3-Reranker convention scores ``logit(yes) - logit(no)`` at the
+last position; through the offline `LLM` and its engine (chunked prefill, batching)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pkgd import LLM
+from tests.runner.tiny_models import build_tiny, hf_config
+
+TOL = 1e-4
+LENGTHS = [1, 6, 19, 11]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 160, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def build_classifier(arch: str, out_dir, num_labels: int, seed: int = 0):
+    """A tiny ``*ForSequenceClassification`` with random weights saved to ``out_dir``; the
+    transformers model (fp32, eval)."""
+    import transformers as tf
+
+    cfg = hf_config(arch)
+    cfg.num_labels = num_labels
+    if num_labels == 3:
+        cfg.id2label, cfg.label2id = LABELS, {v: k for k, v in LABELS.items()}
+    torch.manual_seed(seed)
+    model = tf.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return model
+
+
+def write_word_tokenizer(out_dir, vocab_size: int = 160) -> list[str]:
+    """A word-level ``tokenizer.json`` whose tokens 7 and 11 are ``no`` and ``yes``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(vocab_size)]
+    words[7], words[11] = "no", "yes"
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(out_dir / "tokenizer.json"))
+    return words
+
+
+def _llm(model_dir, **kw) -> LLM:
+    opts = {"num_blocks": 64, "max_num_seqs": 3, "max_num_batched_tokens": 8, **kw}
+    return LLM(str(model_dir), runner="pooling", dtype="float32", block_size=4, **opts)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_logits_match_transformers(tmp_path, arch, num_labels, cpu_path):
+    hf = build_classifier(arch, tmp_path, num_labels)
+    llm = _llm(tmp_path)
+    assert llm.engine.labels == (list(LABELS.values()) if num_labels == 3 else ["LABEL_0"])
+    prompts = _prompts()
+    for tokens, out in zip(prompts, llm.encode(prompts, use_tqdm=False), strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([tokens])).logits[0]
+        got = out.outputs.data
+        assert got.shape == (num_labels,)
+        assert (got - want).abs().max().item() <= TOL
+
+
+def test_qwen3_reranker_convention_scores_yes_against_no(tmp_path):
+    """A Qwen3ForCausalLM with model.hf_overrides as vLLM's Qwen3-Reranker recipe: one output,
+    ``logit(yes) - logit(no)`` of the causal LM at the last position, whose sigmoid is the
+    two-way softmax's P(yes)."""
+    hf = build_tiny("qwen3", tmp_path)
+    write_word_tokenizer(tmp_path)
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True,
+    }
+    llm = _llm(tmp_path, **{f"model.hf_overrides.{k}": v for k, v in overrides.items()})
+    prompts = _prompts(1)
+    for tokens, out in zip(prompts, llm.encode(prompts, use_tqdm=False), strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens])).logits[0, -1]
+        assert out.outputs.data.shape == (1,)
+        assert abs(out.outputs.data[0].item() - (logits[11] - logits[7]).item()) <= TOL
+        p_yes = torch.softmax(logits[[7, 11]], dim=0)[1]
+        assert abs(torch.sigmoid(out.outputs.data[0]).item() - p_yes.item()) <= 1e-5
+
+
+def test_convert_classify_reads_the_score_head_from_a_causal_lm_dir(tmp_path):
+    """``model.convert: classify`` serves the directory's ``*ForCausalLM`` as its classifier:
+    the ``score`` tensor must be in the checkpoint; a missing one is a clear error."""
+    hf = build_classifier("llama", tmp_path, 2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = _llm(tmp_path, convert="classify")
+    tokens = _prompts()[2]
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0]
+    assert (llm.encode([tokens], use_tqdm=False)[0].outputs.data - want).abs().max() <= TOL
+    lm_dir = tmp_path / "lm"
+    build_tiny("llama", lm_dir)
+    with pytest.raises(ValueError, match=r"score\.weight"):
+        _llm(lm_dir, convert="classify")
+
+
+def test_bad_classifier_configs_are_refused(tmp_path):
+    build_tiny("qwen3", tmp_path)
+    write_word_tokenizer(tmp_path)
+    base = {"model.hf_overrides.architectures": ["Qwen3ForSequenceClassification"]}
+    with pytest.raises(ValueError, match="not one token"):
+        _llm(tmp_path, **base, **{"model.hf_overrides.classifier_from_token": ["no", "maybe"]})
+    with pytest.raises(ValueError, match=r"\[no, yes\]"):
+        _llm(
+            tmp_path,
+            **base,
+            **{
+                "model.hf_overrides.classifier_from_token": ["yes"],
+                "model.hf_overrides.is_original_qwen3_reranker": True,
+            },
+        )
+    with pytest.raises(ValueError, match="model.runner: generate"):
+        LLM(str(tmp_path), runner="generate", dtype="float32", num_blocks=64, **base)
