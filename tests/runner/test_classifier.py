@@ -9,9 +9,9 @@ import json
 
 import pytest
 import torch
+from tests.runner.tiny_models import build_tiny, hf_config
 
 from pkgd import LLM
-from tests.runner.tiny_models import build_tiny, hf_config
 
 TOL = 1e-4
 LENGTHS = [1, 6, 19, 11]
