@@ -12,8 +12,8 @@ output after the final norm (what transformers' ``AutoModel`` returns as
 
 A sequence classifier (`pkgd.runner.models.classifier`) then applies its score head: the
 output is its float32 logits. Otherwise, Matryoshka truncation to ``dimensions`` (Kusupati et
-al., 2022) and, when asked, L2 normalisation (in that order, as vLLM). The vector leaves the runner as little-endian float32
-bytes: it crosses the wire as is, and the API server base64-encodes those same bytes.
+al., 2022) and, when asked, L2 normalisation (in that order, as vLLM). The vector leaves the
+runner as little-endian float32 bytes: it crosses the wire as is, and the API server base64-encodes those same bytes.
 """
 
 from __future__ import annotations
