@@ -111,6 +111,14 @@ async def test_bad_inputs_are_400s_that_reach_no_engine(tokenizer):
         assert not fake.added
 
 
+async def test_the_routes_refuse_a_body_not_sent_as_json(tokenizer):
+    async with served(tokenizer, runner="pooling") as (http, _, fake):
+        for path in (*SCORE_ROUTES, *RERANK_ROUTES, "/classify", "/pooling"):
+            r = await http.post(path, content=b'{"input": "x"}', headers={"content-type": "text/plain"})
+            assert r.status_code == 415, path
+        assert not fake.added
+
+
 async def test_pooling_answers_the_embedding_vector(tokenizer):
     async with served(tokenizer, runner="pooling") as (http, _, fake):
         body = (await http.post("/pooling", json={"input": ["hello there", "x"], "normalize": False})).json()
@@ -124,3 +132,35 @@ async def test_pooling_answers_the_embedding_vector(tokenizer):
 
         raw = base64.b64decode(b64["data"][0]["data"])
         assert list(struct.unpack("<4f", raw)) == fake_vector(tokenizer.encode("x"), 4)
+
+
+async def test_classify_softmaxes_a_classifier_output_and_invocations_dispatch(tokenizer):
+    """A classifier (the handshake names its labels): ``/classify`` is the softmax of the
+    engine's logits, and ``/invocations`` sends an ``input`` body there instead of to embeddings."""
+    labels = [f"L{i}" for i in range(8)]
+    async with served(tokenizer, runner="pooling") as (http, _, fake):
+        fake.handshake.labels = labels
+        logits = fake_vector(tokenizer.encode("good movie"))
+        e = [math.exp(x - max(logits)) for x in logits]
+        probs = [x / sum(e) for x in e]
+        for path in ("/classify", "/invocations"):
+            body = (await http.post(path, json={"input": "good movie"})).json()
+            d = body["data"][0]
+            assert body["id"].startswith("classify-") and d["num_classes"] == 8
+            assert max(abs(a - b) for a, b in zip(d["probs"], probs)) < 1e-6
+            assert d["label"] == labels[probs.index(max(probs))]
+        raw = (await http.post("/classify", json={"input": "good movie", "use_activation": False})).json()
+        assert raw["data"][0]["probs"] == logits
+        _bad(await http.post("/v1/embeddings", json={"input": "x"}), "sequence classifier")
+        _bad(await http.post("/v1/score", json={"text_1": "a", "text_2": "b"}), "8 outputs")
+        _bad(await http.post("/pooling", json={"input": "x", "dimensions": 2}), "classifier", "dimensions")
+
+
+async def test_invocations_dispatch_score_and_rerank_bodies(tokenizer):
+    async with served(tokenizer, runner="pooling") as (http, _, _):
+        score = (await http.post("/invocations", json={"text_1": "a", "text_2": ["b", "c"]})).json()
+        assert score["id"].startswith("score-") and len(score["data"]) == 2
+        rerank = (await http.post("/invocations", json={"query": "a", "documents": ["b", "c"]})).json()
+        assert rerank["id"].startswith("rerank-") and len(rerank["results"]) == 2
+        embed = (await http.post("/invocations", json={"input": "a"})).json()
+        assert embed["data"][0]["object"] == "embedding"

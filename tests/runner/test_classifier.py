@@ -9,48 +9,17 @@ import json
 
 import pytest
 import torch
-from tests.runner.tiny_models import build_tiny, hf_config
+from tests.runner.tiny_models import LABELS, build_classifier, build_tiny, write_word_tokenizer
 
 from pkgd import LLM
 
 TOL = 1e-4
 LENGTHS = [1, 6, 19, 11]
-LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 160, (n,), generator=g).tolist() for n in LENGTHS]
-
-
-def build_classifier(arch: str, out_dir, num_labels: int, seed: int = 0):
-    """A tiny ``*ForSequenceClassification`` with random weights saved to ``out_dir``; the
-    transformers model (fp32, eval)."""
-    import transformers as tf
-
-    cfg = hf_config(arch)
-    cfg.num_labels = num_labels
-    if num_labels == 3:
-        cfg.id2label, cfg.label2id = LABELS, {v: k for k, v in LABELS.items()}
-    torch.manual_seed(seed)
-    model = tf.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    model.save_pretrained(out_dir)
-    return model
-
-
-def write_word_tokenizer(out_dir, vocab_size: int = 160) -> list[str]:
-    """A word-level ``tokenizer.json`` whose tokens 7 and 11 are ``no`` and ``yes``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = [f"w{i}" for i in range(vocab_size)]
-    words[7], words[11] = "no", "yes"
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(out_dir / "tokenizer.json"))
-    return words
 
 
 def _llm(model_dir, **kw) -> LLM:

@@ -36,20 +36,24 @@ if TYPE_CHECKING:
     from pkgd.outputs import PoolingRequestOutput
 
 
-async def create_classify(request: Request, state: ServerState) -> Any:
-    """Answer one classification request (vLLM's ``ClassificationResponse``)."""
-    return await _handle(request, state, "classify", ClassificationRequest)
+async def create_classify(request: Request, state: ServerState, parsed: ClassificationRequest | None = None) -> Any:
+    """Answer one classification request (vLLM's ``ClassificationResponse``). ``parsed``: the
+    body, already parsed (``/invocations``)."""
+    return await _handle(request, state, "classify", ClassificationRequest, parsed)
 
 
-async def create_pooling(request: Request, state: ServerState) -> Any:
-    """Answer one pooling request (vLLM's ``PoolingResponse``)."""
-    return await _handle(request, state, "pool", PoolingRequest)
+async def create_pooling(request: Request, state: ServerState, parsed: PoolingRequest | None = None) -> Any:
+    """Answer one pooling request (vLLM's ``PoolingResponse``). ``parsed`` as for `create_classify`."""
+    return await _handle(request, state, "pool", PoolingRequest, parsed)
 
 
-async def _handle(request: Request, state: ServerState, prefix: str, model_cls: type) -> Any:
+async def _handle(
+    request: Request, state: ServerState, prefix: str, model_cls: type, parsed: ClassificationRequest | None
+) -> Any:
     state.check_ready()
     rid = serving.request_id(prefix, request)
-    body, model, labels, processed = await state.preprocess.run(_prepare, state, await request.body(), rid, model_cls)
+    raw = await request.body() if parsed is None else b""
+    body, model, labels, processed = await state.preprocess.run(_prepare, state, raw, rid, model_cls, parsed)
     try:
         outs = await serving.run_until_disconnected(request, encode_all(state, processed))
     except serving.ClientDisconnected:
@@ -58,9 +62,9 @@ async def _handle(request: Request, state: ServerState, prefix: str, model_cls: 
 
 
 def _prepare(
-    state: ServerState, raw: bytes, rid: str, model_cls: type
+    state: ServerState, raw: bytes, rid: str, model_cls: type, parsed: ClassificationRequest | None
 ) -> tuple[ClassificationRequest, str, list[str] | None, list[ProcessedRequest]]:
-    body = parse_body(raw, model_cls, state.config.frontend.limits)
+    body = parsed if parsed is not None else parse_body(raw, model_cls, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     pooling = isinstance(body, PoolingRequest)
     serving.require_runner(state, "pooling", "Pooling API" if pooling else "Classification API")

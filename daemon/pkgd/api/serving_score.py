@@ -176,19 +176,21 @@ async def _run(request: Request, state: ServerState, plan: ScorePlan) -> list[Po
         return None
 
 
-async def create_score(request: Request, state: ServerState) -> Any:
-    """Answer one score request (vLLM's ``ScoreResponse``: one ``score`` per pair)."""
+async def create_score(request: Request, state: ServerState, parsed: ScoreRequest | None = None) -> Any:
+    """Answer one score request (vLLM's ``ScoreResponse``: one ``score`` per pair).
+    ``parsed``: the body, already parsed (``/invocations``)."""
     state.check_ready()
     rid = serving.request_id("score", request)
-    model, plan = await state.preprocess.run(_prepare_score, state, await request.body(), rid)
+    raw = await request.body() if parsed is None else b""
+    model, plan = await state.preprocess.run(_prepare_score, state, raw, rid, parsed)
     outs = await _run(request, state, plan)
     if outs is None:
         return Response(status_code=499)
     return await state.preprocess.run(_score_response, rid, model, plan, outs)
 
 
-def _prepare_score(state: ServerState, raw: bytes, rid: str) -> tuple[str, ScorePlan]:
-    body = parse_body(raw, ScoreRequest, state.config.frontend.limits)
+def _prepare_score(state: ServerState, raw: bytes, rid: str, parsed: ScoreRequest | None) -> tuple[str, ScorePlan]:
+    body = parsed if parsed is not None else parse_body(raw, ScoreRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     names = body.pair_names()
     return model, plan_scores(state, rid, *body.pair(), body, names)
@@ -208,20 +210,24 @@ def _score_response(rid: str, model: str, plan: ScorePlan, outs: list[PoolingReq
     )
 
 
-async def create_rerank(request: Request, state: ServerState) -> Any:
+async def create_rerank(request: Request, state: ServerState, parsed: RerankRequest | None = None) -> Any:
     """Answer one rerank request: the documents by relevance to the query, most relevant
-    first, ``top_n`` of them (the Jina / Cohere shape vLLM answers with)."""
+    first, ``top_n`` of them (the Jina / Cohere shape vLLM answers with). ``parsed``: the
+    body, already parsed (``/invocations``)."""
     state.check_ready()
     rid = serving.request_id("rerank", request)
-    body, model, plan = await state.preprocess.run(_prepare_rerank, state, await request.body(), rid)
+    raw = await request.body() if parsed is None else b""
+    body, model, plan = await state.preprocess.run(_prepare_rerank, state, raw, rid, parsed)
     outs = await _run(request, state, plan)
     if outs is None:
         return Response(status_code=499)
     return await state.preprocess.run(_rerank_response, body, rid, model, plan, outs)
 
 
-def _prepare_rerank(state: ServerState, raw: bytes, rid: str) -> tuple[RerankRequest, str, ScorePlan]:
-    body = parse_body(raw, RerankRequest, state.config.frontend.limits)
+def _prepare_rerank(
+    state: ServerState, raw: bytes, rid: str, parsed: RerankRequest | None
+) -> tuple[RerankRequest, str, ScorePlan]:
+    body = parsed if parsed is not None else parse_body(raw, RerankRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     return body, model, plan_scores(state, rid, [body.query], body.texts(), body, ("query", "documents"))
 

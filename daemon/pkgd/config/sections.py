@@ -174,8 +174,9 @@ class ModelConfig(Section):
     runner: Literal["auto", "generate", "pooling"] = field(
         "auto",
         "generate: text generation (/v1/completions, /v1/chat/completions, /v1/responses); "
-        "pooling: prefill-only requests whose output is one pooled hidden state "
-        "(/v1/embeddings, LLM.embed). auto = pooling when model.convert is embed, else generate.",
+        "pooling: prefill-only requests whose output is one pooled hidden state, or a classifier's "
+        "logits (/v1/embeddings, /score, /rerank, /classify, /pooling, LLM.embed). auto = pooling when "
+        "model.convert is embed or classify or the architecture is a *ForSequenceClassification, else generate.",
         aliases=("--runner",),
     )
     convert: Literal["auto", "none", "embed", "classify"] = field(
