@@ -9,11 +9,17 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.runner.tiny_models import LABELS, build_classifier, build_tiny, write_word_tokenizer
 
 from pkgd import LLM
 
 TOL = 1e-4
+_RERANKER = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
 LENGTHS = [1, 6, 19, 11]
 
 
@@ -48,12 +54,7 @@ def test_qwen3_reranker_convention_scores_yes_against_no(tmp_path):
     two-way softmax's P(yes)."""
     hf = build_tiny("qwen3", tmp_path)
     write_word_tokenizer(tmp_path)
-    overrides = {
-        "architectures": ["Qwen3ForSequenceClassification"],
-        "classifier_from_token": ["no", "yes"],
-        "is_original_qwen3_reranker": True,
-    }
-    llm = _llm(tmp_path, **{f"model.hf_overrides.{k}": v for k, v in overrides.items()})
+    llm = _llm(tmp_path, **{f"model.hf_overrides.{k}": v for k, v in _RERANKER.items()})
     prompts = _prompts(1)
     for tokens, out in zip(prompts, llm.encode(prompts, use_tqdm=False), strict=True):
         with torch.no_grad():
@@ -99,3 +100,49 @@ def test_bad_classifier_configs_are_refused(tmp_path):
         )
     with pytest.raises(ValueError, match="model.runner: generate"):
         LLM(str(tmp_path), runner="generate", dtype="float32", num_blocks=64, **base)
+
+
+def test_offline_score_and_classify(tmp_path):
+    """`LLM.score` (cross-encoder: each pair tokenized as a text pair, the word tokenizer's
+    being the two texts' tokens in a row) and `LLM.classify` (softmax / sigmoid of the logits)."""
+    hf = build_tiny("qwen3", tmp_path)
+    words = write_word_tokenizer(tmp_path)
+    overrides = {f"model.hf_overrides.{k}": v for k, v in _RERANKER.items()}
+    llm = _llm(tmp_path, **overrides)
+    query, docs = "w3 w5 w9", ["w20 w21", "yes no w40", "w2"]
+    outs = llm.score(query, docs, use_tqdm=False)
+    for doc, out in zip(docs, outs, strict=True):
+        ids = [words.index(w) for w in f"{query} {doc}".split()]
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        assert abs(out.outputs.score - torch.softmax(logits[[7, 11]], dim=0)[1].item()) <= 1e-5
+    pairwise = llm.score(docs, list(reversed(docs)), use_tqdm=False)
+    assert len(pairwise) == 3
+    raw = llm.classify([query], use_activation=False, use_tqdm=False)[0]
+    prob = llm.classify([query], use_tqdm=False)[0]
+    assert prob.outputs.num_classes == 1
+    assert abs(prob.outputs.probs[0] - torch.sigmoid(torch.tensor(raw.outputs.probs[0])).item()) <= 1e-6
+    with pytest.raises(ValueError, match="as many"):
+        llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    with pytest.raises(ValueError, match="must not be empty"):
+        llm.score("a", [], use_tqdm=False)
+
+
+def test_offline_bi_encoder_score_is_the_cosine(tmp_path):
+    hf = build_tiny("llama", tmp_path)
+    words = write_word_tokenizer(tmp_path)
+    llm = _llm(tmp_path)
+    with pytest.raises(ValueError, match="classifier"):
+        llm.classify(["w1"], use_tqdm=False)
+
+    def vec(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return hf.model(torch.tensor([[words.index(w) for w in text.split()]])).last_hidden_state[0, -1]
+
+    outs = llm.score(["w1 w2", "w3"], ["w4 w5 w6", "w12 w8"], use_tqdm=False)
+    want = [
+        F.cosine_similarity(vec("w1 w2"), vec("w4 w5 w6"), dim=0),
+        F.cosine_similarity(vec("w3"), vec("w12 w8"), dim=0),
+    ]
+    assert max(abs(o.outputs.score - w.item()) for o, w in zip(outs, want)) <= TOL

@@ -94,7 +94,7 @@ async def invocations(request: Request) -> Any:
     state.check_ready()
     raw = await request.body()
     hs = state.llm.handshake
-    runner = hs.runner if hs is not None else state.config.model.runner_type
+    runner: str = hs.runner if hs is not None else state.config.model.runner_type
     if runner == "pooling":
         runner = "classify" if hs is not None and hs.labels else "embed"
     limits = state.config.frontend.limits

@@ -27,12 +27,13 @@ from pkgd.api.errors import APIError
 from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol_score import ClassificationRequest, PoolingRequest
 from pkgd.api.serving_embedding import encode_all
-from pkgd.api.serving_score import activate, require_classifier
+from pkgd.api.serving_score import require_classifier
+from pkgd.frontend.pooling import activate
 from pkgd.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
-    from pkgd.frontend.input_processor import ProcessedRequest
+    from pkgd.frontend.input_processor import InputProcessor, ProcessedRequest
     from pkgd.outputs import PoolingRequestOutput
 
 
@@ -93,20 +94,19 @@ def _prepare(
     inputs = body.inputs()
     processed = []
     for i, prompt in enumerate(inputs):
-        try:
-            processed.append(
-                serving.process(
-                    state,
-                    lambda ip, i=i, prompt=prompt: ip.process_pooling(
-                        f"{rid}-{i}",
-                        prompt,
-                        params,
-                        truncate_prompt_tokens=body.truncate_prompt_tokens,
-                        add_special_tokens=body.add_special_tokens,
-                        priority=body.priority,
-                    ),
-                )
+
+        def build(ip: InputProcessor, i: int = i, prompt: str | list[int] = prompt) -> ProcessedRequest:
+            return ip.process_pooling(
+                f"{rid}-{i}",
+                prompt,
+                params,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
+                add_special_tokens=body.add_special_tokens,
+                priority=body.priority,
             )
+
+        try:
+            processed.append(serving.process(state, build))
         except APIError as exc:
             if len(inputs) == 1:
                 raise

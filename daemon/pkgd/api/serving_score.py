@@ -20,7 +20,6 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -30,22 +29,13 @@ from pkgd.api.errors import APIError
 from pkgd.api.preprocess import parse_body
 from pkgd.api.protocol_score import RerankRequest, ScoreRequest
 from pkgd.api.serving_embedding import encode_all
+from pkgd.frontend.pooling import activate, cosine, pair_index
 from pkgd.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from pkgd.api.state import ServerState
     from pkgd.frontend.input_processor import ProcessedRequest
     from pkgd.outputs import PoolingRequestOutput
-
-
-def activate(logits: np.ndarray) -> np.ndarray:
-    """vLLM's classifier activation on float32 ``logits [L]``: sigmoid for one output,
-    softmax (max-shifted) for more."""
-    x = logits.astype(np.float64)
-    if x.shape[-1] == 1:
-        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
 def require_classifier(state: ServerState, api: str) -> list[str]:
@@ -74,13 +64,8 @@ class ScorePlan:
         if self.cross:
             return [float(activate(o.outputs.data)[0] if self.activation else o.outputs.data[0]) for o in outs]
         first, second = outs[: self.num_first], outs[self.num_first :]
-        scores = []
-        for i, b in enumerate(second):
-            u = first[0 if len(first) == 1 else i].outputs.data.astype(np.float64)
-            v = b.outputs.data.astype(np.float64)
-            denom = max(float(np.linalg.norm(u) * np.linalg.norm(v)), 1e-12)
-            scores.append(float(np.dot(u, v) / denom))
-        return scores
+        pairs = pair_index(len(first), len(second))
+        return [cosine(first[j].outputs.data, b.outputs.data) for j, b in zip(pairs, second, strict=True)]
 
     def num_tokens(self) -> int:
         return sum(len(p.prompt_token_ids) for p in self.processed)

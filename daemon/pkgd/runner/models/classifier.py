@@ -86,16 +86,14 @@ def resolve_classifier_tokens(raw: dict[str, Any], tokenizer_dir: Path) -> dict[
     return {**raw, TOKEN_IDS_KEY: ids}
 
 
-class SequenceClassifierMixin:
-    """Adds the ``score`` head to a ``*ForCausalLM`` of this package (put it first in the bases)."""
-
-    cfg: ArchConfig
-    lm_head: Any
+class SequenceClassifierMixin(LlamaForCausalLM):
+    """Adds the ``score`` head to a ``*ForCausalLM`` of this package: put it first in the
+    bases, before the family's causal LM (``super()`` then reaches that family's class)."""
 
     def __init__(
         self, cfg: ArchConfig, *, tp: TPGroup = SINGLE, dtype: torch.dtype = torch.float32, kernels=None
     ) -> None:
-        super().__init__(cfg, tp=tp, dtype=dtype, kernels=kernels)  # type: ignore[call-arg]
+        super().__init__(cfg, tp=tp, dtype=dtype, kernels=kernels)
         self.num_labels = num_labels_of(cfg.raw)
         self.token_ids: list[int] | None = cfg.raw.get(TOKEN_IDS_KEY)
         if cfg.raw.get("classifier_from_token") and self.token_ids is None:
@@ -103,7 +101,8 @@ class SequenceClassifierMixin:
         # replicated on every rank: the pooled hidden state is whole on each one
         self.score = nn.Parameter(torch.zeros(self.num_labels, cfg.hidden_size, dtype=dtype), requires_grad=False)
         if not cfg.tie_word_embeddings:
-            self.lm_head = None  # never used: the head reads hidden states (memory back before loading)
+            # never used: the head reads hidden states (its memory is back before loading)
+            self.lm_head = None  # type: ignore[assignment]
         self.requires_lm_head = False
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -111,7 +110,7 @@ class SequenceClassifierMixin:
         return pooled.float() @ self.score.float().t()
 
     def _expected_names(self) -> list[str]:
-        names = super()._expected_names()  # type: ignore[misc]  (lm_head.weight only when tied)
+        names = super()._expected_names()  # lm_head.weight only when tied (requires_lm_head is False)
         if self.token_ids is None:
             return [*names, "score.weight"]
         # the head comes from the LM head's rows: its tensor must be in the checkpoint
@@ -128,7 +127,7 @@ class SequenceClassifierMixin:
             self._score_from_tokens(t)
         if name == "lm_head.weight" and not self.cfg.tie_word_embeddings:
             return name if self.token_ids is not None else None  # a causal-LM checkpoint's head: unused
-        return super()._load_one(name, t)  # type: ignore[misc]
+        return super()._load_one(name, t)
 
     def _score_from_tokens(self, full: torch.Tensor) -> None:
         assert self.token_ids is not None
