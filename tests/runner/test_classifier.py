@@ -33,7 +33,7 @@ def _llm(model_dir, **kw) -> LLM:
     return LLM(str(model_dir), runner="pooling", dtype="float32", block_size=4, **opts)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_logits_match_transformers(tmp_path, arch, num_labels, cpu_path):
     hf = build_classifier(arch, tmp_path, num_labels)
@@ -48,13 +48,18 @@ def test_logits_match_transformers(tmp_path, arch, num_labels, cpu_path):
         assert (got - want).abs().max().item() <= TOL
 
 
-def test_qwen3_reranker_convention_scores_yes_against_no(tmp_path):
-    """A Qwen3ForCausalLM with model.hf_overrides as vLLM's Qwen3-Reranker recipe: one output,
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_qwen3_reranker_convention_scores_yes_against_no(tmp_path, arch):
+    """A causal LM with model.hf_overrides as vLLM's Qwen3-Reranker recipe: one output,
     ``logit(yes) - logit(no)`` of the causal LM at the last position, whose sigmoid is the
-    two-way softmax's P(yes)."""
-    hf = build_tiny("qwen3", tmp_path)
+    two-way softmax's P(yes). Qwen3's tiny model ties its LM head to the embedding (the rows
+    come from ``embed_tokens``), Qwen2's does not (from ``lm_head``, which is then dropped)."""
+    hf = build_tiny(arch, tmp_path)
     write_word_tokenizer(tmp_path)
-    llm = _llm(tmp_path, **{f"model.hf_overrides.{k}": v for k, v in _RERANKER.items()})
+    overrides = {**_RERANKER, "architectures": [f"{arch.capitalize()}ForSequenceClassification"]}
+    llm = _llm(tmp_path, **{f"model.hf_overrides.{k}": v for k, v in overrides.items()})
+    if arch == "qwen2":
+        assert llm.engine.model_runner.model.lm_head is None
     prompts = _prompts(1)
     for tokens, out in zip(prompts, llm.encode(prompts, use_tqdm=False), strict=True):
         with torch.no_grad():
