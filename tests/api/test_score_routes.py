@@ -164,3 +164,19 @@ async def test_invocations_dispatch_score_and_rerank_bodies(tokenizer):
         assert rerank["id"].startswith("rerank-") and len(rerank["results"]) == 2
         embed = (await http.post("/invocations", json={"input": "a"})).json()
         assert embed["data"][0]["object"] == "embedding"
+
+
+async def test_truncate_prompt_tokens_reaches_every_prompt(tokenizer):
+    long = "one two three four five six seven eight"
+    async with served(tokenizer, runner="pooling") as (http, _, fake):
+        r = await http.post("/v1/score", json={"text_1": long, "text_2": [long, long], "truncate_prompt_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert [len(req.prompt_token_ids) for req in fake.added] == [3, 3, 3]
+        assert fake.added[0].prompt_token_ids == tokenizer.encode(long)[-3:]
+        assert r.json()["usage"]["prompt_tokens"] == 9
+        fake.added.clear()
+        fake.handshake.labels = ["only"]  # a one-output cross-encoder: one prompt per joined pair
+        r = await http.post("/v1/rerank", json={"query": long, "documents": [long], "truncate_prompt_tokens": 4})
+        assert r.status_code == 200, r.text
+        pair = tokenizer(long, long)["input_ids"]
+        assert [req.prompt_token_ids for req in fake.added] == [pair[-4:]]
