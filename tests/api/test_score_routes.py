@@ -180,3 +180,16 @@ async def test_truncate_prompt_tokens_reaches_every_prompt(tokenizer):
         assert r.status_code == 200, r.text
         pair = tokenizer(long, long)["input_ids"]
         assert [req.prompt_token_ids for req in fake.added] == [pair[-4:]]
+
+
+async def test_a_cross_encoder_without_sep_token_scores_the_joined_text(tokenizer):
+    """``use_sep_token: false`` (vLLM's LLM-as-reranker mode): each pair is the concatenation
+    of its two texts, tokenized as one text; by default the tokenizer's text-pair encoding."""
+    q, d = "Which city is the capit", "al of France"  # "capital" is one token only when joined
+    async with served(tokenizer, runner="pooling") as (http, _, fake):
+        fake.handshake.labels = ["relevant"]
+        assert (await http.post("/v1/score", json={"text_1": q, "text_2": d})).status_code == 200
+        fake.handshake.use_sep_token = False
+        assert (await http.post("/v1/score", json={"text_1": q, "text_2": d})).status_code == 200
+        pair, joined = tokenizer(q, d)["input_ids"], tokenizer.encode(q + d)
+        assert pair != joined and [r.prompt_token_ids for r in fake.added] == [pair, joined]

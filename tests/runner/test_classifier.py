@@ -39,6 +39,7 @@ def test_logits_match_transformers(tmp_path, arch, num_labels, cpu_path):
     hf = build_classifier(arch, tmp_path, num_labels)
     llm = _llm(tmp_path)
     assert llm.engine.labels == (list(LABELS.values()) if num_labels == 3 else ["LABEL_0"])
+    assert llm.engine.use_sep_token
     prompts = _prompts()
     for tokens, out in zip(prompts, llm.encode(prompts, use_tqdm=False), strict=True):
         with torch.no_grad():
@@ -132,6 +133,10 @@ def test_offline_score_and_classify(tmp_path):
         llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
     with pytest.raises(ValueError, match="must not be empty"):
         llm.score("a", [], use_tqdm=False)
+    # use_sep_token false: the two texts joined, then tokenized ("w9" + "w20 ..." is one unknown word)
+    joined = _llm(tmp_path, **overrides, **{"model.hf_overrides.use_sep_token": False})
+    out = joined.score(query, docs[:1], use_tqdm=False)[0]
+    assert out.prompt_token_ids == [words.index("w3"), words.index("w5"), 0, words.index("w21")]
 
 
 def test_offline_bi_encoder_score_is_the_cosine(tmp_path):

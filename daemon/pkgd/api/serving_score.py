@@ -3,8 +3,9 @@ text pairs, for a model served with ``model.runner: pooling``, the two ways vLLM
 
 * **cross-encoder** — a sequence classifier with one output (``*ForSequenceClassification``
   with ``num_labels: 1``, or a Qwen3-Reranker served by the ``classifier_from_token``
-  convention): each pair is tokenized as the tokenizer joins a text pair and run as one
-  prompt; the score is the sigmoid of its logit (``use_activation: false``: the logit);
+  convention): each pair is tokenized as the tokenizer joins a text pair (or, with the model's
+  ``use_sep_token: false``, as the concatenation of the two texts) and run as one prompt; the
+  score is the sigmoid of its logit (``use_activation: false``: the logit);
 * **bi-encoder** — an embedding model: every text is embedded once, and a pair's score is
   the cosine similarity of its two vectors (Reimers & Gurevych, 2019, Sentence-BERT).
 
@@ -110,6 +111,7 @@ def plan_scores(
                 f"this classifier has {len(labels)} outputs ({', '.join(labels)}); scoring needs a model with one "
                 "(num_labels: 1): use /classify for label probabilities",
             )
+        sep = state.llm.handshake.use_sep_token if state.llm.handshake is not None else True
         for i, b in enumerate(second):
             a = first[0 if len(first) == 1 else i]
             processed.append(
@@ -119,7 +121,7 @@ def plan_scores(
                     i,
                     names[1],
                     lambda ip, a=a, b=b, i=i: ip.process_pooling(
-                        f"{rid}-{i}", ip.tokenize_pair(a, b), PoolingParams(), **kw
+                        f"{rid}-{i}", ip.tokenize_pair(a, b) if sep else ip.tokenize(a + b), PoolingParams(), **kw
                     ),
                 )
             )

@@ -85,6 +85,12 @@ class HfOverrides(Section):
         "sigmoid is the probability of yes against no (vLLM's from_2_way_softmax).",
     )
     num_labels: int | None = field(None, "Outputs of a sequence-classification head.", ge=1)
+    use_sep_token: bool | None = field(
+        None,
+        "How a cross-encoder joins a score pair: true (the default) tokenizes it as a text pair (the "
+        "tokenizer's pair template); false tokenizes the two texts' concatenation as one text (vLLM's "
+        "LLM-as-reranker mode).",
+    )
     is_matryoshka: bool | None = field(None, "The embedding model accepts a request's dimensions (Matryoshka).")
     matryoshka_dimensions: list[int] | None = field(
         None, "The only dimensions a Matryoshka embedding model accepts.", min_length=1

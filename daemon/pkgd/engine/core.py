@@ -264,6 +264,7 @@ class EngineCore:
         self.matryoshka: bool = getattr(info, "matryoshka", False)
         labels = getattr(info, "labels", None)
         self.labels: list[str] | None = list(labels) if labels else None  # a sequence classifier's
+        self.use_sep_token: bool = getattr(info, "use_sep_token", True)
         dims = getattr(info, "matryoshka_dimensions", None)
         self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
         self.sleep_level = 0  # 0 = awake
@@ -485,6 +486,7 @@ class EngineCore:
             "matryoshka": self.matryoshka,
             "matryoshka_dimensions": self.matryoshka_dimensions,
             "labels": self.labels,
+            "use_sep_token": self.use_sep_token,
             "enable_sleep_mode": self.config.model.enable_sleep_mode,
         }
 

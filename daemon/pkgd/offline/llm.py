@@ -325,7 +325,8 @@ class LLM:
             if len(labels) != 1:
                 raise ValueError(f"LLM.score needs a classifier with one label; this one has {len(labels)}")
             ip = self.input_processor
-            tokens = [ip.tokenize_pair(first[j], b) for j, b in zip(pairs, second, strict=True)]
+            join = ip.tokenize_pair if self.engine.use_sep_token else (lambda a, b: ip.tokenize(a + b))
+            tokens = [join(first[j], b) for j, b in zip(pairs, second, strict=True)]
             outs = self.encode(tokens, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
             scores = [float(_activated(o.outputs.data.numpy(), use_activation)[0]) for o in outs]
             second_outs = outs

@@ -45,7 +45,7 @@ from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update
 from pkgd.runner.loader.dtype import DtypeChoice, MeasurementCache, choose_dtype, linear_shapes
 from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
-from pkgd.runner.models.classifier import is_classifier, labels_of, resolve_classifier_tokens
+from pkgd.runner.models.classifier import is_classifier, labels_of, resolve_classifier_tokens, uses_sep_token
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
 from pkgd.runner.pooler import Pooler, matryoshka_of, resolve_pooling_type
@@ -93,6 +93,7 @@ class ModelInfo:
     runner: str = "generate"  # model.runner, resolved: generate | pooling
     pooling_type: str = "last"
     labels: tuple[str, ...] | None = None  # a sequence classifier's label names, one per output
+    use_sep_token: bool = True  # a cross-encoder's pairs: text-pair tokenization, else one joined text
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     quantization: str = "none"
@@ -318,6 +319,7 @@ class ModelRunner:
             runner=self.runner_type,
             pooling_type=self.pooler.pooling_type,
             labels=tuple(labels_of(a.raw)) if is_classifier(a.architecture) else None,
+            use_sep_token=uses_sep_token(a.raw),
             matryoshka=matryoshka,
             matryoshka_dimensions=tuple(dims) if dims else None,
             quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()}))

@@ -57,6 +57,13 @@ def labels_of(raw: dict[str, Any]) -> list[str]:
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]  # type: ignore[union-attr]
 
 
+def uses_sep_token(raw: dict[str, Any]) -> bool:
+    """Whether a score pair is tokenized as a text pair (``use_sep_token``, or its deprecated
+    spelling ``use_pad_token``; default true), else as the concatenation of its two texts."""
+    value = raw.get("use_sep_token", raw.get("use_pad_token"))
+    return True if value is None else bool(value)
+
+
 def resolve_classifier_tokens(raw: dict[str, Any], tokenizer_dir: Path) -> dict[str, Any]:
     """``raw`` with `TOKEN_IDS_KEY` set from ``classifier_from_token`` (each must be one token
     of the tokenizer's vocabulary), or unchanged when there are none.
