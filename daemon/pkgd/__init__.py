@@ -23,6 +23,10 @@ _LAZY = {
     "PoolingRequestOutput": "pkgd.outputs",
     "EmbeddingOutput": "pkgd.outputs",
     "EmbeddingRequestOutput": "pkgd.outputs",
+    "ClassificationOutput": "pkgd.outputs",
+    "ClassificationRequestOutput": "pkgd.outputs",
+    "ScoringOutput": "pkgd.outputs",
+    "ScoringRequestOutput": "pkgd.outputs",
     "CompletionOutput": "pkgd.outputs",
     "Logprob": "pkgd.outputs",
     "BeamSearchOutput": "pkgd.offline.beam_search",
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
     from pkgd.offline.beam_search import BeamSearchOutput, BeamSearchSequence
     from pkgd.offline.llm import LLM
     from pkgd.outputs import (
+        ClassificationOutput,
+        ClassificationRequestOutput,
         CompletionOutput,
         EmbeddingOutput,
         EmbeddingRequestOutput,
@@ -44,6 +50,8 @@ if TYPE_CHECKING:
         PoolingOutput,
         PoolingRequestOutput,
         RequestOutput,
+        ScoringOutput,
+        ScoringRequestOutput,
     )
     from pkgd.pooling_params import PoolingParams
     from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams

@@ -121,3 +121,43 @@ class EmbeddingRequestOutput:
             finished=request_output.finished,
             num_cached_tokens=request_output.num_cached_tokens,
         )
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    """A sequence classifier's label probabilities (vLLM's ``ClassificationOutput``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns (vLLM's ``ClassificationRequestOutput``): ``outputs.probs``."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """The relevance score of one text pair (vLLM's ``ScoringOutput``)."""
+
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` returns, one per pair (vLLM's ``ScoringRequestOutput``): ``outputs.score``.
+    ``prompt_token_ids``: the pair's prompt (a cross-encoder), or the second text's (a bi-encoder)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

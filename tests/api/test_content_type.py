@@ -73,7 +73,8 @@ def test_every_post_route_with_a_body_requires_json():
         if "POST" in getattr(route, "methods", ()):
             deps = {d.call for d in route.dependant.dependencies}
             (guarded if require_json in deps else unguarded).add(route.path)
-    assert guarded == set(JSON_ROUTES) | {"/v1/embeddings"}
+    pooling = {"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/pooling"}
+    assert guarded == set(JSON_ROUTES) | {"/v1/embeddings"} | pooling
     assert unguarded == {"/ping", "/reset_prefix_cache", "/sleep", "/wake_up"}
 
 

@@ -62,7 +62,22 @@ M = TypeVar("M", bound=BaseModel)
 
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 # The text that is templated and tokenized: chat and completions, embeddings, Responses.
-_TEXT_FIELDS = ("messages", "prompt", "input", "instructions", "tools")
+_TEXT_FIELDS = (
+    "messages",
+    "prompt",
+    "input",
+    "instructions",
+    "tools",
+    # score and rerank texts
+    "query",
+    "queries",
+    "documents",
+    "items",
+    "data_1",
+    "data_2",
+    "text_1",
+    "text_2",
+)
 
 
 class Preprocessor:

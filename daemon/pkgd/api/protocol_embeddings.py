@@ -32,20 +32,28 @@ class EmbeddingRequest(KnownFieldsModel):
 
     @model_validator(mode="after")
     def _not_empty(self) -> EmbeddingRequest:
-        x = self.input
-        if isinstance(x, str):
-            return self
-        if not x:
-            raise ValueError("input must not be empty")
-        if isinstance(x[0], list | str) and any(not item for item in x):
-            raise ValueError("input must not contain an empty string or an empty token list")
+        check_input(self.input)
         return self
 
     def inputs(self) -> list[str | list[int]]:
         """One prompt per embedding: text, or token ids."""
-        x = self.input
-        if isinstance(x, str):
-            return [x]
-        if all(isinstance(t, int) for t in x):
-            return [list(x)]  # type: ignore[arg-type]
-        return list(x)  # type: ignore[arg-type]
+        return input_list(self.input)
+
+
+def check_input(x: str | list) -> None:
+    """Raise `ValueError` for an empty input list, or an empty string or token list in it."""
+    if isinstance(x, str):
+        return
+    if not x:
+        raise ValueError("input must not be empty")
+    if isinstance(x[0], list | str) and any(not item for item in x):
+        raise ValueError("input must not contain an empty string or an empty token list")
+
+
+def input_list(x: str | list) -> list[str | list[int]]:
+    """An ``input`` (`EmbeddingInput`) as one prompt per output: text, or token ids."""
+    if isinstance(x, str):
+        return [x]
+    if all(isinstance(t, int) for t in x):
+        return [list(x)]
+    return list(x)

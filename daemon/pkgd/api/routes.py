@@ -25,11 +25,14 @@ from pkgd.api.protocol import (
 )
 from pkgd.api.protocol_embeddings import EmbeddingRequest
 from pkgd.api.protocol_responses import ResponsesRequest
+from pkgd.api.protocol_score import ClassificationRequest, PoolingRequest, RerankRequest, ScoreRequest
 from pkgd.api.serving import process
 from pkgd.api.serving_chat import create_chat_completion
+from pkgd.api.serving_classify import create_classify, create_pooling
 from pkgd.api.serving_completion import create_completion
 from pkgd.api.serving_embedding import create_embedding
 from pkgd.api.serving_responses import create_response, retrieve_response
+from pkgd.api.serving_score import create_rerank, create_score
 from pkgd.api.state import ServerState
 
 router = APIRouter()
@@ -63,6 +66,10 @@ REQUEST_MODELS = (
     ChatCompletionRequest,
     EmbeddingRequest,
     ResponsesRequest,
+    ScoreRequest,
+    RerankRequest,
+    ClassificationRequest,
+    PoolingRequest,
     TokenizeRequest,
     DetokenizeRequest,
 )
@@ -104,6 +111,43 @@ async def chat_completions(request: Request) -> Any:
 async def embeddings(request: Request) -> Any:
     """Embeddings of strings or token ids (a model served with ``model.runner: pooling``)."""
     return await create_embedding(request, get_state(request))
+
+
+def _pooling_route(paths: tuple[str, ...], body: type, doc: str, handler) -> None:
+    """Register ``handler`` (one of the pooling endpoints vLLM serves) under each of ``paths``."""
+
+    async def endpoint(request: Request) -> Any:
+        return await handler(request, get_state(request))
+
+    endpoint.__doc__ = doc
+    for path in paths:
+        router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            responses=_JSON_ERRORS,
+            dependencies=_JSON_BODY,
+            tags=["vllm"],
+            openapi_extra=_body(body),
+            name=path.strip("/").replace("/", "_"),
+        )
+
+
+_pooling_route(
+    ("/score", "/v1/score"),
+    ScoreRequest,
+    "Relevance scores of text pairs: a cross-encoder's (a one-output classifier) or the cosine "
+    "similarity of an embedding model's vectors.",
+    create_score,
+)
+_pooling_route(
+    ("/rerank", "/v1/rerank", "/v2/rerank"),
+    RerankRequest,
+    "Documents ordered by relevance to a query (Jina / Cohere response shape).",
+    create_rerank,
+)
+_pooling_route(("/classify",), ClassificationRequest, "Label probabilities of a sequence classifier.", create_classify)
+_pooling_route(("/pooling",), PoolingRequest, "The raw pooled output of a pooling model.", create_pooling)
 
 
 @router.post(

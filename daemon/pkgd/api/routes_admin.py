@@ -26,9 +26,12 @@ from pkgd.api.errors import APIError, from_engine_error, require_json
 from pkgd.api.preprocess import decode_body
 from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from pkgd.api.protocol_embeddings import EmbeddingRequest
+from pkgd.api.protocol_score import ClassificationRequest, PoolingRequest, RerankRequest, ScoreRequest
 from pkgd.api.serving_chat import create_chat_completion, render_in_worker
+from pkgd.api.serving_classify import create_classify, create_pooling
 from pkgd.api.serving_completion import create_completion, tokenize_in_worker
 from pkgd.api.serving_embedding import create_embedding
+from pkgd.api.serving_score import create_rerank, create_score
 from pkgd.api.state import ServerState
 from pkgd.ipc.client import EngineUnavailableError
 
@@ -38,14 +41,19 @@ if TYPE_CHECKING:
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 503)}
 
-# /invocations tries these in order (vLLM's order), among the ones the served runner has. The
-# last item is the endpoint's share of a large body's work in the worker process (None: none).
+# /invocations tries these in order (vLLM's order), among the ones the served model has: its
+# runner, and for a pooling model whether it is a classifier ("classify") or embeds ("embed").
+# The last item is the endpoint's share of a large body's work in the worker process (None: none).
 _INVOCATIONS: list[
     tuple[type[pydantic.BaseModel], Callable[..., Awaitable[Any]], str, Callable[[Any, int], Any] | None]
 ] = [
     (ChatCompletionRequest, create_chat_completion, "generate", render_in_worker),
     (CompletionRequest, create_completion, "generate", tokenize_in_worker),
-    (EmbeddingRequest, create_embedding, "pooling", None),
+    (EmbeddingRequest, create_embedding, "embed", None),
+    (ClassificationRequest, create_classify, "classify", None),
+    (ScoreRequest, create_score, "pooling", None),
+    (RerankRequest, create_rerank, "pooling", None),
+    (PoolingRequest, create_pooling, "pooling", None),
 ]
 
 
@@ -78,13 +86,17 @@ async def ping(request: Request) -> Response:
 )
 async def invocations(request: Request) -> Any:
     """SageMaker's inference route: the body's shape picks the endpoint (chat ``messages``,
-    completion ``prompt``, embedding ``input``), as vLLM dispatches it. The body is parsed (and
+    completion ``prompt``, embedding or classification ``input``, score pairs, rerank
+    ``query``/``documents``), as vLLM dispatches it. The body is parsed (and
     held to ``frontend.limits``) on the `Preprocessor`, never on the event loop; a large one in
     its worker process, with the endpoint's template and tokenization."""
     state = _state(request)
     state.check_ready()
     raw = await request.body()
-    runner = state.llm.handshake.runner if state.llm.handshake is not None else state.config.model.runner_type
+    hs = state.llm.handshake
+    runner: str = hs.runner if hs is not None else state.config.model.runner_type
+    if runner == "pooling":
+        runner = "classify" if hs is not None and hs.labels else "embed"
     limits = state.config.frontend.limits
     if state.preprocess.isolates(raw):
         dispatched = await state.preprocess.run_isolated(_dispatch, raw, limits, runner, serving.max_model_len(state))
@@ -102,7 +114,8 @@ def _dispatch(
     for it and, given ``max_model_len`` (in the worker process), what that endpoint's worker
     function made of it (else None). Raises `APIError` 400 when no endpoint takes the body."""
     data = decode_body(raw, limits)
-    candidates = [i for i, (_, _, needs, _) in enumerate(_INVOCATIONS) if needs == runner]
+    kinds = {runner, "pooling"} if runner in ("embed", "classify") else {runner}
+    candidates = [i for i, (_, _, needs, _) in enumerate(_INVOCATIONS) if needs in kinds]
     for i in candidates:
         model, _, _, in_worker = _INVOCATIONS[i]
         try:

@@ -43,7 +43,7 @@ async def create_embedding(request: Request, state: ServerState, parsed: Embeddi
         parsed = await state.preprocess.parse_large(raw, EmbeddingRequest, state.config.frontend.limits)
     body, model, processed = await state.preprocess.run(_prepare, state, raw, rid, parsed)
     try:
-        outs = await serving.run_until_disconnected(request, _encode_all(state, processed))
+        outs = await serving.run_until_disconnected(request, encode_all(state, processed))
     except serving.ClientDisconnected:
         return Response(status_code=499)
     return await state.preprocess.run(_response, body, rid, model, processed, outs)
@@ -55,6 +55,12 @@ def _prepare(
     body = parsed if parsed is not None else parse_body(raw, EmbeddingRequest, state.config.frontend.limits)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "pooling", "Embeddings API")
+    if state.llm.handshake is not None and state.llm.handshake.labels:
+        raise APIError(
+            400,
+            "this model does not support the Embeddings API: it is a sequence classifier; use /classify, /score, "
+            "/rerank or /pooling",
+        )
     params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
     if body.user is not None:  # OpenAI's end-user id: on this request's log lines
         structlog.contextvars.bind_contextvars(user=body.user)
@@ -103,7 +109,7 @@ def _response(
     )
 
 
-async def _encode_all(state: ServerState, processed: list) -> list[PoolingRequestOutput]:
+async def encode_all(state: ServerState, processed: list) -> list[PoolingRequestOutput]:
     """Every input at once; the first failure cancels the rest (their engine requests are
     aborted) and becomes the response's error."""
     timeout = state.config.frontend.request_timeout

@@ -9,7 +9,7 @@ Field names follow vLLM's where they exist; the vLLM flag spelling is recorded a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
 
@@ -61,6 +61,44 @@ class PoolerConfig(Section):
         "Accept a request's dimensions (Matryoshka truncation of the vector); null = as the "
         "model's config.json says (is_matryoshka, or the list matryoshka_dimensions).",
     )
+
+
+class HfOverrides(Section):
+    """Fields of the model's ``config.json`` replaced before the model is built (vLLM's
+    ``--hf-overrides``, limited to the keys pkgd reads; any other key is refused). Null keeps
+    the file's value."""
+
+    architectures: list[str] | None = field(
+        None,
+        "The architecture to build instead of config.json's, e.g. [Qwen3ForSequenceClassification] "
+        "to serve a Qwen3-Reranker checkpoint (a Qwen3ForCausalLM) as a cross-encoder.",
+    )
+    classifier_from_token: list[str] | None = field(
+        None,
+        "Build a sequence-classification head from these tokens' rows of the LM head, one label per "
+        "token (the Qwen3-Reranker convention: [no, yes]). Needs a *ForSequenceClassification architecture.",
+        min_length=1,
+    )
+    is_original_qwen3_reranker: bool | None = field(
+        None,
+        "With classifier_from_token [no, yes]: one label scoring logit(yes) - logit(no), so its "
+        "sigmoid is the probability of yes against no (vLLM's from_2_way_softmax).",
+    )
+    num_labels: int | None = field(None, "Outputs of a sequence-classification head.", ge=1)
+    use_sep_token: bool | None = field(
+        None,
+        "How a cross-encoder joins a score pair: true (the default) tokenizes it as a text pair (the "
+        "tokenizer's pair template); false tokenizes the two texts' concatenation as one text (vLLM's "
+        "LLM-as-reranker mode).",
+    )
+    is_matryoshka: bool | None = field(None, "The embedding model accepts a request's dimensions (Matryoshka).")
+    matryoshka_dimensions: list[int] | None = field(
+        None, "The only dimensions a Matryoshka embedding model accepts.", min_length=1
+    )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The set keys, as config.json spells them."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 class ModelConfig(Section):
@@ -142,17 +180,23 @@ class ModelConfig(Section):
     runner: Literal["auto", "generate", "pooling"] = field(
         "auto",
         "generate: text generation (/v1/completions, /v1/chat/completions, /v1/responses); "
-        "pooling: prefill-only requests whose output is one pooled hidden state "
-        "(/v1/embeddings, LLM.embed). auto = pooling when model.convert is embed, else generate.",
+        "pooling: prefill-only requests whose output is one pooled hidden state, or a classifier's "
+        "logits (/v1/embeddings, /score, /rerank, /classify, /pooling, LLM.embed). auto = pooling when "
+        "model.convert is embed or classify or the architecture is a *ForSequenceClassification, else generate.",
         aliases=("--runner",),
     )
-    convert: Literal["auto", "none", "embed"] = field(
+    convert: Literal["auto", "none", "embed", "classify"] = field(
         "auto",
         "embed: serve a decoder checkpoint (a *ForCausalLM) as an embedding model, i.e. "
-        "model.runner: pooling (vLLM's --convert embed). auto and none change nothing.",
+        "model.runner: pooling (vLLM's --convert embed); classify: serve it as its "
+        "*ForSequenceClassification (a score head on the last token: /classify, /score, /rerank), "
+        "also with model.runner: pooling. auto and none change nothing.",
         aliases=("--convert",),
     )
     pooler: PoolerConfig = section(PoolerConfig, "Pooling of a pooling model.")
+    hf_overrides: HfOverrides = section(
+        HfOverrides, "config.json fields replaced before the model is built.", aliases=("--hf-overrides",)
+    )
     enable_sleep_mode: bool = field(
         False,
         "Allow POST /sleep and /wake_up (with frontend.server_dev_mode) to release and restore "
@@ -165,7 +209,10 @@ class ModelConfig(Section):
         """The effective runner: ``runner``, with ``auto`` resolved through ``convert``."""
         if self.runner != "auto":
             return self.runner
-        return "pooling" if self.convert == "embed" else "generate"
+        if self.convert in ("embed", "classify"):
+            return "pooling"
+        archs = self.hf_overrides.architectures or []
+        return "pooling" if any(a.endswith("ForSequenceClassification") for a in archs) else "generate"
 
     @field_validator("dtype", mode="before")
     @classmethod

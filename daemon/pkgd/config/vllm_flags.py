@@ -152,7 +152,6 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "the API is served at /; set the path prefix in the reverse proxy": ("--root-path",),
     _NO_CODE: (
         "--middleware",
-        "--hf-overrides",
         "--model-class-overrides",
         "--logits-processors",
         "--io-processor-plugin",

@@ -263,6 +263,9 @@ class EngineCore:
         self.hidden_size: int = getattr(info, "hidden_size", 0)
         self.pooling_type: str = getattr(info, "pooling_type", "last")
         self.matryoshka: bool = getattr(info, "matryoshka", False)
+        labels = getattr(info, "labels", None)
+        self.labels: list[str] | None = list(labels) if labels else None  # a sequence classifier's
+        self.use_sep_token: bool = getattr(info, "use_sep_token", True)
         dims = getattr(info, "matryoshka_dimensions", None)
         self.matryoshka_dimensions: list[int] | None = list(dims) if dims else None
         self.sleep_level = 0  # 0 = awake
@@ -489,6 +492,8 @@ class EngineCore:
             "hidden_size": self.hidden_size,
             "matryoshka": self.matryoshka,
             "matryoshka_dimensions": self.matryoshka_dimensions,
+            "labels": self.labels,
+            "use_sep_token": self.use_sep_token,
             "enable_sleep_mode": self.config.model.enable_sleep_mode,
         }
 

@@ -129,6 +129,11 @@ class Handshake(Message, tag="handshake"):
     hidden_size: int = 0
     matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
+    # a sequence classifier's label names, one per output of its pooled vector; None for an
+    # embedding model (its vector is a hidden state) or a generating one
+    labels: list[str] | None = None
+    # a cross-encoder's score pairs: tokenized as a text pair (true), or as one joined text
+    use_sep_token: bool = True
     enable_sleep_mode: bool = False
 
 

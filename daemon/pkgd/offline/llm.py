@@ -31,14 +31,23 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.core import EngineCore, RunnerFactory
 from pkgd.frontend.input_processor import ChatMessage, InputProcessor, ProcessedRequest
 from pkgd.frontend.output_processor import OutputProcessor
-from pkgd.frontend.pooling import pooling_request_output
+from pkgd.frontend.pooling import activate, cosine, pair_index, pooling_request_output
 from pkgd.frontend.structured_outputs import check as check_constraint
 from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
 from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.offline.progress import ProgressBar, UseTqdm
-from pkgd.outputs import EmbeddingRequestOutput, Logprob, PoolingRequestOutput, RequestOutput
+from pkgd.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -266,6 +275,75 @@ class LLM:
         outs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+    ) -> list[ClassificationRequestOutput]:
+        """Label probabilities of a sequence classifier, one per prompt (vLLM's ``classify``):
+        softmax of the logits (sigmoid for one label); ``use_activation=False``: the logits.
+        Raises `ValueError` when the model is not a classifier."""
+        if not self.engine.labels:
+            raise ValueError("LLM.classify needs a sequence classifier (a *ForSequenceClassification model)")
+        outs = self.encode(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                request_id=o.request_id,
+                outputs=ClassificationOutput(_activated(o.outputs.data.numpy(), use_activation).tolist()),
+                prompt_token_ids=o.prompt_token_ids,
+                num_cached_tokens=o.num_cached_tokens,
+            )
+            for o in outs
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        use_activation: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: UseTqdm = True,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of text pairs (vLLM's ``score``), one output per text of ``data_2``,
+        paired with the one text of ``data_1`` or pairwise: a one-label classifier's sigmoid
+        (cross-encoder; ``use_activation=False``: its logit, each pair tokenized as a text
+        pair), else the cosine similarity of the two embeddings (bi-encoder).
+
+        Raises:
+            ValueError: mismatched or empty sides, a classifier with more than one label, or a
+                model not served for pooling.
+        """
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        pairs = pair_index(len(first), len(second))
+        labels = self.engine.labels
+        if labels:
+            if len(labels) != 1:
+                raise ValueError(f"LLM.score needs a classifier with one label; this one has {len(labels)}")
+            ip = self.input_processor
+            join = ip.tokenize_pair if self.engine.use_sep_token else (lambda a, b: ip.tokenize(a + b))
+            tokens = [join(first[j], b) for j, b in zip(pairs, second, strict=True)]
+            outs = self.encode(tokens, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+            scores = [float(_activated(o.outputs.data.numpy(), use_activation)[0]) for o in outs]
+            second_outs = outs
+        else:
+            outs = self.encode(
+                [*first, *second],
+                PoolingParams(normalize=True),
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+            )
+            a, second_outs = outs[: len(first)], outs[len(first) :]
+            scores = [cosine(a[j].outputs.data.numpy(), b.outputs.data.numpy()) for j, b in zip(pairs, second_outs)]
+        return [
+            ScoringRequestOutput(request_id=o.request_id, outputs=ScoringOutput(s), prompt_token_ids=o.prompt_token_ids)
+            for o, s in zip(second_outs, scores, strict=True)
+        ]
+
     def _run_pooling(self, processed: list[ProcessedRequest], use_tqdm: UseTqdm) -> list[PoolingRequestOutput]:
         import torch
 
@@ -394,6 +472,10 @@ def _final_only(req: EngineCoreRequest) -> EngineCoreRequest:
     assert req.sampling_params is not None  # generate requests
     sp = msgspec.structs.replace(req.sampling_params, output_kind=RequestOutputKind.FINAL_ONLY)
     return msgspec.structs.replace(req, sampling_params=sp)
+
+
+def _activated(logits, use_activation: bool):
+    return activate(logits) if use_activation else logits
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -45,6 +45,7 @@ from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update
 from pkgd.runner.loader.dtype import DtypeChoice, MeasurementCache, choose_dtype, linear_shapes
 from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
+from pkgd.runner.models.classifier import is_classifier, labels_of, resolve_classifier_tokens, uses_sep_token
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
 from pkgd.runner.pooler import Pooler, matryoshka_of, resolve_pooling_type
@@ -91,6 +92,8 @@ class ModelInfo:
     num_params: int
     runner: str = "generate"  # model.runner, resolved: generate | pooling
     pooling_type: str = "last"
+    labels: tuple[str, ...] | None = None  # a sequence classifier's label names, one per output
+    use_sep_token: bool = True  # a cross-encoder's pairs: text-pair tokenization, else one joined text
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     quantization: str = "none"
@@ -111,6 +114,24 @@ def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: t
             f"{str(model_dtype).removeprefix('torch.')}, which only the CPU path supports; use auto on {device.type}"
         )
     return kv
+
+
+def arch_config_for(config: VllmConfig, model_files: ModelFiles) -> ArchConfig:
+    """The model's `ArchConfig`: ``config.json`` with ``model.hf_overrides`` over it; with
+    ``model.convert: classify`` a ``*ForCausalLM`` becomes its ``*ForSequenceClassification``;
+    a classifier's ``classifier_from_token`` resolved to token ids (`pkgd.runner.models.classifier`).
+
+    Raises:
+        ValueError: an unreadable config, or a ``classifier_from_token`` the tokenizer lacks.
+    """
+    arch = load_arch_config(model_files.model_dir, config.model.hf_overrides.as_dict())
+    raw = arch.raw
+    if config.model.convert == "classify" and not is_classifier(arch.architecture):
+        name = arch.architecture.removesuffix("ForCausalLM") + "ForSequenceClassification"
+        raw = {**raw, "architectures": [name]}
+    if is_classifier(raw["architectures"][0]):
+        raw = resolve_classifier_tokens(raw, model_files.tokenizer_dir)
+    return arch if raw is arch.raw else dataclasses.replace(arch, architecture=str(raw["architectures"][0]), raw=raw)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -142,7 +163,7 @@ class ModelRunner:
         self.model_files = model_files
         self.device = device or resolve_device(config.parallel.device)
         self.tp = TPGroup(rank, world_size, expert_parallel=config.parallel.enable_expert_parallel)
-        self.arch: ArchConfig = load_arch_config(model_files.model_dir)
+        self.arch: ArchConfig = arch_config_for(config, model_files)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None
         if self.device.type == "cpu":
@@ -150,6 +171,13 @@ class ModelRunner:
             with phases.phase("cpu_kernels", "building CPU kernels", bar=bar):
                 self.cpu_kernels = self._load_cpu_kernels(config)
         self.runner_type = config.model.runner_type
+        if is_classifier(self.arch.architecture):
+            if config.model.runner == "generate":
+                raise ValueError(
+                    f"model.runner: generate cannot serve {self.arch.architecture} (a classifier): use "
+                    "model.runner: pooling or auto"
+                )
+            self.runner_type = "pooling"
         self.quantization, self._gguf = choose_quantization(
             config.model.quantization,
             model_files.gguf_path,
@@ -290,6 +318,8 @@ class ModelRunner:
             num_params=num_params,
             runner=self.runner_type,
             pooling_type=self.pooler.pooling_type,
+            labels=tuple(labels_of(a.raw)) if is_classifier(a.architecture) else None,
+            use_sep_token=uses_sep_token(a.raw),
             matryoshka=matryoshka,
             matryoshka_dimensions=tuple(dims) if dims else None,
             quantization="gguf:" + ",".join(sorted({n for m in quantized for n in m.qweight.qtype_names()}))
@@ -442,7 +472,8 @@ class ModelRunner:
         if batch.prompt_logprobs:
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if batch.pooling:
-            out.pooler_output = self.pooler(hidden, batch.pooling)
+            # a sequence classifier's head turns the pooled hidden state into its logits
+            out.pooler_output = self.pooler(hidden, batch.pooling, head=getattr(self.model, "classify", None))
         return out
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:

@@ -10,15 +10,17 @@ output after the final norm (what transformers' ``AutoModel`` returns as
   chunked prefill;
 * ``cls``: the first prompt token's row.
 
-Then Matryoshka truncation to ``dimensions`` (Kusupati et al., 2022) and, when asked, L2
-normalisation (in that order, as vLLM). The vector leaves the runner as little-endian float32
-bytes: it crosses the wire as is, and the API server base64-encodes those same bytes.
+A sequence classifier (`pkgd.runner.models.classifier`) then applies its score head: the
+output is its float32 logits. Otherwise, Matryoshka truncation to ``dimensions`` (Kusupati et
+al., 2022) and, when asked, L2 normalisation (in that order, as vLLM). The vector leaves the
+runner as little-endian float32 bytes: it crosses the wire as is, and the API server base64-encodes those same bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +100,26 @@ class Pooler:
         self.pooling_type = pooling_type
         self.normalize = normalize
 
-    def __call__(self, hidden: torch.Tensor, spans: list[PoolingSpan]) -> dict[str, bytes]:
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        spans: list[PoolingSpan],
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, bytes]:
         """``hidden [T, H]`` (any float dtype) -> ``{req_id: float32 bytes}`` for the spans
-        that finish this step; partial spans (chunked prefill) only accumulate."""
+        that finish this step; partial spans (chunked prefill) only accumulate. ``head``: a
+        sequence classifier's (``[H] -> [num_labels]`` float32 logits), applied to the pooled
+        vector instead of truncation and normalisation."""
         out: dict[str, bytes] = {}
         for span in spans:
             vec = self._accumulate(hidden, span)
             if span.finishes:
                 # a finishing span has its vector; pooling spans are only made for pooling requests
                 assert vec is not None and span.state.pooling_params is not None
-                out[span.state.req_id] = self.finish(vec, span.state.pooling_params)
+                if head is not None:
+                    out[span.state.req_id] = _le_bytes(head(vec))
+                else:
+                    out[span.state.req_id] = self.finish(vec, span.state.pooling_params)
         return out
 
     def _accumulate(self, hidden: torch.Tensor, span: PoolingSpan) -> torch.Tensor | None:
@@ -131,4 +143,8 @@ class Pooler:
         normalize = self.normalize if params.normalize is None else params.normalize
         if normalize:
             vec = F.normalize(vec, p=2.0, dim=0)
-        return vec.to(device="cpu", dtype=torch.float32).numpy().astype("<f4", copy=False).tobytes()
+        return _le_bytes(vec)
+
+
+def _le_bytes(vec: torch.Tensor) -> bytes:
+    return vec.to(device="cpu", dtype=torch.float32).numpy().astype("<f4", copy=False).tobytes()

@@ -150,9 +150,10 @@ def _read_tensor(
 def pooling_names(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of an embedding checkpoint under the ``*ForCausalLM`` names: one saved from the
     base model (sentence-transformers' Qwen3-Embedding: ``layers.0...``, ``embed_tokens``,
-    ``norm``) gets the ``model.`` prefix; a causal-LM checkpoint passes unchanged."""
+    ``norm``) gets the ``model.`` prefix; a causal-LM checkpoint, and a sequence classifier's
+    ``score`` head, pass unchanged."""
     for name, tensor in weights:
-        if not name.startswith(("model.", "lm_head.")):
+        if not name.startswith(("model.", "lm_head.", "score.")):
             name = "model." + name
         yield name, tensor
 

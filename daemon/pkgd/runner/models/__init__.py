@@ -10,11 +10,14 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma2ForCausalLM": "pkgd.runner.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pkgd.runner.models.gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "pkgd.runner.models.llama:LlamaForCausalLM",
+    "LlamaForSequenceClassification": "pkgd.runner.models.classifier:LlamaForSequenceClassification",
     "MixtralForCausalLM": "pkgd.runner.models.mixtral:MixtralForCausalLM",
     "MistralForCausalLM": "pkgd.runner.models.mistral:MistralForCausalLM",
     "Phi3ForCausalLM": "pkgd.runner.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "pkgd.runner.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2ForSequenceClassification": "pkgd.runner.models.classifier:Qwen2ForSequenceClassification",
     "Qwen3ForCausalLM": "pkgd.runner.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification": "pkgd.runner.models.classifier:Qwen3ForSequenceClassification",
     "Qwen3MoeForCausalLM": "pkgd.runner.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 

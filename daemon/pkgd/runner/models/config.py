@@ -55,8 +55,9 @@ class ArchConfig:
         return 0
 
 
-def load_arch_config(model_dir: Path) -> ArchConfig:
-    """Parse ``model_dir/config.json`` (and ``generation_config.json`` for EOS ids).
+def load_arch_config(model_dir: Path, overrides: dict[str, Any] | None = None) -> ArchConfig:
+    """Parse ``model_dir/config.json`` (and ``generation_config.json`` for EOS ids), with the
+    top-level fields of ``overrides`` (``model.hf_overrides``) replacing the file's.
 
     Raises:
         ValueError: a field is missing or the file is not JSON; the message names the file.
@@ -66,6 +67,9 @@ def load_arch_config(model_dir: Path) -> ArchConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read model config ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the model config is not a JSON object")
+    raw = {**raw, **(overrides or {})}
     gen = _read_optional_json(model_dir / "generation_config.json")
     try:
         return arch_config_from_dict(raw, gen)
