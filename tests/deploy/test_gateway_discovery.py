@@ -202,7 +202,10 @@ def test_smg_with_the_overlays_arguments_discovers_pkgd_pods_and_routes_chat(tmp
         assert ready["total_workers"] == 2
         workers = httpx.get(f"http://127.0.0.1:{gateway}/workers", timeout=10).json()["workers"]
         assert sorted(w["url"] for w in workers) == [f"http://{ip}:{port}" for ip in ips]
-        assert any("labelSelector=app.kubernetes.io%2Fname%3Dpkgd" in r for r in api.requests)
+        # smg asked for exactly the overlay's selector (in any order: it keeps the labels in a map)
+        asked = {frozenset(httpx.URL(r).params["labelSelector"].split(",")) for r in api.requests}
+        selector = args[args.index("--selector") + 1 : args.index("--selector") + 3]
+        assert asked == {frozenset(selector)}
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
         (model,) = [m.id for m in client.models.list().data]
