@@ -82,3 +82,15 @@ def test_a_dangling_link_is_unreadable_not_an_error(tmp_path):
 def test_no_system_tree_watches_nothing(tmp_path):
     sources = ConfigSources(None)
     assert sources.watch_paths() == [] and sources.files() == {} and sources.snapshot() == {}
+
+
+def test_a_whole_tree_mounted_from_a_configmap(tmp_path):
+    """A ConfigMap mounted at the config directory itself (pkgd.yaml a key beside ..data)."""
+    root = tmp_path / "etc"
+    write_configmap(root, {"pkgd.yaml": "model: {name: one}\n"}, "t1")
+    sources = ConfigSources.of(ComposeRequest(config_dir=str(root)))
+    before = sources.snapshot()
+    assert list(before) == ["pkgd.yaml"]
+    write_configmap(root, {"pkgd.yaml": "model: {name: two}\n"}, "t2")
+    assert changed_files(before, sources.snapshot()) == ["pkgd.yaml"]
+    assert compose(ComposeRequest(config_dir=str(root), env={})).config.model.name == "two"
