@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from pkgd.api import protocol, request_fields, serving
-from pkgd.api.serving_chat import _template_args
+from pkgd.api.serving_chat import template_args
 
 from .conftest import served
 
@@ -155,12 +155,12 @@ def test_reasoning_effort_and_documents_reach_the_chat_template():
             "documents": [{"title": "t", "text": "x"}],
         }
     )
-    args = _template_args(body)
+    args = template_args(body)
     assert args["chat_template_kwargs"] == {"reasoning_effort": "low"} and args["documents"] == [
         {"title": "t", "text": "x"}
     ]
     body.chat_template_kwargs = {"reasoning_effort": "high", "enable_thinking": False}
-    assert _template_args(body)["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": False}
+    assert template_args(body)["chat_template_kwargs"] == {"reasoning_effort": "high", "enable_thinking": False}
 
 
 async def test_reasoning_effort_is_rendered_by_a_template_that_reads_it(tokenizer, monkeypatch):

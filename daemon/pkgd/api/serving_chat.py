@@ -107,7 +107,7 @@ def _prepare(
         logprobs_field="top_logprobs",
     )
     params, constraint = serving.with_constraint(state, body, params)
-    template = _template_args(body)
+    template = template_args(body)
     tokens = {"add_special_tokens": body.add_special_tokens, "truncate_prompt_tokens": body.truncate_prompt_tokens}
     if rendered is None:
         build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **tokens, **template)  # noqa: E731
@@ -120,7 +120,7 @@ def _prepare(
     return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
 
 
-def _template_args(body: ChatCompletionRequest) -> dict[str, Any]:
+def template_args(body: ChatCompletionRequest) -> dict[str, Any]:
     """What `InputProcessor.render_chat` takes from a chat body. Raises `APIError` 400 for a
     message the template cannot take."""
     try:
@@ -159,7 +159,7 @@ def render_in_worker(body: ChatCompletionRequest, max_model_len: int | None) -> 
     if ip is None:
         return None
     try:
-        text = ip.render_chat(**_template_args(body))
+        text = ip.render_chat(**template_args(body))
         return ip.tokenize_prompt(
             text, add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=body.truncate_prompt_tokens
         )
