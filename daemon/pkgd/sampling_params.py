@@ -191,10 +191,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def verify(self, *, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
         """Check ranges; raises `ValueError` naming the field, the value and the range.
 
-        With ``vocab_size``, token ids (``stop_token_ids``, ``logit_bias`` keys, ``allowed_token_ids``,
-        ``bad_words_token_ids``) must be
-        below it and ``top_k`` at most it (the input processor turns a larger ``top_k``, which
-        keeps every token, into 0 before this check).
+        With ``vocab_size``, token ids (``stop_token_ids``, ``logit_bias`` keys,
+        ``allowed_token_ids``, ``bad_words_token_ids``) must be below it and ``top_k`` at most
+        it (the input processor turns a larger ``top_k``, which keeps every token, into 0
+        before this check).
         """
         checks = [
             ("n", self.n >= 1, "at least 1"),
