@@ -146,6 +146,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         logprobs: number of top logprobs per generated token (the sampled one is always
             included); None = none. prompt_logprobs: the same for prompt tokens.
         logit_bias: token id -> additive bias in [-100, 100] (OpenAI's ``logit_bias``).
+        allowed_token_ids: only these tokens may be sampled (every other logit -inf); None =
+            all.
+        bad_words: words never to generate (vLLM's); the frontend tokenizes each, alone and
+            after a space, into ``bad_words_token_ids``. The sampler masks the last token of
+            such a sequence when the tokens before it end the output so far (a one-token
+            word is always masked).
         output_kind: cumulative, delta (streaming) or final-only outputs.
         structured_outputs: a constraint on the output (`StructuredOutputsParams`), None = free.
     """
@@ -167,6 +173,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -182,9 +191,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def verify(self, *, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
         """Check ranges; raises `ValueError` naming the field, the value and the range.
 
-        With ``vocab_size``, token ids (``stop_token_ids``, ``logit_bias`` keys) must be
-        below it and ``top_k`` at most it (the input processor turns a larger ``top_k``, which
-        keeps every token, into 0 before this check).
+        With ``vocab_size``, token ids (``stop_token_ids``, ``logit_bias`` keys,
+        ``allowed_token_ids``, ``bad_words_token_ids``) must be below it and ``top_k`` at most
+        it (the input processor turns a larger ``top_k``, which keeps every token, into 0
+        before this check).
         """
         checks = [
             ("n", self.n >= 1, "at least 1"),
@@ -209,6 +219,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 f"in [0, {max_logprobs}]",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("allowed_token_ids", self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "non-empty"),
+            ("bad_words", all(isinstance(s, str) and s.strip() for s in self.bad_words), "non-blank strings"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -225,7 +237,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def _verify_token_ids(self, vocab_size: int) -> None:
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 for off), got {self.top_k}")
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ()))):
+        named = (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words", [t for ids in self.bad_words_token_ids for t in ids]),
+        )
+        for name, ids in named:
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name} holds token id {bad}, out of range [0, {vocab_size})")

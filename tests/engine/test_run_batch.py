@@ -122,3 +122,34 @@ def test_structured_outputs_and_bad_constraints_in_a_batch(llm):
     tool = res["tool"]["response"]["body"]["choices"][0]
     if tool["finish_reason"] == "stop":
         assert tool["message"]["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_request_fields_are_honoured_in_a_batch(llm):
+    res = process_batch(
+        llm,
+        [
+            line(
+                "c",
+                "/v1/completions",
+                {
+                    "prompt": "one two three four five",
+                    "max_tokens": 2,
+                    "truncate_prompt_tokens": 2,
+                    "request_id": "r-1",
+                },
+            ),
+            line("p", "/v1/completions", {"prompt": "one two three", "max_tokens": 1, "prompt_logprobs": 1}),
+            line(
+                "chat",
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "truncate_prompt_tokens": 3},
+            ),
+            line("bad", "/v1/completions", {"prompt": "x", "max_tokens": 1, "truncate_prompt_tokens": 300}),
+        ],
+    )
+    c, p, chat, bad = (r["response"] for r in res)
+    assert c["body"]["id"] == "cmpl-r-1" and c["body"]["usage"]["prompt_tokens"] == 2
+    lps = p["body"]["choices"][0]["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == p["body"]["usage"]["prompt_tokens"]  # the fake runner computes none
+    assert chat["body"]["usage"]["prompt_tokens"] == 3
+    assert bad["status_code"] == 400 and "truncate_prompt_tokens" in res[3]["error"]["message"]

@@ -79,3 +79,18 @@ def test_no_text_when_detokenize_is_off(smollm2_tokenizer):
     d = IncrementalDetokenizer(smollm2_tokenizer, SamplingParams(detokenize=False), [1])
     d.update([100, 200], False)
     assert d.get_next_output_text(True, False) == ""
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_special_token_stop_string_stops_though_its_text_is_skipped(smollm2_tokenizer, include):
+    tok = smollm2_tokenizer
+    start = tok.convert_tokens_to_ids("<|im_start|>")  # special, and not EOS
+    params = SamplingParams(stop=["<|im_start|>"], include_stop_str_in_output=include)
+    d = IncrementalDetokenizer(tok, params, tok.encode("Q:"))
+    assert d.update(tok.encode("Hello", add_special_tokens=False), False) is None
+    assert d.update([start, *tok.encode(" more", add_special_tokens=False)], False) == "<|im_start|>"
+    assert d.get_next_output_text(True, False) == ("Hello<|im_start|>" if include else "Hello")
+    # without the stop string the special token's text is skipped and nothing stops
+    d = IncrementalDetokenizer(tok, SamplingParams(stop=["zzz"]), tok.encode("Q:"))
+    assert d.update([*tok.encode("Hello", add_special_tokens=False), start], False) is None
+    assert d.get_next_output_text(True, False) == "Hello"

@@ -78,3 +78,25 @@ def test_frontend_modules_do_not_import_torch(smollm2_tokenizer, tmp_path):
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(proc, smollm2_tokenizer):
+    text = "one two three four five six seven"
+    full = smollm2_tokenizer.encode(text)
+    r = proc.process("t1", text, SamplingParams(max_tokens=4), truncate_prompt_tokens=3)
+    assert r.prompt_token_ids == full[-3:] and r.prompt is None  # a truncated prompt has no text
+    assert proc.process("t2", full, SamplingParams(max_tokens=4), truncate_prompt_tokens=50).prompt_token_ids == full
+    tokenized = proc.tokenize_prompt(text, truncate_prompt_tokens=2)
+    assert proc.process("t3", tokenized, SamplingParams(max_tokens=4)).prompt_token_ids == full[-2:]
+    for bad in (0, -2, proc.max_model_len + 1):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            proc.process("t4", text, SamplingParams(max_tokens=4), truncate_prompt_tokens=bad)
+
+
+def test_bad_words_become_token_sequences_alone_and_after_a_space(proc, smollm2_tokenizer):
+    r = proc.process("b1", "Hi", SamplingParams(max_tokens=4, bad_words=["Paris", " big city"]))
+    seqs = r.engine_requests[0].sampling_params.bad_words_token_ids
+    enc = lambda s: smollm2_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert enc("Paris") in seqs and enc(" Paris") in seqs and enc("big city") in seqs and enc(" big city") in seqs
+    with pytest.raises(ValueError, match="bad_words"):
+        proc.process("b2", "Hi", SamplingParams(max_tokens=4, bad_words=["  "]))

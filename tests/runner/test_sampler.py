@@ -172,3 +172,20 @@ def test_step_seed_is_64_bit_and_spreads():
     seeds = {step_seed(s, i) for s in range(10) for i in range(10)}
     assert len(seeds) == 100 and all(0 <= x < 2**63 for x in seeds)
     assert not math.isclose(step_seed(0, 0), step_seed(0, 1))
+
+
+def test_allowed_token_ids_mask_every_other_token():
+    logits = _logits(5.0, 4.0, 3.0, 2.0, n=2)
+    out = _sampler()(logits.clone(), [_row(temperature=0.0, allowed_token_ids=[2, 3]), _row(temperature=0.0)])
+    assert out.token_ids.tolist() == [2, 0]
+    draws = _draws(_logits(5.0, 4.0, 3.0, 2.0), n=500, allowed_token_ids=[1, 3])
+    assert set(draws.tolist()) == {1, 3}
+
+
+def test_bad_words_mask_the_last_token_after_their_prefix():
+    # one-token word 0 always banned; two-token word (4, 1): 1 banned only right after 4
+    words = [[0], [4, 1]]
+    logits = _logits(9.0, 8.0, 1.0, 1.0, 1.0)
+    free = _sampler()(logits.clone(), [_row(temperature=0.0, bad_words_token_ids=words, outputs=[3])])
+    after = _sampler()(logits.clone(), [_row(temperature=0.0, bad_words_token_ids=words, outputs=[3, 4])])
+    assert free.token_ids.tolist() == [1] and after.token_ids.tolist() != [1] and after.token_ids.tolist() != [0]

@@ -4,7 +4,8 @@ Outermost `LiveCORS` (Starlette's ``CORSMiddleware`` rebuilt when ``frontend.cor
 changes), then `GuardMiddleware`: the request body limit (``frontend.max_request_body_bytes``,
 413) and deadline (``frontend.body_timeout``, 408: a client trickling its body cannot hold a
 connection), Bearer API keys (``frontend.api_keys``, 401, compared in constant time with
-`hmac.compare_digest`) and, while draining, ``Connection: close`` on every response.
+`hmac.compare_digest`), ``X-Request-Id`` on every response (the client's, echoed, or the
+request's id) and, while draining, ``Connection: close`` on every response.
 Both read ``state.config`` on every request, so a SIGHUP reload of
 these live fields needs no restart. The index (``/``), ``/health``, ``/ping``, ``/version``,
 ``/metrics`` and the OpenAPI docs (``/docs``) are open; everything else needs a key when keys
@@ -79,7 +80,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = _closing_when_draining(send, self.state)
+        send = _echoing_request_id(_closing_when_draining(send, self.state), scope)
         f = self.state.config.frontend
         if f.api_keys and scope["path"] not in OPEN_PATHS and not self._authorized(scope, f.api_keys):
             await _send_json(
@@ -152,6 +153,23 @@ def _closing_when_draining(send: Send, state: ServerState) -> Send:
         await send(message)
 
     return closing_send
+
+
+def _echoing_request_id(send: Send, scope: Scope) -> Send:
+    """``send`` adding ``X-Request-Id`` to the response: the client's header when it sent one
+    (vLLM's ``--enable-request-id-headers``, always on), else the id a generation route gave
+    the request (`pkgd.api.serving.request_id`, the response body's ``id``)."""
+    given = _header(scope, b"x-request-id")
+
+    async def echoing_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            rid = given if given is not None else scope.get("state", {}).get("request_id")
+            headers = list(message.get("headers", []))
+            if rid is not None and not any(k.lower() == b"x-request-id" for k, _ in headers):
+                message = {**message, "headers": [*headers, (b"x-request-id", rid.encode("latin-1", "replace"))]}
+        await send(message)
+
+    return echoing_send
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

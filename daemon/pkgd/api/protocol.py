@@ -75,6 +75,10 @@ class SamplingFields(KnownFieldsModel):
             raise ValueError("stream_options: only allowed with stream: true")
         if self.use_beam_search:
             raise ValueError("use_beam_search: beam search is not served over HTTP; use LLM.beam_search offline")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream: true (as in vLLM)")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ValueError(f"modalities: pkgd generates text only, got {self.modalities}")
         return self
 
     model: str | None = None
@@ -88,7 +92,13 @@ class SamplingFields(KnownFieldsModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    # OpenAI fields that do not change the output: accepted, logged once as ignored
+    # (`pkgd.api.request_fields`); ``user`` is also put on the request's log lines.
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -100,6 +110,10 @@ class SamplingFields(KnownFieldsModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=INT64_MAX)
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: the last max_model_len
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -182,12 +196,26 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One candidate at a prompt position (vLLM's ``Logprob``): natural log, rank 1 = most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first is null: nothing predicts it): token id (as a JSON key) ->
+# `PromptLogprob`, the prompt's own token first, then the top ``prompt_logprobs``.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -303,10 +331,13 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # a template kwarg
     # vLLM extras
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the chat template writes
+    documents: list[dict[str, str]] | None = None  # a template kwarg (retrieval-augmented templates)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -355,6 +386,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class DeltaToolCall(BaseModel):

@@ -19,6 +19,7 @@ import structlog
 from starlette.requests import Request
 
 from pkgd import log
+from pkgd.api import request_fields
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
 from pkgd.api.protocol import SamplingFields, UsageInfo
 from pkgd.api.structured import Constraint, request_constraint
@@ -41,16 +42,49 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was ready."""
 
 
-def request_id(prefix: str, request: Request) -> str:
-    """``prefix-<32 hex>``, or the client's ``X-Request-Id`` when it sent one (made unique).
+def request_id(prefix: str, request: Request, body_request_id: str | None = None) -> str:
+    """The request's id: ``prefix-<request_id>`` when the body names one (vLLM's field: the
+    response's ``id`` and the engine's, so a second request with an id still in flight is a
+    400), else ``prefix-<X-Request-Id>-<8 hex>`` when the client sent that header (made
+    unique), else ``prefix-<32 hex>``.
 
-    Also binds it to this request's log lines (each ASGI request runs in its own task, so
-    the binding ends with the request)."""
+    Binds it to this request's log lines (each ASGI request runs in its own task, so the
+    binding ends with the request) and to the response's ``X-Request-Id`` header, which
+    echoes the client's header when it sent one (`pkgd.api.app`)."""
     given = request.headers.get("x-request-id")
     suffix = uuid.uuid4().hex
-    rid = f"{prefix}-{given}-{suffix[:8]}" if given else f"{prefix}-{suffix}"
+    if body_request_id is not None:
+        rid = f"{prefix}-{body_request_id}"
+    else:
+        rid = f"{prefix}-{given}-{suffix[:8]}" if given else f"{prefix}-{suffix}"
     structlog.contextvars.bind_contextvars(request_id=rid)
+    request.scope.setdefault("state", {})["request_id"] = rid
     return rid
+
+
+def check_request_id_free(state: ServerState, rid: str) -> None:
+    """Raise `APIError` 400 naming ``request_id`` when a request with id ``rid`` is in flight."""
+    if state.llm.has_request(rid):
+        raise APIError(400, f"request_id: {rid!r} is already in use by a request in flight", param="request_id")
+
+
+_IGNORED_LOGGED: set[str] = set()
+
+
+def log_ignored_fields(body: SamplingFields) -> None:
+    """Log, once per API-server process and field, each OpenAI field the request set that
+    does not change the output (`pkgd.api.request_fields` lists them with the reason)."""
+    given = {
+        "store": body.store,
+        "metadata": body.metadata,
+        "service_tier": body.service_tier,
+        "modalities": body.modalities,
+        "user": body.user,
+    }
+    for name, value in given.items():
+        if value is not None and name not in _IGNORED_LOGGED:
+            _IGNORED_LOGGED.add(name)
+            logger.info("request_field_ignored", field=name, reason=request_fields.ignored_reason(name))
 
 
 def sampling_params(
@@ -72,6 +106,7 @@ def sampling_params(
     max_logprobs = state.config.frontend.limits.max_logprobs
     if body.user is not None:  # OpenAI's end-user id: on this request's log lines
         structlog.contextvars.bind_contextvars(user=body.user)
+    log_ignored_fields(body)
     for name, value in ((logprobs_field, logprobs), ("prompt_logprobs", body.prompt_logprobs)):
         if value is not None and value > max_logprobs:
             raise APIError(
@@ -104,6 +139,8 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=body.prompt_logprobs,
         logit_bias=bias,
+        allowed_token_ids=list(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+        bad_words=list(body.bad_words or ()),
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
@@ -192,6 +229,8 @@ async def final_output(state: ServerState, processed: ProcessedRequest) -> Reque
         raise APIError(
             503, f"the request ran longer than frontend.request_timeout ({timeout} s) and was aborted"
         ) from None
+    except ValueError as exc:  # the id is in use (a client's request_id sent twice at once)
+        raise APIError(400, str(exc), param="request_id") from None
     raise APIError(500, "the engine ended the request without a final output")
 
 

@@ -43,6 +43,7 @@ from pkgd.api.protocol import (
     DeltaToolCall,
     ToolCall,
 )
+from pkgd.api.serving_completion import prompt_logprobs_json
 from pkgd.api.structured import Constraint, new_call_id, tool_calls_of
 from pkgd.frontend.input_processor import TokenizedPrompt
 from pkgd.parsers.json_calls import CallDelta, ToolCallStream
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from pkgd.api.state import ServerState
     from pkgd.config.sections import FrontendLimits
     from pkgd.frontend.input_processor import ProcessedRequest
-    from pkgd.outputs import CompletionOutput, Logprob
+    from pkgd.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 async def create_chat_completion(
@@ -65,13 +66,12 @@ async def create_chat_completion(
     and tokenized in its worker process). ``parsed``: the body, already parsed there
     (``/invocations``, ``/v1/responses``); ``rendered``: what `render_in_worker` made of it."""
     state.check_ready()
-    rid = serving.request_id("chatcmpl", request)
     raw = await request.body() if parsed is None else b""
     if parsed is None and state.preprocess.isolates(raw):
         parsed, rendered = await state.preprocess.run_isolated(
             _parse_and_render, raw, state.config.frontend.limits, serving.max_model_len(state)
         )
-    chat = await state.preprocess.run(_prepare, state, raw, rid, parsed, rendered)
+    chat = await state.preprocess.run(_prepare, state, raw, request, parsed, rendered)
     if chat.body.stream:
         return StreamingResponse(
             serving.sse_events(chat.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
@@ -80,13 +80,13 @@ async def create_chat_completion(
         out = await serving.run_until_disconnected(request, serving.final_output(state, chat.processed))
     except serving.ClientDisconnected:
         return Response(status_code=499)
-    return await state.preprocess.run(lambda: JSONResponse(chat.response(out.outputs).model_dump()))
+    return await state.preprocess.run(lambda: JSONResponse(chat.response(out).model_dump()))
 
 
 def _prepare(
     state: ServerState,
     raw: bytes,
-    rid: str,
+    request: Request,
     parsed: ChatCompletionRequest | None,
     rendered: TokenizedPrompt | Exception | None = None,
 ) -> _Chat:
@@ -94,6 +94,7 @@ def _prepare(
     ``rendered``: the prompt `_parse_and_render` made of ``parsed``, or the error it met
     (raised here, in the order the checks run), or None to template here."""
     body = parsed if parsed is not None else parse_body(raw, ChatCompletionRequest, state.config.frontend.limits)
+    rid = serving.request_id("chatcmpl", request, body.request_id)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Chat Completions API")
     use_tools = _use_tool_parser(body, state)
@@ -110,30 +111,36 @@ def _prepare(
     if use_tools and not getattr(state.tool_parser, "skip_special_tokens", True):
         # The format's markers are special tokens (Mistral's [TOOL_CALLS]): keep them in the text.
         params = msgspec.structs.replace(params, skip_special_tokens=False)
-    template = _template_args(body)
+    template = template_args(body)
+    tokens = {"add_special_tokens": body.add_special_tokens, "truncate_prompt_tokens": body.truncate_prompt_tokens}
     if rendered is None:
-        build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **template)  # noqa: E731
+        build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **tokens, **template)  # noqa: E731
     elif isinstance(rendered, Exception):
         raise rendered
     else:
         prompt = rendered
-        build = lambda ip: ip.process(rid, prompt, params, add_special_tokens=False, priority=body.priority)  # noqa: E731
+        build = lambda ip: ip.process(rid, prompt, params, priority=body.priority, **tokens)  # noqa: E731
+    serving.check_request_id_free(state, rid)
     return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
 
 
-def _template_args(body: ChatCompletionRequest) -> dict[str, Any]:
+def template_args(body: ChatCompletionRequest) -> dict[str, Any]:
     """What `InputProcessor.render_chat` takes from a chat body. Raises `APIError` 400 for a
     message the template cannot take."""
     try:
         messages = [m.template_dict() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:  # as vLLM passes it; the request's own kwargs win
+        kwargs = {"reasoning_effort": body.reasoning_effort, **kwargs}
     return {
         "messages": messages,
         "tools": [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
-        "chat_template_kwargs": body.chat_template_kwargs,
+        "chat_template_kwargs": kwargs or None,
+        "documents": body.documents,
     }
 
 
@@ -156,12 +163,14 @@ def render_in_worker(body: ChatCompletionRequest, max_model_len: int | None) -> 
     if ip is None:
         return None
     try:
-        text = ip.render_chat(**_template_args(body))
+        text = ip.render_chat(**template_args(body))
+        return ip.tokenize_prompt(
+            text, add_special_tokens=body.add_special_tokens, truncate_prompt_tokens=body.truncate_prompt_tokens
+        )
     except APIError as exc:
         return exc
     except ValueError as exc:  # the template's: a 400 naming the field its message starts with
         return from_value_error(exc)
-    return ip.tokenize_prompt(text, add_special_tokens=False)
 
 
 def _use_tool_parser(body: ChatCompletionRequest, state: ServerState) -> bool:
@@ -206,8 +215,9 @@ class _Chat:
 
     # ---- non-streaming -------------------------------------------------------------------------
 
-    def response(self, outputs: list[CompletionOutput]) -> ChatCompletionResponse:
+    def response(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
+        outputs = out.outputs
         for c in sorted(outputs, key=lambda c: c.index):
             text = self.echo + c.text
             reasoning = None
@@ -245,6 +255,7 @@ class _Chat:
             model=self.model,
             choices=choices,
             usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens),
+            prompt_logprobs=prompt_logprobs_json(out) if self.body.prompt_logprobs is not None else None,
         )
 
     def _named(self) -> str | None:

@@ -26,7 +26,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pkgd.api import serving
 from pkgd.api.errors import APIError
 from pkgd.api.preprocess import parse_body, worker_input_processor
-from pkgd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from pkgd.api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptLogprob,
+    PromptLogprobsList,
+)
 from pkgd.frontend.input_processor import TokenizedPrompt
 from pkgd.sampling_params import SamplingParams
 
@@ -48,13 +55,12 @@ async def create_completion(
     and tokenized in its worker process). ``parsed``: the body, already parsed there
     (``/invocations``); ``tokenized``: what `tokenize_in_worker` made of it."""
     state.check_ready()
-    rid = serving.request_id("cmpl", request)
     raw = await request.body() if parsed is None else b""
     if parsed is None and state.preprocess.isolates(raw):
         parsed, tokenized = await state.preprocess.run_isolated(
             _parse_and_tokenize, raw, state.config.frontend.limits, serving.max_model_len(state)
         )
-    fmt = await state.preprocess.run(_prepare, state, raw, rid, parsed, tokenized)
+    fmt = await state.preprocess.run(_prepare, state, raw, request, parsed, tokenized)
     if fmt.body.stream:
         return StreamingResponse(
             serving.sse_events(fmt.stream()), media_type="text/event-stream", headers=serving.SSE_HEADERS
@@ -73,7 +79,7 @@ async def create_completion(
 def _prepare(
     state: ServerState,
     raw: bytes,
-    rid: str,
+    request: Request,
     parsed: CompletionRequest | None,
     tokenized: list[TokenizedPrompt | None] | None = None,
 ) -> _Formatter:
@@ -82,6 +88,7 @@ def _prepare(
     token-id prompt, or for all of them to tokenize here)."""
     limits = state.config.frontend.limits
     body = parsed if parsed is not None else parse_body(raw, CompletionRequest, limits, serving.max_model_len(state))
+    rid = serving.request_id("cmpl", request, body.request_id)
     model = state.resolve_model(body.model)
     serving.require_runner(state, "generate", "Completions API")
     score_only = body.max_tokens == 0  # echo: the prompt's logprobs, nothing generated
@@ -107,6 +114,7 @@ def _prepare(
                         params,
                         add_special_tokens=body.add_special_tokens,
                         priority=body.priority,
+                        truncate_prompt_tokens=body.truncate_prompt_tokens,
                     ),
                 )
             )
@@ -114,6 +122,8 @@ def _prepare(
             if len(prompts) == 1:
                 raise
             raise APIError(exc.status, f"prompt[{i}]: {exc.message}", param="prompt") from None
+    for p in processed:
+        serving.check_request_id_free(state, p.request_id)
     return _Formatter(state, body, rid, model, processed, score_only=score_only)
 
 
@@ -133,8 +143,14 @@ def tokenize_in_worker(body: CompletionRequest, max_model_len: int | None) -> li
     ip = worker_input_processor(max_model_len)
     if ip is None:
         return None
-    add = body.add_special_tokens
-    return [ip.tokenize_prompt(p, add_special_tokens=add) if isinstance(p, str) else None for p in body.prompts()]
+    add, keep = body.add_special_tokens, body.truncate_prompt_tokens
+    try:
+        return [
+            ip.tokenize_prompt(p, add_special_tokens=add, truncate_prompt_tokens=keep) if isinstance(p, str) else None
+            for p in body.prompts()
+        ]
+    except ValueError:  # a bad truncate_prompt_tokens: the thread tokenizes and says so
+        return None
 
 
 def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
@@ -183,6 +199,7 @@ class _Formatter:
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_json(ro) if self.body.prompt_logprobs is not None else None,
                     )
                 )
         prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
@@ -286,6 +303,20 @@ class _Formatter:
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
         )
+
+
+def prompt_logprobs_json(ro: RequestOutput) -> PromptLogprobsList:
+    """``ro``'s prompt logprobs as vLLM answers them: per prompt position (the first null) the
+    prompt token and the top candidates, keyed by token id."""
+    return [
+        None
+        if d is None
+        else {
+            str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for t, lp in d.items()
+        }
+        for d in ro.prompt_logprobs or [None] * len(ro.prompt_token_ids)
+    ]
 
 
 def _finite(logprob: float) -> float:

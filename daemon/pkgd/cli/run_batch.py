@@ -58,6 +58,9 @@ _COMMON = {
     "stop_token_ids": "stop_token_ids",
     "skip_special_tokens": "skip_special_tokens",
     "include_stop_str_in_output": "include_stop_str_in_output",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "prompt_logprobs": "prompt_logprobs",
 }
 
 
@@ -107,6 +110,8 @@ class _Item:
         self.line_no = line_no
         self.custom_id = custom_id
         self.request_id = f"batch-{uuid.uuid4().hex}"
+        self.response_id: str | None = None  # the body's request_id (vLLM's field), else from request_id
+        self.request: Any = None  # the body as the API's request model validated it
         self.error: str | None = None
         self.url = ""
         self.body: dict[str, Any] = {}
@@ -132,18 +137,40 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
             raise BadRequest("stream: true is not supported in a batch (each result line holds one whole response)")
         proc = llm.input_processor
         if item.url in ("/v1/completions", "/v1/chat/completions"):
-            item.constraint = _constraint(item.body, chat=item.url == "/v1/chat/completions")
+            item.request, item.constraint = _constraint(item.body, chat=item.url == "/v1/chat/completions")
+            item.response_id = item.request.request_id
         if item.url == "/v1/completions":
             params = _constrained(sampling_params_from_body(item.body, chat=False), item.constraint)
+            keep = item.request.truncate_prompt_tokens
             item.processed = [
-                proc.process(f"{item.request_id}-{i}", p, params) for i, p in enumerate(_completion_prompts(item.body))
+                proc.process(
+                    f"{item.request_id}-{i}",
+                    p,
+                    params,
+                    add_special_tokens=item.request.add_special_tokens,
+                    truncate_prompt_tokens=keep,
+                )
+                for i, p in enumerate(_completion_prompts(item.body))
             ]
         elif item.url == "/v1/chat/completions":
+            from pkgd.api.errors import APIError
+            from pkgd.api.serving_chat import template_args
+
             params = _constrained(sampling_params_from_body(item.body, chat=True), item.constraint)
-            messages = item.body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list")
-            item.processed = [proc.process_chat(item.request_id, messages, params)]
+            req = item.request
+            try:
+                template = template_args(req)
+            except APIError as exc:
+                raise BadRequest(exc.message) from None
+            item.processed = [
+                proc.process_chat(
+                    item.request_id,
+                    params=params,
+                    add_special_tokens=req.add_special_tokens,
+                    truncate_prompt_tokens=req.truncate_prompt_tokens,
+                    **template,
+                )
+            ]
         else:
             raise BadRequest(f"unsupported url {item.url!r}; supported: /v1/completions, /v1/chat/completions")
     except ValueError as exc:
@@ -152,9 +179,10 @@ def _prepare(llm: Any, model_name: str, line_no: int, line: str) -> _Item:
     return item
 
 
-def _constraint(body: dict[str, Any], *, chat: bool) -> Any:
-    """The body checked by the API's request model, and its structured-output constraint
-    (checked like the API checks it); raises `BadRequest` with the field and the reason."""
+def _constraint(body: dict[str, Any], *, chat: bool) -> tuple[Any, Any]:
+    """The body as the API's request model validates it, and its structured-output
+    constraint (checked like the API checks it); raises `BadRequest` with the field and the
+    reason."""
     import pydantic
 
     from pkgd.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -172,7 +200,7 @@ def _constraint(body: dict[str, Any], *, chat: bool) -> Any:
     constraint = request_constraint(req)
     if constraint is not None:
         check(constraint.params, constraint.field)
-    return constraint
+    return req, constraint
 
 
 def _constrained(params: SamplingParams, constraint: Any) -> SamplingParams:
@@ -241,9 +269,11 @@ def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str
             else:
                 choice["text"] = (ro.prompt or "") + c.text if echo else c.text
                 choice["logprobs"] = _completion_logprobs(c)
+                if item.body.get("prompt_logprobs") is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(ro)
             choices.append(choice)
-    return {
-        "id": ("chatcmpl-" if chat else "cmpl-") + item.request_id.removeprefix("batch-"),
+    body: dict[str, Any] = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + (item.response_id or item.request_id.removeprefix("batch-")),
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model_name,
@@ -254,6 +284,16 @@ def _response_body(item: _Item, outputs: list[Any], model_name: str) -> dict[str
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if chat and item.body.get("prompt_logprobs") is not None and outputs:
+        body["prompt_logprobs"] = _prompt_logprobs(outputs[0])
+    return body
+
+
+def _prompt_logprobs(ro: Any) -> list[Any]:
+    """``ro``'s prompt logprobs as the HTTP API answers them (`prompt_logprobs_json`)."""
+    from pkgd.api.serving_completion import prompt_logprobs_json
+
+    return [None if d is None else {k: v.model_dump() for k, v in d.items()} for d in prompt_logprobs_json(ro)]
 
 
 def _result_line(item: _Item, body: dict[str, Any] | None) -> dict[str, Any]:

@@ -154,6 +154,14 @@ class ModelConfig(Section):
         reload=A,
     )
     seed: int = field(0, "Seed of the engine's random state for requests without a seed.", aliases=("--seed",), ge=0)
+    batch_invariant: bool = field(
+        False,
+        "Compute every token as if it were alone (vLLM's VLLM_BATCH_INVARIANT): one forward per "
+        "token, logits and sampling per request, so a request's logits and a seeded request's "
+        "tokens do not depend on the batch, on chunking or on prefix-cache hits (greedy requests "
+        "then repeat exactly too). Costs most of the batching gain: see docs/reproducibility.md. "
+        "Off: a seeded request takes no prefix-cache hits, so alone on the server it repeats.",
+    )
     trust_remote_code: bool = field(
         False, "Refused when true: pkgd never runs code shipped with a model.", aliases=("--trust-remote-code",)
     )

@@ -160,8 +160,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
         "--worker-extension-cls",
         "--scheduler-cls",
     ),
-    "responses carry no X-Request-Id header (a client's X-Request-Id is part of the request id in the logs)": (
-        "--enable-request-id-headers",
+    "responses always carry an X-Request-Id header (the client's, echoed, or the request's id)": (
+        "--disable-request-id-headers",
     ),
     "the OpenAPI docs (/docs, /redoc, /openapi.json) are always served": ("--disable-fastapi-docs",),
     _UVICORN: ("--h11-max-incomplete-event-size", "--h11-max-header-count"),
@@ -366,6 +366,9 @@ REFUSED: dict[str, tuple[str, ...]] = {
 }
 
 SATISFIED: dict[str, tuple[str, ...]] = {
+    "responses always carry an X-Request-Id header (the client's, echoed, or the request's id)": (
+        "--enable-request-id-headers",
+    ),
     "pkgd never prints prompts, so every limit on their logged length holds": ("--max-log-len",),
     "only matters with --enable-log-outputs, and pkgd never logs outputs": (
         "--enable-log-deltas",
@@ -388,7 +391,6 @@ SATISFIED: dict[str, tuple[str, ...]] = {
         "--no-log-error-stack",
         "--no-tokens-only",
         "--disable-scale-out",
-        "--disable-request-id-headers",
         "--enable-fastapi-docs",
         "--disable-offline-docs",
         "--disable-flash-late-interaction",

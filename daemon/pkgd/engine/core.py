@@ -344,6 +344,13 @@ class EngineCore:
         self.validate_request(request)
         # Mean and CLS pooling read every prompt position, so they take no prefix-cache hits.
         skip = request.pooling_params is not None and self.pooling_type != "last"
+        # A prefix-cache hit changes which kernels compute the prompt's last tokens (a short
+        # uncached suffix runs the small-batch GEMV / decode path, a full prefill the GEMM
+        # path), and so the bits of its logits: a seeded request computes its whole prompt,
+        # unless model.batch_invariant computes every token the same way anyway.
+        sp = request.sampling_params
+        if sp is not None and sp.seed is not None and not sp.greedy and not self.config.model.batch_invariant:
+            skip = True
         req = Request.from_engine_core_request(request, max_model_len=self.max_model_len, skip_prefix_cache=skip)
         if req.arrival_time == 0.0:
             req.arrival_time = time.time()

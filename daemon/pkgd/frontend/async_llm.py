@@ -183,6 +183,10 @@ class AsyncLLM:
     def num_inflight(self) -> int:
         return len(self._streams)
 
+    def has_request(self, request_id: str) -> bool:
+        """True while a request with client id ``request_id`` is in flight."""
+        return request_id in self._streams
+
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(

@@ -11,6 +11,11 @@ searched, so a stop string spanning two steps is found. The text is cut before t
 string (or after it with ``include_stop_str_in_output``), and while a request runs the last
 ``max(len(stop)) - 1`` characters are held back, so a stop string's beginning never reaches
 a client.
+
+A stop string that is a special token's text (``<|im_end|>``) is matched on the token itself,
+before ``skip_special_tokens`` drops its text (vLLM never sees such a stop string, since it
+searches the text after the skip): the text ends before it, or with it under
+``include_stop_str_in_output``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class IncrementalDetokenizer:
         )
         self._sent_offset = 0
         self._tokenizer = None
+        self._special_stops: dict[int, str] = {}
+        if tokenizer is not None and params.detokenize and self.stop and params.skip_special_tokens:
+            self._special_stops = special_stop_tokens(tokenizer, self.stop)
         if tokenizer is not None and params.detokenize:
             from tokenizers.decoders import DecodeStream
 
@@ -67,7 +75,11 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         before = len(self.output_text)
+        special_stop = None
         for token_id in new_token_ids:
+            special_stop = self._special_stops.get(token_id)
+            if special_stop is not None:
+                break
             piece = self._stream.step(self._tokenizer, token_id)
             if piece:
                 self.output_text += piece
@@ -77,7 +89,9 @@ class IncrementalDetokenizer:
             self.output_text, len(self.output_text) - before, self.stop, self.include_stop_str_in_output
         )
         if hit is None:
-            return None
+            if special_stop is not None and self.include_stop_str_in_output:
+                self.output_text += special_stop
+            return special_stop
         stop_str, end = hit
         self.output_text = self.output_text[:end]
         return stop_str
@@ -94,6 +108,16 @@ class IncrementalDetokenizer:
             return ""
         self._sent_offset = end
         return self.output_text[start:end]
+
+
+def special_stop_tokens(tokenizer: PreTrainedTokenizerFast, stop: list[str]) -> dict[int, str]:
+    """Token id -> stop string, for the special tokens whose text is one of ``stop``."""
+    wanted = set(stop)
+    return {
+        token_id: added.content
+        for token_id, added in tokenizer.added_tokens_decoder.items()
+        if added.special and added.content in wanted
+    }
 
 
 def find_stop_string(

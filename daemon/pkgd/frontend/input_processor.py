@@ -138,11 +138,48 @@ class InputProcessor:
             return encode([(first, second)], add_special_tokens=add_special_tokens)[0].ids
         return list(tok(first, second, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def tokenize_prompt(self, text: str, *, add_special_tokens: bool = True) -> TokenizedPrompt:
+    def tokenize_prompt(
+        self, text: str, *, add_special_tokens: bool = True, truncate_prompt_tokens: int | None = None
+    ) -> TokenizedPrompt:
         """`tokenize` as a `TokenizedPrompt` for `process`, without the ids when there are
-        ``max_model_len`` or more (the prompt cannot be served)."""
+        ``max_model_len`` or more (the prompt cannot be served); ``truncate_prompt_tokens``
+        as `process` takes it. Raises `ValueError` for a bad ``truncate_prompt_tokens``."""
         ids = self.tokenize(text, add_special_tokens=add_special_tokens)
-        return TokenizedPrompt(text, ids if len(ids) < self.max_model_len else None, len(ids))
+        num_tokens = len(ids)
+        ids = self.truncate(ids, truncate_prompt_tokens)
+        return TokenizedPrompt(text, ids if len(ids) < self.max_model_len else None, num_tokens)
+
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` of ``token_ids`` (vLLM's; -1 = the last
+        ``max_model_len``; None = all). Raises `ValueError` for a value below -1, 0, or one
+        above ``max_model_len``."""
+        if truncate_prompt_tokens is None:
+            return token_ids
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+        if keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens: {keep} is more than max_model_len {self.max_model_len}; "
+                "choose a smaller truncation size"
+            )
+        return token_ids[-keep:]
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """The token sequences of ``bad_words`` (vLLM's rule): each word (leading whitespace
+        stripped) tokenized alone, and after a space when that makes the same number of
+        tokens starting with another one (the word in the middle of a text, for tokenizers
+        that fold the space into the word's first token)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenize(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                continue
+            out.append(plain)
+            spaced = self.tokenize(" " + word.lstrip(), add_special_tokens=False)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                out.append(spaced)
+        return out
 
     def render_chat(
         self,
@@ -153,10 +190,12 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The prompt text of a conversation under the chat template (jinja2, via
-        transformers). Raises `ValueError` for an empty conversation, a tokenizer without
-        template, or a template error."""
+        transformers); ``documents`` for retrieval-augmented templates (ignored by a template
+        that does not read them). Raises `ValueError` for an empty conversation, a tokenizer
+        without template, or a template error."""
         tok = self._need_tokenizer()
         if not messages:
             raise ValueError("messages must not be empty")
@@ -172,6 +211,7 @@ class InputProcessor:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                documents=documents,
                 tokenize=False,
                 **(chat_template_kwargs or {}),
             )
@@ -190,29 +230,39 @@ class InputProcessor:
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
         priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
     ) -> ProcessedRequest:
         """Build the engine request(s) for a text prompt, a list of prompt token ids, or a
-        text prompt tokenized already (``add_special_tokens`` then as it was tokenized with).
+        text prompt tokenized already (``add_special_tokens`` and ``truncate_prompt_tokens``
+        then as it was tokenized with). ``truncate_prompt_tokens`` keeps the prompt's last
+        tokens (`truncate`); a truncated prompt has no text (echo decodes its ids).
 
         Raises `ValueError`: invalid sampling parameters, an empty prompt, token ids outside
-        the vocabulary (prompt, ``stop_token_ids``, ``logit_bias``), or ``prompt + max_tokens``
-        beyond ``max_model_len`` (both numbers named).
+        the vocabulary (prompt, ``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``,
+        ``bad_words``), a bad ``truncate_prompt_tokens``, or ``prompt + max_tokens`` beyond
+        ``max_model_len`` (both numbers named).
         """
         params = params if params is not None else SamplingParams()
         if self.vocab_size is not None and params.top_k >= self.vocab_size:
             params = msgspec.structs.replace(params, top_k=0)  # keeps every token, as "off" does
+        if params.bad_words and not params.bad_words_token_ids:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         params.verify(max_logprobs=self.max_logprobs, vocab_size=self.vocab_size)
         if isinstance(prompt, TokenizedPrompt):
-            text: str | None = prompt.text
             if prompt.token_ids is None:  # too long to have been sent
                 raise prompt_too_long(prompt.num_tokens, self.max_model_len)
             token_ids = prompt.token_ids
+            text: str | None = prompt.text if len(token_ids) == prompt.num_tokens else None
         elif isinstance(prompt, str):
-            text = prompt
             token_ids = self.tokenize(prompt, add_special_tokens=add_special_tokens)
+            text = prompt
         else:
             text = None
             token_ids = list(map(int, prompt))  # in C (see _check_tokens)
+        if truncate_prompt_tokens is not None and not isinstance(prompt, TokenizedPrompt):
+            full = len(token_ids)
+            token_ids = self.truncate(token_ids, truncate_prompt_tokens)
+            text = text if len(token_ids) == full else None
         self._check_prompt(token_ids)
         params = self._fill_max_tokens(params, len(token_ids))
         arrival = time.time() if arrival_time is None else arrival_time
@@ -233,13 +283,22 @@ class InputProcessor:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        add_special_tokens: bool = False,
+        truncate_prompt_tokens: int | None = None,
         **chat_kwargs: Any,
     ) -> ProcessedRequest:
-        """`render_chat` then `process` (the rendered text already holds the special tokens,
-        so none are added). ``chat_kwargs`` go to `render_chat`."""
+        """`render_chat` then `process` (the rendered text already holds the template's special
+        tokens: ``add_special_tokens`` adds the tokenizer's on top, as vLLM's field does).
+        ``chat_kwargs`` go to `render_chat`."""
         text = self.render_chat(messages, **chat_kwargs)
         return self.process(
-            request_id, text, params, add_special_tokens=False, arrival_time=arrival_time, priority=priority
+            request_id,
+            text,
+            params,
+            add_special_tokens=add_special_tokens,
+            arrival_time=arrival_time,
+            priority=priority,
+            truncate_prompt_tokens=truncate_prompt_tokens,
         )
 
     def process_pooling(

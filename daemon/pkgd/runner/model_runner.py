@@ -11,6 +11,11 @@ last scheduled token of each request whose known tokens are all computed) and on
 give prompt logprobs -> the grammar bitmask of constrained requests (`grammar_bitmask`) ->
 `Sampler` -> append each sampled token to its request.
 
+With ``model.batch_invariant`` every scheduled token is its own forward (one query token
+over the cache: the decode path), and logits and sampling run per request: no kernel sees
+another request's rows, nor more than one row, so a token's bits depend only on its request
+(`_forward_invariant`).
+
 Threads are the process owner's business (``torch.set_num_threads``); the runner never sets
 them. With ``world_size > 1`` the owner initialises ``torch.distributed`` first; every rank
 runs the same steps and samples the same tokens (same logits after the all-gather, same
@@ -224,6 +229,7 @@ class ModelRunner:
         self.model_info = self._model_info()
         gen = torch.Generator().manual_seed(config.model.seed)
         self.sampler = Sampler(self.model_info.eos_token_ids, gen)
+        self.batch_invariant = config.model.batch_invariant
         self.states: dict[str, RequestState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
@@ -453,7 +459,7 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = build_batch(self.states, scheduler_output, self.block_size)
-        hidden = self._forward(batch)
+        hidden = self._forward_invariant(batch) if self.batch_invariant else self._forward(batch)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if batch.sample_rows:
@@ -477,26 +483,56 @@ class ModelRunner:
         return out
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
-        a = self.arch
         meta = AttentionMetadata.build(
             query_lens=batch.query_lens,
             seq_lens=batch.seq_lens,
             block_table_rows=batch.block_table_rows,
             slot_mapping=batch.slot_mapping,
             block_size=self.block_size,
-            kv_bytes_per_token=2
-            * self.num_kv_heads_local
-            * a.head_dim
-            * max(self.kv_caches[0][0].element_size(), self.dtype.itemsize),
+            kv_bytes_per_token=self._kv_bytes_per_token(),
             device=self.device,
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
+
+    def _kv_bytes_per_token(self) -> int:
+        elt = max(self.kv_caches[0][0].element_size(), self.dtype.itemsize)
+        return 2 * self.num_kv_heads_local * self.arch.head_dim * elt
+
+    def _forward_invariant(self, batch: StepBatch) -> torch.Tensor:
+        """`_forward` one token at a time, in order (a prompt's token t reads the K/V its
+        earlier tokens wrote): every token takes the one-query path whatever the batch, the
+        chunking or the prefix-cache hits, so its hidden state ``[1, H]`` is the same bits
+        each time. Returns ``[T, H]`` as `_forward` does."""
+        rows: list[torch.Tensor] = []
+        ids, positions = batch.input_ids.to(self.device), batch.positions.to(self.device)
+        t = 0
+        for n, seq_len, table in zip(batch.query_lens, batch.seq_lens, batch.block_table_rows):
+            for j in range(n):
+                meta = AttentionMetadata.build(
+                    query_lens=[1],
+                    seq_lens=[seq_len - n + j + 1],
+                    block_table_rows=[table],
+                    slot_mapping=batch.slot_mapping[t : t + 1],
+                    block_size=self.block_size,
+                    kv_bytes_per_token=self._kv_bytes_per_token(),
+                    device=self.device,
+                )
+                rows.append(self.model(ids[t : t + 1], positions[t : t + 1], self.kv_caches, meta))
+                t += 1
+        return torch.cat(rows)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` of ``hidden [M, H]`` -> ``[M, V]``; row by row under
+        ``model.batch_invariant`` (a GEMM's kernel, and so its bits, depends on M)."""
+        if not self.batch_invariant or hidden.shape[0] <= 1:
+            return self.model.compute_logits(hidden)
+        return torch.cat([self.model.compute_logits(hidden[i : i + 1]) for i in range(hidden.shape[0])])
 
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput
     ) -> None:
         rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self._logits(hidden.index_select(0, rows))
         apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
         logits = logits.cpu()
         # sample_states hold sampling requests only (pooling requests are never sampled)
@@ -506,9 +542,14 @@ class ModelRunner:
             )
             for st in batch.sample_states
         ]
-        result = self.sampler(logits, spec)
-        tokens = result.token_ids.tolist()
-        for st, tok, lp in zip(batch.sample_states, tokens, result.logprobs):
+        if self.batch_invariant:
+            parts = [self.sampler(logits[i : i + 1], [row]) for i, row in enumerate(spec)]
+            tokens = [int(p.token_ids[0]) for p in parts]
+            found = [p.logprobs[0] for p in parts]
+        else:
+            result = self.sampler(logits, spec)
+            tokens, found = result.token_ids.tolist(), result.logprobs
+        for st, tok, lp in zip(batch.sample_states, tokens, found):
             st.append(tok)
             sampled[st.req_id] = [tok]
             if lp is not None:
@@ -520,7 +561,7 @@ class ModelRunner:
             entries: list[TokenLogprobs | None] = [None] * span.leading_nones
             for s in range(span.row_start, span.row_end, PROMPT_LOGPROBS_SLICE):
                 e = min(span.row_end, s + PROMPT_LOGPROBS_SLICE)
-                lp = torch.log_softmax(self.model.compute_logits(hidden[s:e]).cpu(), dim=-1)
+                lp = torch.log_softmax(self._logits(hidden[s:e]).cpu(), dim=-1)
                 targets = torch.tensor(span.target_ids[s - span.row_start : e - span.row_start], dtype=torch.int64)
                 entries.extend(batch_token_logprobs(lp, targets, [span.num_logprobs] * (e - s)))
             out[span.req_id] = entries

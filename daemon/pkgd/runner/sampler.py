@@ -4,8 +4,10 @@ Order, per row (``logits [N, V]`` float32, one row per request that samples this
 
 1. raw logprobs (``log_softmax`` of the model's logits) for rows that asked for logprobs, as
    vLLM v1 returns by default;
-2. ``min_tokens``: EOS and ``stop_token_ids`` set to -inf while fewer outputs exist;
-3. ``logit_bias`` added (OpenAI);
+2. ``allowed_token_ids``: every other token -inf; ``bad_words``: the last token of each
+   bad-word sequence -inf when the tokens before it end the output so far (vLLM's rule);
+3. ``min_tokens``: EOS and ``stop_token_ids`` set to -inf while fewer outputs exist;
+   ``logit_bias`` added (OpenAI);
 4. penalties: repetition (CTRL, Keskar et al., 2019: positive logits of seen tokens divided
    by the penalty, negative ones multiplied; prompt and output tokens), frequency
    (``-= penalty * count``) and presence (``-= penalty * [count > 0]``) over output tokens;
@@ -101,6 +103,15 @@ class Sampler:
         vocab = logits.shape[1]
         for i, r in enumerate(rows):
             p = r.params
+            if p.allowed_token_ids is not None:
+                allowed = torch.tensor([t for t in p.allowed_token_ids if 0 <= t < vocab], dtype=torch.int64)
+                keep = logits[i, allowed].clone()
+                logits[i] = float("-inf")
+                logits[i, allowed] = keep
+            if p.bad_words_token_ids:
+                banned_last = bad_word_tokens(p.bad_words_token_ids, r.output_token_ids, vocab)
+                if banned_last:
+                    logits[i, banned_last] = float("-inf")
             if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned = [t for t in banned if 0 <= t < vocab]
@@ -155,6 +166,19 @@ class Sampler:
                 r.generator.manual_seed(step_seed(r.params.seed or 0, len(r.output_token_ids)))
                 q[i].exponential_(generator=r.generator)
         return q
+
+
+def bad_word_tokens(sequences: list[list[int]], output_token_ids: list[int], vocab: int) -> list[int]:
+    """The tokens a request may not sample next: the last token of each bad-word sequence
+    whose other tokens end ``output_token_ids`` (a one-token sequence always)."""
+    banned = []
+    for seq in sequences:
+        *before, last = seq
+        if not 0 <= last < vocab or len(before) > len(output_token_ids):
+            continue
+        if not before or output_token_ids[-len(before) :] == before:
+            banned.append(last)
+    return banned
 
 
 def _has_penalties(p: SamplingParams) -> bool:
