@@ -18,7 +18,8 @@ import struct
 import httpx
 import pytest
 import torch
-from tests.runner.tiny_models import LABELS, build_classifier, build_tiny
+from tests.runner.tiny_classifiers import LABELS, build_classifier
+from tests.runner.tiny_models import build_tiny
 
 from pkgd.config.vllm_config import VllmConfig
 

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.runner.tiny_models import LABELS, build_classifier, build_tiny, write_word_tokenizer
+from tests.runner.tiny_classifiers import LABELS, build_classifier, write_word_tokenizer
+from tests.runner.tiny_models import build_tiny
 
 from pkgd import LLM
 
