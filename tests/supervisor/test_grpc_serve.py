@@ -122,6 +122,19 @@ def test_generate_streams_token_ids_then_completes(served):
     assert len(unary) == 1 and list(unary[0].complete.output_ids) == ids  # greedy: same tokens
 
 
+def test_a_text_prompt_is_tokenized_with_the_served_tokenizer(served, smollm2_tokenizer):
+    _, target = served
+    text = "31415926535"  # digits are single tokens, all inside the tiny model's 160 ids
+    expect = smollm2_tokenizer.encode(text)
+    assert expect and max(expect) < 160
+    by_text = pb.GenerateRequest(
+        request_id="txt", text=text, sampling_params=pb.SamplingParams(max_tokens=4, temperature=0), stream=False
+    )
+    by_ids = generate(expect, max_tokens=4, temperature=0, stream=False)
+    a, b = call(target, "Generate", by_text)[0].complete, call(target, "Generate", by_ids)[0].complete
+    assert a.prompt_tokens == len(expect) and list(a.output_ids) == list(b.output_ids)
+
+
 def test_stop_token_and_choice_constraint(served):
     _, target = served
     first = call(target, "Generate", generate([7, 8, 9], max_tokens=4, temperature=0, ignore_eos=True, stream=False))
@@ -188,7 +201,7 @@ def test_health_info_loads_tokenizer(served):
         (generate([1] * 4000, max_tokens=200), "INVALID_ARGUMENT"),  # beyond max_model_len
         (generate([1, 2], json_schema="{not json"), "INVALID_ARGUMENT"),
         (generate([1, 2], structural_tag="{}"), "INVALID_ARGUMENT"),
-        (pb.GenerateRequest(request_id="t", text="hi"), "INVALID_ARGUMENT"),
+        (pb.GenerateRequest(request_id="t", text=""), "INVALID_ARGUMENT"),
     ],
 )
 def test_bad_input_is_invalid_argument(served, request_, code):

@@ -151,7 +151,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             )
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         cfg = state.config
-        ids = convert.prompt_token_ids(request, ip.max_model_len)
+        prompt = convert.prompt_input(request, cfg.frontend.limits.max_input_chars)
         params = convert.sampling_params(
             request.sampling_params,
             stream=request.stream,
@@ -160,12 +160,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             file_defaults=state.llm.generation_defaults,
         )
 
-        def build() -> ProcessedRequest:  # on the preprocessing threads: a schema's check is CPU work
+        def build() -> ProcessedRequest:  # on the preprocessing threads: tokenizing, a schema's check
             if params.structured_outputs is not None:
                 state.constraints.check_blocking(
                     params.structured_outputs, "sampling_params", max_bytes=cfg.frontend.limits.max_constraint_bytes
                 )
-            return ip.process(rid, ids, params)
+            ids = ip.tokenize(prompt) if isinstance(prompt, str) else prompt
+            return ip.process(rid, convert.truncate(ids, request.sampling_params, ip.max_model_len), params)
 
         return await state.preprocess.run(build)
 
@@ -185,7 +186,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     "model.runner: pooling (--runner pooling)"
                 )
             ip = _input_processor(state)
-            ids = convert.prompt_token_ids(request, ip.max_model_len)
+            ids = convert.prompt_input(request, state.config.frontend.limits.max_input_chars)
+            assert isinstance(ids, list)  # EmbedRequest has no text input
             rid = request.request_id or f"embd-{uuid.uuid4().hex}"
             processed = ip.process_pooling(rid, ids, PoolingParams())
             out = await state.llm.encode(processed, timeout=state.config.frontend.request_timeout)
