@@ -197,6 +197,33 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         vector = out.outputs.data.tolist()
         return pb.EmbedResponse(embedding=vector, prompt_tokens=len(out.prompt_token_ids), embedding_dim=len(vector))
 
+    async def FlushCache(  # noqa: N802
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        """Empty every engine core's prefix cache (``/reset_prefix_cache``: also only with
+        ``frontend.server_dev_mode``, else UNIMPLEMENTED). A core whose cache running requests
+        hold is asked again until ``timeout_s`` passes (0: once)."""
+        state = self.state
+        if not state.config.frontend.server_dev_mode:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "FlushCache needs frontend.server_dev_mode: true")
+        deadline = time.monotonic() + max(0.0, request.timeout_s)
+        while True:
+            try:
+                state.check_ready()
+                results = await state.llm.client.call_utility("reset_prefix_cache", None)
+            except Exception as exc:
+                await self._abort(context, exc, "flush-cache")
+            refused = next((r.error for r in results if r.error is not None), None)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+            if all(r.result for r in results):
+                return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
+            if time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message="running requests hold the prefix cache; retry when the engine is idle"
+                )
+            await asyncio.sleep(0.1)
+
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, rid: str) -> None:
         if isinstance(exc, grpc.aio.AbortError):
             raise exc
