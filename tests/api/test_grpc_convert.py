@@ -102,21 +102,25 @@ def test_constraints():
     ]
 
 
-def test_prompt_ids_and_truncation():
+def test_prompt_input_and_truncation():
     req = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1, 2, 3, 4]))
-    assert convert.prompt_token_ids(req, 100) == [1, 2, 3, 4]
-    req.sampling_params.truncate_prompt_tokens = 2
-    assert convert.prompt_token_ids(req, 100) == [3, 4]
-    req.sampling_params.truncate_prompt_tokens = -1
-    assert convert.prompt_token_ids(req, 3) == [2, 3, 4]
+    assert convert.prompt_input(req, 100) == [1, 2, 3, 4]
+    assert convert.prompt_input(pb.GenerateRequest(text="hi"), 100) == "hi"
+    params = pb.SamplingParams(truncate_prompt_tokens=2)
+    assert convert.truncate([1, 2, 3, 4], params, 100) == [3, 4]
+    params.truncate_prompt_tokens = -1
+    assert convert.truncate([1, 2, 3, 4], params, 3) == [2, 3, 4]
+    assert convert.truncate([1, 2], pb.SamplingParams(), 1) == [1, 2]
+    with pytest.raises(convert.RequestFieldError, match="truncate_prompt_tokens"):
+        convert.truncate([1], pb.SamplingParams(truncate_prompt_tokens=0), 10)
     for bad in (
-        pb.GenerateRequest(text="hi"),
+        pb.GenerateRequest(text="x" * 101),
         pb.GenerateRequest(tokenized=pb.TokenizedInput()),
         pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), kv_transfer_params_json="{}"),
         pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1]), mm_inputs=pb.MultimodalInputs()),
     ):
         with pytest.raises(convert.RequestFieldError):
-            convert.prompt_token_ids(bad, 100)
+            convert.prompt_input(bad, 100)
 
 
 def test_outputs_carry_tokens_logprobs_and_the_matched_stop():

@@ -52,7 +52,7 @@ def served():
         },
         "cache": {"num_blocks": 1024},
         "parallel": {"cpu_threads": 1},
-        "frontend": {"api_keys": [KEY], "limits": {"max_logprobs": 5}},
+        "frontend": {"api_keys": [KEY], "limits": {"max_logprobs": 5}, "server_dev_mode": True},
         "supervisor": {"engine_ready_timeout": 600, "drain_timeout": 30},
     }
     d = serve_grpc(work / "d", config)
@@ -122,6 +122,19 @@ def test_generate_streams_token_ids_then_completes(served):
     assert len(unary) == 1 and list(unary[0].complete.output_ids) == ids  # greedy: same tokens
 
 
+def test_a_text_prompt_is_tokenized_with_the_served_tokenizer(served, smollm2_tokenizer):
+    _, target = served
+    text = "31415926535"  # digits are single tokens, all inside the tiny model's 160 ids
+    expect = smollm2_tokenizer.encode(text)
+    assert expect and max(expect) < 160
+    by_text = pb.GenerateRequest(
+        request_id="txt", text=text, sampling_params=pb.SamplingParams(max_tokens=4, temperature=0), stream=False
+    )
+    by_ids = generate(expect, max_tokens=4, temperature=0, stream=False)
+    a, b = call(target, "Generate", by_text)[0].complete, call(target, "Generate", by_ids)[0].complete
+    assert a.prompt_tokens == len(expect) and list(a.output_ids) == list(b.output_ids)
+
+
 def test_stop_token_and_choice_constraint(served):
     _, target = served
     first = call(target, "Generate", generate([7, 8, 9], max_tokens=4, temperature=0, ignore_eos=True, stream=False))
@@ -188,7 +201,7 @@ def test_health_info_loads_tokenizer(served):
         (generate([1] * 4000, max_tokens=200), "INVALID_ARGUMENT"),  # beyond max_model_len
         (generate([1, 2], json_schema="{not json"), "INVALID_ARGUMENT"),
         (generate([1, 2], structural_tag="{}"), "INVALID_ARGUMENT"),
-        (pb.GenerateRequest(request_id="t", text="hi"), "INVALID_ARGUMENT"),
+        (pb.GenerateRequest(request_id="t", text=""), "INVALID_ARGUMENT"),
     ],
 )
 def test_bad_input_is_invalid_argument(served, request_, code):
@@ -209,6 +222,17 @@ def test_embed_on_a_generation_model_is_unimplemented(served):
     assert code_of(target, "Embed", req).name == "UNIMPLEMENTED"
 
 
+def test_flush_cache_empties_the_prefix_cache(served):
+    _, target = served
+    prompt = list(range(1, 80))  # five full 16-token blocks
+    call(target, "Generate", generate(prompt, max_tokens=1, stream=False))
+    cached = call(target, "Generate", generate(prompt, max_tokens=1, stream=False))[0].complete.cached_tokens
+    assert cached >= 64
+    reply = call(target, "FlushCache", common_pb2.FlushCacheRequest(timeout_s=10))
+    assert reply.success, reply.message
+    assert call(target, "Generate", generate(prompt, max_tokens=1, stream=False))[0].complete.cached_tokens == 0
+
+
 def test_default_sampling_params_are_json(served):
     _, target = served
     info = call(target, "GetModelInfo", pb.GetModelInfoRequest())
@@ -224,7 +248,12 @@ def test_supervisor_probes_the_grpc_endpoint(served):
     assert health[0]["url"] == f"grpc://{target}" and health[0]["status"] == 200
 
 
-def _long_stream(target: str, rid: str, opened: threading.Event, out: list, max_tokens: int) -> None:
+def _long_stream(
+    target: str, rid: str, opened: threading.Event, out: list, max_tokens: int, pause: float = 0.0
+) -> None:
+    """Stream ``max_tokens`` into ``out`` (or the error), reading one message per ``pause`` s:
+    a slow reader keeps the call in flight however fast the engine is."""
+
     async def run():
         async with grpc.aio.insecure_channel(target) as channel:
             stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
@@ -233,6 +262,7 @@ def _long_stream(target: str, rid: str, opened: threading.Event, out: list, max_
             async for m in stub.Generate(req, metadata=md, timeout=600):
                 out.append(m)
                 opened.set()
+                await asyncio.sleep(pause)
 
     try:
         asyncio.run(run())
@@ -244,7 +274,7 @@ def _long_stream(target: str, rid: str, opened: threading.Event, out: list, max_
 def test_an_api_reload_finishes_the_streams_in_flight(served):
     d, target = served
     opened, out = threading.Event(), []
-    t = threading.Thread(target=_long_stream, args=(target, "during-reload", opened, out, 3000))
+    t = threading.Thread(target=_long_stream, args=(target, "during-reload", opened, out, 4000, 0.005))
     t.start()
     assert opened.wait(120)
     event = reload_and_wait(d, {"frontend": {"limits": {"max_logprobs": 4}}}, timeout=300)
@@ -257,7 +287,7 @@ def test_an_api_reload_finishes_the_streams_in_flight(served):
         time.sleep(0.2)
     assert isinstance(out[-1], pb.GenerateResponse), out[-1]
     assert out[-1].complete.finish_reason == "length"
-    assert sum(len(m.chunk.token_ids) for m in out if m.HasField("chunk")) == 3000
+    assert sum(len(m.chunk.token_ids) for m in out if m.HasField("chunk")) == 4000
     drained = datetime.datetime.fromisoformat(d.find("draining")[-1]["timestamp"]).timestamp()
     assert drained < ended  # the old API server began its drain while the stream ran
     # the new API server took over the port and the new limit (frontend.limits is live there)

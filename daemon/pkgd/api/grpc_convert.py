@@ -44,12 +44,12 @@ def _f32(value: float) -> float:
     return float(f"{value:.7g}")
 
 
-def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, max_model_len: int) -> list[int]:
-    """The prompt's token ids from a ``tokenized`` input, ``truncate_prompt_tokens`` applied
-    (keep the last k; -1 = the last ``max_model_len``, as vLLM).
+def prompt_input(request: pb.GenerateRequest | pb.EmbedRequest, max_input_chars: int) -> list[int] | str:
+    """The prompt: its token ids (``tokenized``), or a ``text`` prompt for the servicer to
+    tokenize with the served tokenizer (as vLLM's servicer does, special tokens added).
 
-    Raises `RequestFieldError` for a request carrying what pkgd does not serve (text-only,
-    no disaggregated prefill), or with no token ids.
+    Raises `RequestFieldError` for a request carrying what pkgd does not serve (multimodal
+    inputs, disaggregated prefill), an empty prompt, or text over ``max_input_chars``.
     """
     if isinstance(request, pb.GenerateRequest):
         for name in ("mm_inputs", "media_refs", "kv_transfer_params"):
@@ -60,20 +60,30 @@ def prompt_token_ids(request: pb.GenerateRequest | pb.EmbedRequest, max_model_le
         if request.HasField("kv_transfer_params_json"):
             raise RequestFieldError(f"kv_transfer_params_json: {_UNSUPPORTED['kv_transfer_params']}")
         if request.WhichOneof("input") == "text":
-            raise RequestFieldError(
-                "text: send the prompt's token ids in 'tokenized' (this frontend takes what the router tokenized)"
-            )
+            if not request.text:
+                raise RequestFieldError("text: the prompt is empty")
+            if len(request.text) > max_input_chars:
+                raise RequestFieldError(
+                    f"text: {len(request.text)} characters, more than frontend.limits.max_input_chars "
+                    f"({max_input_chars})"
+                )
+            return request.text
     if not request.HasField("tokenized") or not request.tokenized.input_ids:
         raise RequestFieldError("tokenized.input_ids: the prompt is empty")
-    ids = list(request.tokenized.input_ids)
-    if isinstance(request, pb.GenerateRequest) and request.sampling_params.HasField("truncate_prompt_tokens"):
-        k = request.sampling_params.truncate_prompt_tokens
-        if k == -1:
-            k = max_model_len
-        if k < 1:
-            raise RequestFieldError(f"sampling_params.truncate_prompt_tokens: must be -1 or at least 1, got {k}")
-        ids = ids[-k:]
-    return ids
+    return list(request.tokenized.input_ids)
+
+
+def truncate(ids: list[int], params: pb.SamplingParams, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens`` applied: keep the last k ids (-1: the last
+    ``max_model_len``, as vLLM). Raises `RequestFieldError` for another value below 1."""
+    if not params.HasField("truncate_prompt_tokens"):
+        return ids
+    k = params.truncate_prompt_tokens
+    if k == -1:
+        k = max_model_len
+    if k < 1:
+        raise RequestFieldError(f"sampling_params.truncate_prompt_tokens: must be -1 or at least 1, got {k}")
+    return ids[-k:]
 
 
 _UNSUPPORTED = {

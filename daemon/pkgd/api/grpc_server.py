@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import uuid
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 logger = log.get_logger(__name__)
 
 RELAY_CHUNK = 256 * 1024  # bytes read at once from either side of a relayed connection
+ACCEPT_RETRY_S = 0.1  # after EMFILE/ENFILE/ENOBUFS: the process is out of descriptors
 CLOSE_GRACE_S = 2.0  # after the drain deadline: time for failed calls to send their status
 FOREVER_S = 10 * 365 * 86400.0  # gRPC's shutdown grace when the drain has no deadline
 OPEN_METHODS = frozenset({"/vllm.grpc.engine.VllmEngine/HealthCheck"})
@@ -206,7 +208,10 @@ class GrpcServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            logger.warning("accept_failed", error=exc.strerror)
+            logger.warning("accept_failed", error=exc.strerror, retry_s=ACCEPT_RETRY_S)
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM) and self._loop is not None:
+                self._pause()  # out of descriptors: the socket stays readable, so look again later
+                self._loop.call_later(ACCEPT_RETRY_S, self._resume)
             return
         assert self._loop is not None
         task = self._loop.create_task(self._relay(conn))

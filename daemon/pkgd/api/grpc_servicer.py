@@ -151,7 +151,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             )
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         cfg = state.config
-        ids = convert.prompt_token_ids(request, ip.max_model_len)
+        prompt = convert.prompt_input(request, cfg.frontend.limits.max_input_chars)
         params = convert.sampling_params(
             request.sampling_params,
             stream=request.stream,
@@ -160,12 +160,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             file_defaults=state.llm.generation_defaults,
         )
 
-        def build() -> ProcessedRequest:  # on the preprocessing threads: a schema's check is CPU work
+        def build() -> ProcessedRequest:  # on the preprocessing threads: tokenizing, a schema's check
             if params.structured_outputs is not None:
                 state.constraints.check_blocking(
                     params.structured_outputs, "sampling_params", max_bytes=cfg.frontend.limits.max_constraint_bytes
                 )
-            return ip.process(rid, ids, params)
+            ids = ip.tokenize(prompt) if isinstance(prompt, str) else prompt
+            return ip.process(rid, convert.truncate(ids, request.sampling_params, ip.max_model_len), params)
 
         return await state.preprocess.run(build)
 
@@ -185,7 +186,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     "model.runner: pooling (--runner pooling)"
                 )
             ip = _input_processor(state)
-            ids = convert.prompt_token_ids(request, ip.max_model_len)
+            ids = convert.prompt_input(request, state.config.frontend.limits.max_input_chars)
+            assert isinstance(ids, list)  # EmbedRequest has no text input
             rid = request.request_id or f"embd-{uuid.uuid4().hex}"
             processed = ip.process_pooling(rid, ids, PoolingParams())
             out = await state.llm.encode(processed, timeout=state.config.frontend.request_timeout)
@@ -194,6 +196,33 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise AssertionError("unreachable: context.abort raises") from exc
         vector = out.outputs.data.tolist()
         return pb.EmbedResponse(embedding=vector, prompt_tokens=len(out.prompt_token_ids), embedding_dim=len(vector))
+
+    async def FlushCache(  # noqa: N802
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        """Empty every engine core's prefix cache (``/reset_prefix_cache``: also only with
+        ``frontend.server_dev_mode``, else UNIMPLEMENTED). A core whose cache running requests
+        hold is asked again until ``timeout_s`` passes (0: once)."""
+        state = self.state
+        if not state.config.frontend.server_dev_mode:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "FlushCache needs frontend.server_dev_mode: true")
+        deadline = time.monotonic() + max(0.0, request.timeout_s)
+        while True:
+            try:
+                state.check_ready()
+                results = await state.llm.client.call_utility("reset_prefix_cache", None)
+            except Exception as exc:
+                await self._abort(context, exc, "flush-cache")
+            refused = next((r.error for r in results if r.error is not None), None)
+            if refused is not None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
+            if all(r.result for r in results):
+                return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
+            if time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message="running requests hold the prefix cache; retry when the engine is idle"
+                )
+            await asyncio.sleep(0.1)
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException, rid: str) -> None:
         if isinstance(exc, grpc.aio.AbortError):
