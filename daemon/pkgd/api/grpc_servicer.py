@@ -185,6 +185,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     "this model is served for generation (model.runner: generate); an embedding model needs "
                     "model.runner: pooling (--runner pooling)"
                 )
+            if hs is not None and hs.labels:  # a classifier's pooled output is its logits, not an embedding
+                raise Unsupported("this model is a sequence classifier, not an embedding model")
             ip = _input_processor(state)
             ids = convert.prompt_input(request, state.config.frontend.limits.max_input_chars)
             assert isinstance(ids, list)  # EmbedRequest has no text input
