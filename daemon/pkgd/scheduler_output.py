@@ -80,3 +80,15 @@ class SchedulerOutput:
     structured_output_request_ids: dict[str, int] = dataclasses.field(default_factory=dict)
     grammar_bitmask: bytes | None = None
     scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class DraftSlot:
+    """One request that may speculate this step: its tokens so far, its block table (draft
+    model KV shares it), and the most tokens it may propose."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    max_tokens: int
+    draft_num_computed: int = 0  # draft_model: tokens whose draft KV is valid

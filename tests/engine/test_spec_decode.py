@@ -40,7 +40,12 @@ def _one_thread():
 
 def make_engine(model_dir, speculative=None, **sections) -> EngineCore:
     cfg = VllmConfig(
-        model={"source": str(model_dir), "dtype": "float32", "max_model_len": sections.pop("max_model_len", 256)},
+        model={
+            "source": str(model_dir),
+            "dtype": "float32",
+            "max_model_len": sections.pop("max_model_len", 256),
+            "tokenizer": sections.pop("tokenizer", None),
+        },
         cache={"num_blocks": sections.pop("num_blocks", 64), "block_size": 4},
         parallel={"cpu_threads": 1},
         speculative=speculative or {},
@@ -136,3 +141,56 @@ def test_prediction_drafts_without_a_speculative_config(tiny_llama):
     assert finals["r0"].rejected_prediction_tokens == 0
     assert finals["r1"].accepted_prediction_tokens > 0
     assert finals["r1"].rejected_prediction_tokens > 0
+
+
+@pytest.mark.slow  # compiles a grammar for a 49k vocabulary
+def test_structured_output_masks_every_verified_position(tmp_path):
+    """A tiny model with SmolLM2's vocabulary under a JSON schema: with n-gram proposals the
+    greedy output is the one without (a proposal the grammar rejects is cut, each verified
+    position is masked with the grammar advanced over the proposals before it)."""
+    from tests.smollm2 import smollm2_gguf
+
+    from pkgd.sampling_params import StructuredOutputsParams
+
+    build_tiny("llama", tmp_path, vocab_size=49152)
+    schema = {"type": "array", "items": {"enum": [11, 22, 333]}, "minItems": 14, "maxItems": 14}
+    so = StructuredOutputsParams(json=schema)
+
+    def run_so(speculative):
+        engine = make_engine(tmp_path, speculative, tokenizer=str(smollm2_gguf()))
+        out: dict[str, list[int]] = {}
+        for i, prompt in enumerate([[5, 6, 7], [8, 9, 10, 11]]):
+            sp = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=so)
+            engine.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=sp))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, engine.stats()
+
+    want, _ = run_so(None)
+    got, stats = run_so(NGRAM)
+    assert got == want
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_draft_model_greedy_equals_no_speculation(tiny_llama, tmp_path):
+    """A smaller random Llama of the same vocabulary as the draft (its own KV cache in the
+    target's blocks); and the target itself as its own draft, whose proposals are all kept."""
+    small = tmp_path / "draft"
+    build_tiny("llama", small, seed=3, hidden_size=32, intermediate_size=48, num_hidden_layers=1)
+    base = dict(scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 8, "long_prefill_token_threshold": 8})
+    want = run(make_engine(tiny_llama, **base), PROMPTS, max_tokens=30)
+    for draft in (small, tiny_llama):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        engine = make_engine(tiny_llama, spec, **base)
+        assert run(engine, PROMPTS, max_tokens=30) == want
+        stats = engine.stats()
+        assert stats.spec_decode_num_drafts > 0
+        if draft == tiny_llama:
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    build_tiny("llama", tmp_path, vocab_size=96)
+    with pytest.raises(ValueError, match="speculative.model: .* vocabulary of 96 tokens"):
+        make_engine(tiny_llama, {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})

@@ -107,13 +107,18 @@ def _prepare(
     )
     params, constraint = serving.with_constraint(state, body, params)
     template = _template_args(body)
+    pred = body.prediction.text() if body.prediction is not None else None
     if rendered is None:
-        build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **template)  # noqa: E731
+        build = lambda ip: ip.process_chat(  # noqa: E731
+            rid, params=params, priority=body.priority, prediction=pred, **template
+        )
     elif isinstance(rendered, Exception):
         raise rendered
     else:
         prompt = rendered
-        build = lambda ip: ip.process(rid, prompt, params, add_special_tokens=False, priority=body.priority)  # noqa: E731
+        build = lambda ip: ip.process(  # noqa: E731
+            rid, prompt, params, add_special_tokens=False, priority=body.priority, prediction=pred
+        )
     return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
 
 
@@ -239,7 +244,9 @@ class _Chat:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens),
+            usage=serving.usage(
+                len(self.processed.prompt_token_ids), completion_tokens, serving.prediction_counts(self.body, outputs)
+            ),
         )
 
     def _named(self) -> str | None:
@@ -278,12 +285,14 @@ class _Chat:
         timeout = self.state.config.frontend.request_timeout
         continuous = serving.continuous_usage(self.body)
         prompt_tokens = len(self.processed.prompt_token_ids)
+        latest: dict[int, Any] = {}  # choice index -> its newest output (prediction counts)
         # Closed on any exit (a bug below, the client leaving): that aborts the engine request.
         async with contextlib.aclosing(self.state.llm.generate(self.processed, timeout=timeout)) as outs:
             async for ro in outs:
                 choices = []
                 for c in ro.outputs:
                     completion_tokens += len(c.token_ids)
+                    latest[c.index] = c
                     choice = per_choice[c.index].update(c)
                     if choice is not None:
                         choices.append(choice)
@@ -296,7 +305,9 @@ class _Chat:
                 created=self.created,
                 model=self.model,
                 choices=[],
-                usage=serving.usage(prompt_tokens, completion_tokens),
+                usage=serving.usage(
+                    prompt_tokens, completion_tokens, serving.prediction_counts(self.body, latest.values())
+                ),
             ).model_dump_json()
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Any = None) -> str:

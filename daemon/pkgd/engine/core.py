@@ -119,7 +119,9 @@ def load_draft_model(config: VllmConfig, target: Any) -> Any:
     loaded beside ``target`` (imports torch). Raises `ValueError` when its vocabulary differs."""
     from pkgd.runner.draft_model import DraftModelProposer
 
-    return DraftModelProposer.load(config, target.model_info.vocab_size)
+    info = target.model_info
+    limit = info.max_model_len if config.model.max_model_len is None else min(config.model.max_model_len, info.max_model_len)
+    return DraftModelProposer.load(config, info.vocab_size, limit)
 
 
 def default_cpu_kv_cache_bytes(config: VllmConfig, available_bytes: int | None) -> int:

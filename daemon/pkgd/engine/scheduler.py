@@ -407,8 +407,9 @@ class Scheduler:
         )
         if out.finish_reason is not None:
             out.num_preemptions = request.num_preemptions
-            out.accepted_prediction_tokens = request.num_accepted_prediction_tokens
-            out.rejected_prediction_tokens = request.num_rejected_prediction_tokens
+        # Cumulative on every output: a stop string may end the request in the frontend first.
+        out.accepted_prediction_tokens = request.num_accepted_prediction_tokens
+        out.rejected_prediction_tokens = request.num_rejected_prediction_tokens
         if not request.sent_first_output:
             request.sent_first_output = True
             out.num_cached_tokens = max(request.num_cached_tokens, 0)

@@ -32,6 +32,8 @@ from typing import Protocol
 
 import numpy as np
 
+from pkgd.scheduler_output import DraftSlot
+
 # A request with a prediction but no speculative config proposes this many tokens per step,
 # and matches n-grams of these lengths against the prediction.
 PREDICTION_NUM_TOKENS = 8
@@ -76,18 +78,6 @@ def prediction_propose(prediction: Sequence[int], output: Sequence[int], k: int)
             start = int(hits[np.argmin(np.abs(hits + n - len(output)))]) + n
             return pred[start : start + k].tolist()
     return []
-
-
-@dataclasses.dataclass
-class DraftSlot:
-    """One request that may speculate this step: its tokens so far, its block table (draft
-    model KV shares it), and the most tokens it may propose."""
-
-    request_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    max_tokens: int
-    draft_num_computed: int = 0  # draft_model: tokens whose draft KV is valid
 
 
 class DraftModel(Protocol):

@@ -178,9 +178,12 @@ class InputProcessor:
         add_special_tokens: bool = True,
         arrival_time: float | None = None,
         priority: int = 0,
+        prediction: str | None = None,
     ) -> ProcessedRequest:
         """Build the engine request(s) for a text prompt, a list of prompt token ids, or a
         text prompt tokenized already (``add_special_tokens`` then as it was tokenized with).
+        ``prediction``: OpenAI Predicted Outputs' text, tokenized without special tokens and
+        sent as the engine's speculative draft source (`pkgd.engine.spec_decode`).
 
         Raises `ValueError`: invalid sampling parameters, an empty prompt, token ids outside
         the vocabulary (prompt, ``stop_token_ids``, ``logit_bias``), or ``prompt + max_tokens``
@@ -204,12 +207,17 @@ class InputProcessor:
         self._check_prompt(token_ids)
         params = self._fill_max_tokens(params, len(token_ids))
         arrival = time.time() if arrival_time is None else arrival_time
+        engine_requests = self._fan_out(request_id, token_ids, params, arrival, priority)
+        if prediction:
+            predicted = self.tokenize(prediction, add_special_tokens=False)
+            for r in engine_requests:
+                r.prediction_token_ids = predicted
         return ProcessedRequest(
             request_id=request_id,
             prompt=text,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            engine_requests=self._fan_out(request_id, token_ids, params, arrival, priority),
+            engine_requests=engine_requests,
             arrival_time=arrival,
         )
 
@@ -221,13 +229,20 @@ class InputProcessor:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        prediction: str | None = None,
         **chat_kwargs: Any,
     ) -> ProcessedRequest:
         """`render_chat` then `process` (the rendered text already holds the special tokens,
         so none are added). ``chat_kwargs`` go to `render_chat`."""
         text = self.render_chat(messages, **chat_kwargs)
         return self.process(
-            request_id, text, params, add_special_tokens=False, arrival_time=arrival_time, priority=priority
+            request_id,
+            text,
+            params,
+            add_special_tokens=False,
+            arrival_time=arrival_time,
+            priority=priority,
+            prediction=prediction,
         )
 
     def process_pooling(

@@ -146,8 +146,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     sent with the first output, as Unix times in seconds of the engine's clock;
     ``num_preemptions`` (how often it lost its KV blocks) with the last. A pooling request has
     one output, its last, with ``pooling_output``: the pooled vector as little-endian float32
-    bytes (4 x its dimensions) and no tokens. A request with a prediction gets, with its last
-    output, how many proposed prediction tokens verification accepted and rejected.
+    bytes (4 x its dimensions) and no tokens. A request with a prediction gets, with every
+    output, how many proposed prediction tokens verification has accepted and rejected so far.
     """
 
     request_id: str
