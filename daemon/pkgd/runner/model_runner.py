@@ -459,6 +459,7 @@ class ModelRunner:
             * a.head_dim
             * max(self.kv_caches[0][0].element_size(), self.dtype.itemsize),
             device=self.device,
+            shares_sequences=bool(batch.drafts),
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
