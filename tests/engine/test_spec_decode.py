@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.runner.tiny_models import build_tiny
 
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.core import EngineCore
 from pkgd.engine.spec_decode import ngram_propose, prediction_propose
 from pkgd.ipc.messages import EngineCoreRequest
 from pkgd.sampling_params import SamplingParams
-from tests.runner.tiny_models import build_tiny
 
 # Prompts with repeats, so n-gram lookup finds proposals from the first step on.
 PROMPTS = [

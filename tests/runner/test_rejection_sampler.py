@@ -19,11 +19,11 @@ import math
 
 import pytest
 import torch
+from tests.runner.tiny_models import build_tiny
 
 from pkgd.runner.rejection_sampler import VerifyGroup, verify
 from pkgd.runner.sampler import Sampler, SamplingRow
 from pkgd.sampling_params import SamplingParams
-from tests.runner.tiny_models import build_tiny
 
 N = 20000
 TEMPERATURE = 0.5  # a tiny random model's logits are flat; this spreads p over ~20 tokens

@@ -119,7 +119,8 @@ def test_an_unsupported_vllm_flag_is_one_line_and_exit_2():
     )
     assert r.returncode == 2
     assert r.stderr.splitlines()[1:] == [
-        "  --kv-transfer-config: a vLLM flag pkgd does not support: pkgd has no disaggregated prefill / KV-cache transfer"
+        "  --kv-transfer-config: a vLLM flag pkgd does not support: "
+        "pkgd has no disaggregated prefill / KV-cache transfer"
     ]
 
 

@@ -282,9 +282,7 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     yield DONE
 
 
-def usage(
-    prompt_tokens: int, completion_tokens: int, prediction: CompletionTokensDetails | None = None
-) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, prediction: CompletionTokensDetails | None = None) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

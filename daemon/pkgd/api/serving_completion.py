@@ -193,7 +193,9 @@ class _Formatter:
             model=self.model,
             choices=choices,
             usage=serving.usage(
-                prompt_tokens, completion_tokens, serving.prediction_counts(self.body, [c for ro in outputs for c in ro.outputs])
+                prompt_tokens,
+                completion_tokens,
+                serving.prediction_counts(self.body, [c for ro in outputs for c in ro.outputs]),
             ),
         )
 

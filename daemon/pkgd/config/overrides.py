@@ -287,7 +287,9 @@ def keyword_ops(kwargs: Mapping[str, Any]) -> tuple[list[ValueOp], list[str]]:
     sections = set(schema.children(""))
     # a section's JSON flag as a keyword taking a dict (``speculative_config={...}``, as vLLM's LLM)
     section_keywords = {
-        flag[2:].replace("-", "_"): section for flag, section in schema.section_aliases().items() if flag.startswith("--")
+        flag[2:].replace("-", "_"): section
+        for flag, section in schema.section_aliases().items()
+        if flag.startswith("--")
     }
     ops: list[ValueOp] = []
     problems: list[str] = []

@@ -34,8 +34,7 @@ class SpeculativeConfig(Section):
     )
     num_speculative_tokens: int | None = field(
         None,
-        "Tokens proposed per step and verified in one target forward pass; required when a "
-        "method is set.",
+        "Tokens proposed per step and verified in one target forward pass; required when a method is set.",
         aliases=("--spec-tokens",),
         ge=1,
         le=32,

@@ -17,7 +17,6 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from pkgd.config.fields import section
-from pkgd.config.speculative import SpeculativeConfig, speculative_problems
 from pkgd.config.sections import (
     CacheConfig,
     FrontendConfig,
@@ -29,6 +28,7 @@ from pkgd.config.sections import (
     Section,
     SupervisorConfig,
 )
+from pkgd.config.speculative import SpeculativeConfig, speculative_problems
 
 ServeMode = Literal["single", "multi_api", "headless", "external_lb", "hybrid_lb"]
 

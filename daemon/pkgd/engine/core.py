@@ -120,7 +120,11 @@ def load_draft_model(config: VllmConfig, target: Any) -> Any:
     from pkgd.runner.draft_model import DraftModelProposer
 
     info = target.model_info
-    limit = info.max_model_len if config.model.max_model_len is None else min(config.model.max_model_len, info.max_model_len)
+    limit = (
+        info.max_model_len
+        if config.model.max_model_len is None
+        else min(config.model.max_model_len, info.max_model_len)
+    )
     return DraftModelProposer.load(config, info.vocab_size, limit)
 
 
@@ -248,7 +252,9 @@ class EngineCore:
         self.block_size = config.cache.block_size
         # speculative.method: draft_model: the draft's KV shares the target's block ids, so
         # every block costs both models' bytes.
-        self.draft_model = load_draft_model(config, self.model_runner) if config.speculative.method == "draft_model" else None
+        self.draft_model = (
+            load_draft_model(config, self.model_runner) if config.speculative.method == "draft_model" else None
+        )
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
         if self.draft_model is not None:
             bytes_per_block += self.draft_model.kv_cache_bytes_per_block(self.block_size)

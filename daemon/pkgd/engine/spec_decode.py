@@ -163,9 +163,7 @@ class Speculator:
             elif self.method == "ngram":
                 out[i] = ngram_propose(request.all_token_ids, self.lookup[0], self.lookup[1], k)
             elif self.method == "draft_model":
-                slot = DraftSlot(
-                    request.request_id, request.all_token_ids, block_ids[i], k, request.draft_num_computed
-                )
+                slot = DraftSlot(request.request_id, request.all_token_ids, block_ids[i], k, request.draft_num_computed)
                 model_slots.append((i, slot))
         if model_slots:
             assert self.draft_model is not None  # checked in __init__

@@ -75,8 +75,7 @@ class DraftModelProposer:
             return {}
         first = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData(s.request_id, s.token_ids, [], _GREEDY, s.block_ids, s.draft_num_computed)
-                for s in slots
+                NewRequestData(s.request_id, s.token_ids, [], _GREEDY, s.block_ids, s.draft_num_computed) for s in slots
             ],
             scheduled_cached_reqs=CachedRequestData(),
             num_scheduled_tokens={s.request_id: len(s.token_ids) - s.draft_num_computed for s in slots},

@@ -79,9 +79,7 @@ def verify(
         emitted.append(tokens)
         if raw_lp is not None and g.row.params.logprobs is not None:
             lp_rows = raw_lp[start : start + len(tokens)]
-            logprobs.append(
-                batch_token_logprobs(lp_rows, torch.tensor(tokens), [g.row.params.logprobs] * len(tokens))
-            )
+            logprobs.append(batch_token_logprobs(lp_rows, torch.tensor(tokens), [g.row.params.logprobs] * len(tokens)))
         else:
             logprobs.append(None)
         start += len(g.draft) + 1
