@@ -477,6 +477,8 @@ class EngineCore:
             )
         self.kv_cache_manager.reset_prefix_cache()
         self.model_runner.sleep(level)
+        if self.draft_model is not None:
+            self.draft_model.runner.sleep(level)
         self.sleep_level, self.asleep = level, set(SLEEP_TAGS)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -491,6 +493,8 @@ class EngineCore:
         wanted = [t for t in tags if t in self.asleep]
         if wanted:
             self.model_runner.wake_up(wanted)
+            if self.draft_model is not None:
+                self.draft_model.runner.wake_up(wanted)
             self.asleep -= set(wanted)
         if not self.asleep:
             self.sleep_level = 0

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pkgd.scheduler_output import DraftSlot
+
+if TYPE_CHECKING:
+    from pkgd.engine.request import Request
 
 # A request with a prediction but no speculative config proposes this many tokens per step,
 # and matches n-grams of these lengths against the prediction.
@@ -139,7 +142,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecDecodeStats()
 
-    def num_to_propose(self, request, budget: int) -> int:  # request: pkgd.engine.request.Request
+    def num_to_propose(self, request: Request, budget: int) -> int:
         """The most tokens ``request`` may propose this step: 0 unless it is decoding (only its
         last token is uncomputed) and speculates (a method is on or it has a prediction);
         bounded by ``budget - 1`` and by what its ``max_tokens`` and ``max_model_len`` leave
@@ -152,7 +155,7 @@ class Speculator:
         left = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         return max(0, min(k, left, budget - 1))
 
-    def propose(self, requests: list, ks: list[int], block_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, requests: list[Request], ks: list[int], block_ids: list[list[int]]) -> list[list[int]]:
         """Proposals (at most ``ks[i]`` tokens, maybe none) for ``requests`` (`Request`s whose
         KV slots for ``1 + ks[i]`` tokens are allocated, ``block_ids[i]`` their tables)."""
         out: list[list[int]] = [[] for _ in requests]
@@ -175,7 +178,7 @@ class Speculator:
                 requests[i].draft_num_computed = len(slot.token_ids)
         return out
 
-    def on_verified(self, request, num_draft: int, num_accepted: int) -> None:
+    def on_verified(self, request: Request, num_draft: int, num_accepted: int) -> None:
         """Count one verified proposal (metrics, the prediction's usage counts)."""
         self.stats.observe(num_draft, num_accepted)
         if request.prediction_token_ids:
