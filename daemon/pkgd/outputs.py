@@ -41,6 +41,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # OpenAI Predicted Outputs: proposed prediction tokens accepted / rejected so far
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

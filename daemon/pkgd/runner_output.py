@@ -12,7 +12,8 @@ class ModelRunnerOutput:
     """Per scheduled request, in ``req_ids`` order.
 
     ``sampled_token_ids[i]`` is ``[token]`` when request i finished its scheduled prefill or
-    decode this step, ``[]`` while a chunked prefill is still partial. ``logprobs[i]`` is set
+    decode this step, ``[]`` while a chunked prefill is still partial; a speculating request
+    gets its accepted proposed tokens followed by one sampled token. ``logprobs[i]`` is set
     when the request asked for ``logprobs`` (one entry per sampled token).
     ``prompt_logprobs[req_id]`` holds the prompt positions computed this step.
     ``pooler_output[req_id]`` is a pooling request's pooled vector (little-endian float32

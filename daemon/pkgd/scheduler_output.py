@@ -64,6 +64,12 @@ class SchedulerOutput:
     ceil(vocab_size / 32)]`` as little-endian bytes (bit ``t % 32`` of word ``t // 32`` set =
     token ``t`` allowed); ``structured_output_request_ids[req_id]`` is the request's row. The
     runner masks those requests' logits before sampling; other requests are not touched.
+
+    Speculative decoding: ``scheduled_spec_decode_tokens[req_id]`` are the proposed tokens
+    scheduled after the request's last known token (they count in its
+    ``num_scheduled_tokens``); the runner verifies them and returns the accepted ones plus one
+    sampled token. A speculating constrained request has ``1 + len(proposal)`` consecutive
+    bitmask rows from its ``structured_output_request_ids`` row, one per verified position.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -73,3 +79,16 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     structured_output_request_ids: dict[str, int] = dataclasses.field(default_factory=dict)
     grammar_bitmask: bytes | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class DraftSlot:
+    """One request that may speculate this step: its tokens so far, its block table (draft
+    model KV shares it), and the most tokens it may propose."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    max_tokens: int
+    draft_num_computed: int = 0  # draft_model: tokens whose draft KV is valid

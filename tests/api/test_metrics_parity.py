@@ -171,3 +171,25 @@ def test_engine_counters_are_the_cores_cumulative_numbers(anyio_backend):
     assert buckets["1.0"] == 5 and buckets["16.0"] == 5 and buckets["32.0"] == 7 and buckets["+Inf"] == 8
     assert by_name["vllm:iteration_tokens_total_count"].value == 8
     assert not fams["vllm:cache_config_info"].samples  # no handshake: the core is down
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_spec_decode_counters_carry_vllms_names_and_positions(anyio_backend):
+    stats = {
+        0: (
+            None,
+            SchedulerStats(
+                spec_decode_num_drafts=10,
+                spec_decode_num_draft_tokens=40,
+                spec_decode_num_accepted_tokens=25,
+                spec_decode_accepted_per_pos=[10, 8, 5, 2],
+            ),
+        )
+    }
+    fams = {f.name: f for f in EngineStatsCollector("m", lambda: stats, {}).collect()}
+    by_name = {s.name: s.value for f in fams.values() for s in f.samples if not s.name.endswith("_bucket")}
+    assert by_name["vllm:spec_decode_num_drafts_total"] == 10
+    assert by_name["vllm:spec_decode_num_draft_tokens_total"] == 40
+    assert by_name["vllm:spec_decode_num_accepted_tokens_total"] == 25
+    per_pos = {s.labels["position"]: s.value for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert per_pos == {"0": 10.0, "1": 8.0, "2": 5.0, "3": 2.0}

@@ -69,8 +69,9 @@ class Daemon:
         self.config_path.parent.mkdir(exist_ok=True)
         self.config = merge(merge(BASE_CONFIG, {"supervisor": {"runtime_dir": str(self.runtime_dir)}}), config)
         self.write_config(self.config)
-        if real:  # the real `pkgd serve` with the real children, on this config tree
-            argv = [str(Path(sys.executable).with_name("pkgd")), "serve", "--config-dir", str(self.config_path.parent)]
+        if real:  # the real `pkgd serve` with the real children, on this config tree (argv: more flags)
+            pkgd = str(Path(sys.executable).with_name("pkgd"))
+            argv = [pkgd, "serve", "--config-dir", str(self.config_path.parent), *(argv or [])]
         self.events: list[dict[str, Any]] = []
         self.lines: list[str] = []
         self._cond = threading.Condition()

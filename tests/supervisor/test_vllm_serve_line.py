@@ -112,12 +112,27 @@ def test_vllm_launch_line_serves_and_the_dashboard_finds_every_metric(start_daem
 
 def test_an_unsupported_vllm_flag_is_one_line_and_exit_2():
     r = subprocess.run(
-        [PKGD, "serve", "--port", "1", "--speculative-config", '{"method": "ngram"}', "--enforce-eager"],
+        [PKGD, "serve", "--port", "1", "--kv-transfer-config", '{"kv_connector": "x"}', "--enforce-eager"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 2
     assert r.stderr.splitlines()[1:] == [
-        "  --speculative-config: a vLLM flag pkgd does not support: pkgd has no speculative decoding"
+        "  --kv-transfer-config: a vLLM flag pkgd does not support: "
+        "pkgd has no disaggregated prefill / KV-cache transfer"
+    ]
+
+
+def test_an_invalid_speculative_config_exits_2_with_dotted_paths():
+    r = subprocess.run(
+        [PKGD, "serve", "--port", "1", "-sc", '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[1:] == [
+        "  speculative.num_speculative_tokens: required with speculative.method: ngram",
+        "  speculative.prompt_lookup_min: 5 is greater than speculative.prompt_lookup_max: 3",
     ]

@@ -83,6 +83,7 @@ class SamplingFields(KnownFieldsModel):
 
     model: str | None = None
     n: int = Field(1, ge=1, le=INT64_MAX)  # frontend.limits.max_n is the real bound
+    prediction: Prediction | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -128,10 +129,48 @@ class SamplingFields(KnownFieldsModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class CompletionTokensDetails(BaseModel):
+    """OpenAI's ``usage.completion_tokens_details`` for Predicted Outputs: proposed prediction
+    tokens that speculative verification accepted / rejected (`pkgd.engine.spec_decode`)."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_empty_details(self, handler: Any) -> Any:
+        """``completion_tokens_details`` only when a prediction was given (as OpenAI's
+        fields appear only for the features a request used)."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
+
+
+class PredictionContentPart(OpenAIModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(OpenAIModel):
+    """OpenAI Predicted Outputs: text the output is expected to mostly repeat; pkgd proposes
+    it as the request's speculative draft (the output is what it would be without it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[PredictionContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ErrorInfo(BaseModel):

@@ -70,7 +70,11 @@ ROWS: tuple[FieldRow, ...] = (
     _i("metadata", "tags for OpenAI's stored completions", {"k": "v"}),
     _i("service_tier", "OpenAI's processing tier; pkgd has one", "auto"),
     _i("modalities", 'only ["text"]; any other value is a 400 naming the field', ["text"]),
-    _r("prediction", "Predicted Outputs need speculative decoding", {"type": "content", "content": "x"}),
+    _h(
+        "prediction",
+        "Predicted Outputs: the content is the speculative proposal (docs/speculative-decoding.md); "
+        "usage.completion_tokens_details counts accepted and rejected prediction tokens",
+    ),
     # ---- completions only
     _h("prompt", "text, token ids, or a batch of either", "completion"),
     _h("logprobs", "top logprobs per generated token (0..frontend.limits.max_logprobs)", "completion"),

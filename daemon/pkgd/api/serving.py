@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -21,7 +21,7 @@ from starlette.requests import Request
 from pkgd import log
 from pkgd.api import request_fields
 from pkgd.api.errors import APIError, from_engine_error, from_value_error, sse_error
-from pkgd.api.protocol import SamplingFields, UsageInfo
+from pkgd.api.protocol import CompletionTokensDetails, SamplingFields, UsageInfo
 from pkgd.api.structured import Constraint, request_constraint
 from pkgd.ipc.client import EngineRequestError, EngineUnavailableError
 from pkgd.sampling_params import RequestOutputKind, SamplingParams
@@ -321,7 +321,23 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     yield DONE
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, prediction: CompletionTokensDetails | None = None) -> UsageInfo:
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        completion_tokens_details=prediction,
+    )
+
+
+def prediction_counts(body: SamplingFields, outputs: Iterable[Any]) -> CompletionTokensDetails | None:
+    """``usage.completion_tokens_details`` of a request with a ``prediction`` (None without):
+    the accepted / rejected prediction tokens summed over its completions' newest outputs
+    (`pkgd.outputs.CompletionOutput`, counts cumulative per completion)."""
+    if body.prediction is None:
+        return None
+    outs = list(outputs)
+    return CompletionTokensDetails(
+        accepted_prediction_tokens=sum(c.accepted_prediction_tokens for c in outs),
+        rejected_prediction_tokens=sum(c.rejected_prediction_tokens for c in outs),
     )

@@ -112,7 +112,12 @@ def _prepare(
         # The format's markers are special tokens (Mistral's [TOOL_CALLS]): keep them in the text.
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     template = template_args(body)
-    tokens = {"add_special_tokens": body.add_special_tokens, "truncate_prompt_tokens": body.truncate_prompt_tokens}
+    pred = body.prediction.text() if body.prediction is not None else None
+    tokens = {
+        "add_special_tokens": body.add_special_tokens,
+        "truncate_prompt_tokens": body.truncate_prompt_tokens,
+        "prediction": pred,
+    }
     if rendered is None:
         build = lambda ip: ip.process_chat(rid, params=params, priority=body.priority, **tokens, **template)  # noqa: E731
     elif isinstance(rendered, Exception):
@@ -254,7 +259,9 @@ class _Chat:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=serving.usage(len(self.processed.prompt_token_ids), completion_tokens),
+            usage=serving.usage(
+                len(self.processed.prompt_token_ids), completion_tokens, serving.prediction_counts(self.body, outputs)
+            ),
             prompt_logprobs=prompt_logprobs_json(out) if self.body.prompt_logprobs is not None else None,
         )
 
@@ -294,12 +301,14 @@ class _Chat:
         timeout = self.state.config.frontend.request_timeout
         continuous = serving.continuous_usage(self.body)
         prompt_tokens = len(self.processed.prompt_token_ids)
+        latest: dict[int, Any] = {}  # choice index -> its newest output (prediction counts)
         # Closed on any exit (a bug below, the client leaving): that aborts the engine request.
         async with contextlib.aclosing(self.state.llm.generate(self.processed, timeout=timeout)) as outs:
             async for ro in outs:
                 choices = []
                 for c in ro.outputs:
                     completion_tokens += len(c.token_ids)
+                    latest[c.index] = c
                     choice = per_choice[c.index].update(c)
                     if choice is not None:
                         choices.append(choice)
@@ -312,7 +321,9 @@ class _Chat:
                 created=self.created,
                 model=self.model,
                 choices=[],
-                usage=serving.usage(prompt_tokens, completion_tokens),
+                usage=serving.usage(
+                    prompt_tokens, completion_tokens, serving.prediction_counts(self.body, latest.values())
+                ),
             ).model_dump_json()
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Any = None) -> str:

@@ -115,6 +115,7 @@ def _prepare(
                         add_special_tokens=body.add_special_tokens,
                         priority=body.priority,
                         truncate_prompt_tokens=body.truncate_prompt_tokens,
+                        prediction=body.prediction.text() if body.prediction is not None else None,
                     ),
                 )
             )
@@ -208,7 +209,11 @@ class _Formatter:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=serving.usage(prompt_tokens, completion_tokens),
+            usage=serving.usage(
+                prompt_tokens,
+                completion_tokens,
+                serving.prediction_counts(self.body, [c for ro in outputs for c in ro.outputs]),
+            ),
         )
 
     def _scored(self, c: CompletionOutput) -> CompletionOutput:
@@ -260,6 +265,7 @@ class _Formatter:
         completion_tokens = 0
         prompt_tokens = sum(len(p.prompt_token_ids) for p in self.processed)
         continuous = serving.continuous_usage(body)
+        latest: dict[int, Any] = {}  # choice index -> its newest output (prediction counts)
         # Closed on any exit (a bug below, the client leaving): that aborts the engine requests.
         async with contextlib.aclosing(serving.merge_streams(gens)) as merged:
             async for i, ro in merged:
@@ -267,6 +273,7 @@ class _Formatter:
                 for c in ro.outputs:
                     c = self._scored(c)
                     index = i * n + c.index
+                    latest[index] = c
                     completion_tokens += len(c.token_ids)
                     prefix = ""
                     if body.echo and index not in started:
@@ -284,7 +291,7 @@ class _Formatter:
                 created=self.created,
                 model=self.model,
                 choices=[],
-                usage=serving.usage(prompt_tokens, completion_tokens),
+                usage=serving.usage(prompt_tokens, completion_tokens, serving.prediction_counts(body, latest.values())),
             ).model_dump_json()
 
     def _stream_choice(

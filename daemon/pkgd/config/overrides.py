@@ -285,12 +285,20 @@ def keyword_ops(kwargs: Mapping[str, Any]) -> tuple[list[ValueOp], list[str]]:
         by_name.setdefault(leaf.key.rpartition(".")[2], []).append(leaf)
     names = {name: found[0] for name, found in by_name.items() if len(found) == 1}
     sections = set(schema.children(""))
+    # a section's JSON flag as a keyword taking a dict (``speculative_config={...}``, as vLLM's LLM)
+    section_keywords = {
+        flag[2:].replace("-", "_"): section
+        for flag, section in schema.section_aliases().items()
+        if flag.startswith("--")
+    }
     ops: list[ValueOp] = []
     problems: list[str] = []
     for name, value in kwargs.items():
         origin = f"keyword {name}"
         if name in sections and isinstance(value, Mapping):
             ops.extend(ValueOp(key, v, origin=origin) for key, v in _flatten(value, name))
+        elif name in section_keywords and isinstance(value, Mapping):
+            ops.extend(ValueOp(key, v, origin=origin) for key, v in _flatten(value, section_keywords[name]))
         elif "." in name and name.split(".", 1)[0] in sections:
             ops.append(ValueOp(name, value, origin=origin))
         elif name in index:

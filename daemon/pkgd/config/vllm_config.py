@@ -28,6 +28,7 @@ from pkgd.config.sections import (
     Section,
     SupervisorConfig,
 )
+from pkgd.config.speculative import SpeculativeConfig, speculative_problems
 
 ServeMode = Literal["single", "multi_api", "headless", "external_lb", "hybrid_lb"]
 
@@ -59,6 +60,11 @@ class VllmConfig(Section):
     cache: CacheConfig = section(CacheConfig, "Paged KV cache.")
     supervisor: SupervisorConfig = section(SupervisorConfig, "Process supervision.")
     logging: LoggingConfig = section(LoggingConfig, "Logging.")
+    speculative: SpeculativeConfig = section(
+        SpeculativeConfig,
+        "Speculative decoding (n-gram prompt lookup or a draft model).",
+        aliases=("--speculative-config", "-sc"),
+    )
 
     @model_validator(mode="after")
     def _boundaries(self) -> VllmConfig:
@@ -132,6 +138,7 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
             f"scheduler.long_prefill_token_threshold: {s.long_prefill_token_threshold} caps prefill chunks "
             "and needs scheduler.enable_chunked_prefill: true (or set it to 0)"
         )
+    problems += speculative_problems(cfg.speculative, tp=p.tp)
     plan = cfg.serve_plan()
     if f.allow_runtime_lora_updating and plan.api_server_count > 1:
         problems.append(

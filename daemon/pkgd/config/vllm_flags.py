@@ -29,7 +29,6 @@ from typing import Any, Literal
 # Features pkgd does not have; the "off" form of such a switch is satisfied below.
 _NO_LORA = "pkgd serves no LoRA adapters"
 _NO_MM = "pkgd serves text-only models (no multimodal inputs)"
-_NO_SPEC = "pkgd has no speculative decoding"
 _NO_MOE = (
     "pkgd places MoE experts one way (parallel.enable_expert_parallel: a contiguous num_experts / tp "
     "per rank) with one kernel path, and has no expert load balancing or routed-expert output"
@@ -295,13 +294,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
     ),
     "pkgd exposes no hidden (deprecated) metrics": ("--show-hidden-metrics-for-version",),
     _NO_TRACING: ("--otlp-traces-endpoint", "--collect-detailed-traces", "--enable-layerwise-nvtx-tracing"),
-    _NO_SPEC: (
+    "speculative decoding is reported in the engine's vllm:spec_decode_* counters, not per request": (
         "--per-request-spec-decode-metrics",
-        "--speculative-config",
-        "-sc",
-        "--spec-method",
-        "--spec-model",
-        "--spec-tokens",
     ),
     "pkgd exports no KV-cache residency metrics": ("--kv-cache-metrics", "--kv-cache-metrics-sample"),
     "histogram buckets are vLLM's defaults (see docs/metrics.md)": ("--custom-histogram-buckets",),

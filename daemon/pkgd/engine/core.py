@@ -27,6 +27,7 @@ from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.engine.kv_cache_manager import KVCacheManager
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
+from pkgd.engine.spec_decode import Speculator
 from pkgd.engine.structured_output import StructuredOutputManager
 from pkgd.engine.threads import ThreadGovernor
 from pkgd.ipc.messages import PROTOCOL_VERSION, EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -112,6 +113,20 @@ def load_model_runner(config: VllmConfig) -> tuple[Any, ModelRunnerLike]:
         device = resolve_device(config.parallel.device)
         return model_files, TPExecutor(config, model_files, threads=threads, device=device)
     return model_files, ModelRunner(config, model_files)
+
+
+def load_draft_model(config: VllmConfig, target: Any) -> Any:
+    """The draft model of ``speculative.method: draft_model`` (`pkgd.runner.draft_model`),
+    loaded beside ``target`` (imports torch). Raises `ValueError` when its vocabulary differs."""
+    from pkgd.runner.draft_model import DraftModelProposer
+
+    info = target.model_info
+    limit = (
+        info.max_model_len
+        if config.model.max_model_len is None
+        else min(config.model.max_model_len, info.max_model_len)
+    )
+    return DraftModelProposer.load(config, info.vocab_size, limit)
 
 
 def default_cpu_kv_cache_bytes(config: VllmConfig, available_bytes: int | None) -> int:
@@ -236,7 +251,14 @@ class EngineCore:
         self.eos_token_id: int | None = info.eos_token_id
         self.model_name = config.model.name or getattr(self.model_files, "name", None) or config.model.source
         self.block_size = config.cache.block_size
+        # speculative.method: draft_model: the draft's KV shares the target's block ids, so
+        # every block costs both models' bytes.
+        self.draft_model = (
+            load_draft_model(config, self.model_runner) if config.speculative.method == "draft_model" else None
+        )
         bytes_per_block = self.model_runner.kv_cache_bytes_per_block(self.block_size)
+        if self.draft_model is not None:
+            bytes_per_block += self.draft_model.kv_cache_bytes_per_block(self.block_size)
         cuda_memory = _cuda_memory(self.model_runner)
         self.num_kv_blocks = determine_num_kv_blocks(
             config,
@@ -254,10 +276,23 @@ class EngineCore:
             )
         _check_host_memory(self.model_runner, bytes_per_block * self.num_kv_blocks)
         self.model_runner.initialize_kv_cache(self.num_kv_blocks, self.block_size)
+        if self.draft_model is not None:
+            self.draft_model.initialize_kv_cache(self.num_kv_blocks, self.block_size)
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, self.block_size, enable_caching=config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv_cache_manager,
+            max_model_len=self.max_model_len,
+            speculator=Speculator(
+                config.speculative.method,
+                config.speculative.num_speculative_tokens,
+                config.speculative.lookup_range(),
+                draft_model=self.draft_model,
+                max_model_len=self.max_model_len,
+            ),
+        )
         self.kv_cache_bytes = bytes_per_block * self.num_kv_blocks
         self.runner_type: str = getattr(info, "runner", "generate")
         self.hidden_size: int = getattr(info, "hidden_size", 0)
@@ -308,6 +343,9 @@ class EngineCore:
             )
         assert request.sampling_params is not None  # exactly one of the two (checked above)
         request.sampling_params.verify(max_logprobs=self.vocab_size, vocab_size=self.vocab_size)
+        bad = [t for t in request.prediction_token_ids or () if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prediction token id {bad[0]} is out of range [0, {self.vocab_size})")
         # The frontend validates the prompt and max_tokens against max_model_len with the
         # user-facing message (pkgd.frontend.input_processor); this one cheap guard keeps a
         # wire client that skipped it from overrunning a request's block table.
@@ -456,6 +494,8 @@ class EngineCore:
             )
         self.kv_cache_manager.reset_prefix_cache()
         self.model_runner.sleep(level)
+        if self.draft_model is not None:
+            self.draft_model.runner.sleep(level)
         self.sleep_level, self.asleep = level, set(SLEEP_TAGS)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -470,6 +510,8 @@ class EngineCore:
         wanted = [t for t in tags if t in self.asleep]
         if wanted:
             self.model_runner.wake_up(wanted)
+            if self.draft_model is not None:
+                self.draft_model.runner.wake_up(wanted)
             self.asleep -= set(wanted)
         if not self.asleep:
             self.sleep_level = 0

@@ -78,6 +78,12 @@ class Request:
             first output.
         structured_output: the constraint's compiled grammar and matcher
             (`pkgd.engine.structured_output.StructuredOutputRequest`), None when unconstrained.
+        prediction_token_ids: OpenAI Predicted Outputs' tokens, the source of its proposals.
+        spec_token_ids: the tokens proposed for it in the step being run (speculative
+            decoding, `pkgd.engine.spec_decode`).
+        num_accepted_prediction_tokens, num_rejected_prediction_tokens: proposed prediction
+            tokens that verification accepted / rejected.
+        draft_num_computed: draft_model: tokens whose draft-model KV is valid.
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class Request:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         skip_prefix_cache: bool = False,
+        prediction_token_ids: list[int] | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -124,6 +131,11 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.sent_first_output = False
         self.structured_output: Any = None
+        self.prediction_token_ids = list(prediction_token_ids) if prediction_token_ids else None
+        self.spec_token_ids: list[int] = []
+        self.num_accepted_prediction_tokens = 0
+        self.num_rejected_prediction_tokens = 0
+        self.draft_num_computed = 0
 
     @classmethod
     def from_engine_core_request(
@@ -139,6 +151,7 @@ class Request:
             priority=req.priority,
             pooling_params=req.pooling_params,
             skip_prefix_cache=skip_prefix_cache,
+            prediction_token_ids=req.prediction_token_ids,
         )
 
     @property

@@ -30,7 +30,11 @@ cache before any attention of that layer reads it.
 (`Request.check_stop`; a constrained request also stops when its grammar is complete, after
 its matcher accepted the token: `pkgd.engine.structured_output`),
 frees finished requests at once (their blocks stay cached) and
-returns one `EngineCoreOutput` per request that produced tokens. A pooling request is a
+returns one `EngineCoreOutput` per request that produced tokens. Speculative decoding
+(`pkgd.engine.spec_decode`): a decoding request that speculates is scheduled for its last
+token plus up to ``k`` proposed ones when the budget and the free blocks allow (else for one
+token, as without speculation); the update rolls ``num_computed_tokens`` back over the
+proposals the runner rejected. A pooling request is a
 prefill that samples nothing: it is scheduled like any prompt (chunked, batched with the
 others) and finishes on the step that computes its last prompt token, with the runner's
 pooled vector as its one output; its blocks are freed in that same update. Torch-free.
@@ -46,6 +50,7 @@ from pkgd.config.sections import SchedulerConfig
 from pkgd.engine.kv_cache_manager import KVCacheManager, cdiv
 from pkgd.engine.request import Request, RequestStatus
 from pkgd.engine.request_queue import create_request_queue
+from pkgd.engine.spec_decode import Speculator
 from pkgd.ipc.messages import ITERATION_TOKENS_BUCKETS, EngineCoreOutput, SchedulerStats
 from pkgd.runner_output import ModelRunnerOutput
 from pkgd.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -71,6 +76,8 @@ class Scheduler:
         kv_cache_manager: the block tables and prefix cache this scheduler fills.
         max_model_len: effective context length in tokens; requests stop there.
         admission_lookahead: tokens of growth reserved per request at admission (0 = none).
+        speculator: speculative decoding (`pkgd.engine.spec_decode.Speculator`); None = a
+            speculator that only serves requests with a prediction.
     """
 
     def __init__(
@@ -80,6 +87,7 @@ class Scheduler:
         *,
         max_model_len: int,
         admission_lookahead: int = ADMISSION_LOOKAHEAD_TOKENS,
+        speculator: Speculator | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -89,6 +97,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.admission_lookahead = admission_lookahead
         self.kv_cache_manager = kv_cache_manager
+        self.speculator = speculator or Speculator(None, None, (1, 1), max_model_len=max_model_len)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -148,6 +157,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             iteration_tokens_counts=list(self.iteration_tokens_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
+            spec_decode_num_drafts=self.speculator.stats.num_drafts,
+            spec_decode_num_draft_tokens=self.speculator.stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
+            spec_decode_accepted_per_pos=list(self.speculator.stats.accepted_per_pos),
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -188,6 +201,7 @@ class Scheduler:
             num_scheduled_tokens=step.num_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens={r.request_id: r.spec_token_ids for r in step.running if r.spec_token_ids},
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -198,6 +212,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            request.spec_token_ids = []
+            k = self.speculator.num_to_propose(request, step.budget)
+            if k and self.kv_cache_manager.can_allocate(request, 1 + k):
+                num_new = 1 + k  # proposals are decided below, once every slot is allocated
+                step.spec[request.request_id] = k
             while (block_ids := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -209,12 +228,30 @@ class Scheduler:
                 continue  # ``request`` itself was preempted; index i now holds the next one
             step.add(request, num_new, block_ids, new=False)
             i += 1
+        self._propose(step)
         # Published only now: a request preempted later in the loop must not leave hashes on
-        # blocks whose KV this step will not compute.
+        # blocks whose KV this step will not compute. Proposed tokens are not published (the
+        # cap at num_tokens): their KV may be rejected.
         for request in step.running:
-            self.kv_cache_manager.cache_blocks(
-                request, request.num_computed_tokens + step.num_tokens[request.request_id]
-            )
+            done = min(request.num_computed_tokens + step.num_tokens[request.request_id], request.num_tokens)
+            self.kv_cache_manager.cache_blocks(request, done)
+
+    def _propose(self, step: _Step) -> None:
+        """Fill in the proposals of the requests scheduled to speculate; a shorter proposal
+        gives its unused tokens back to the budget (slots stay allocated for the next step).
+        A constrained request's proposal is cut where its grammar rejects a token."""
+        reqs = [r for r in step.running if r.request_id in step.spec]
+        if not reqs:
+            return
+        ks = [step.spec[r.request_id] for r in reqs]
+        tables = [self.kv_cache_manager.get_block_ids(r.request_id) for r in reqs]
+        for request, k, draft in zip(reqs, ks, self.speculator.propose(reqs, ks, tables)):
+            so = request.structured_output
+            if so is not None and draft:
+                draft = draft[: so.num_acceptable(draft)]
+            request.spec_token_ids = draft
+            step.num_tokens[request.request_id] -= k - len(draft)
+            step.budget += k - len(draft)
 
     def _chunk(self, num_new: int) -> int:
         """``num_new`` capped at ``long_prefill_token_threshold`` (0 = no cap), as vLLM v1 caps
@@ -233,6 +270,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.draft_num_computed = 0  # its blocks, and the draft model's KV in them, are gone
         if not request.sent_first_output:
             request.prompt_logprobs = []  # recomputed from the start on resume
         request.num_preemptions += 1
@@ -318,6 +357,13 @@ class Scheduler:
             if prompt_lps and not request.sent_first_output:
                 request.prompt_logprobs.extend(prompt_lps)
             sampled = runner_output.sampled_token_ids[i]
+            draft = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if draft and sampled:
+                num_accepted = len(sampled) - 1
+                request.num_computed_tokens -= len(draft) - num_accepted  # rejected slots: rewritten
+                request.draft_num_computed = min(request.draft_num_computed, request.num_tokens)
+                request.spec_token_ids = []
+                self.speculator.on_verified(request, len(draft), num_accepted)
             if not sampled or request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
             new_ids: list[int] = []
@@ -361,6 +407,9 @@ class Scheduler:
         )
         if out.finish_reason is not None:
             out.num_preemptions = request.num_preemptions
+        # Cumulative on every output: a stop string may end the request in the frontend first.
+        out.accepted_prediction_tokens = request.num_accepted_prediction_tokens
+        out.rejected_prediction_tokens = request.num_rejected_prediction_tokens
         if not request.sent_first_output:
             request.sent_first_output = True
             out.num_cached_tokens = max(request.num_cached_tokens, 0)
@@ -380,6 +429,7 @@ class _Step:
         self.running: list[Request] = []
         self.new: list[Request] = []
         self.preempted: list[Request] = []
+        self.spec: dict[str, int] = {}  # request id -> most tokens it may propose this step
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int], *, new: bool) -> None:
         self.num_tokens[request.request_id] = num_tokens
@@ -390,6 +440,7 @@ class _Step:
     def unschedule(self, request: Request) -> None:
         """A request scheduled earlier in this step was preempted: give its tokens back."""
         num = self.num_tokens.pop(request.request_id, None)
+        self.spec.pop(request.request_id, None)
         if num is not None:
             self.budget += num
             self.new_block_ids.pop(request.request_id)

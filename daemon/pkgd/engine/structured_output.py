@@ -77,6 +77,18 @@ class StructuredOutputRequest:
         """Advance the matcher by one accepted token; False when the grammar rejects it."""
         return bool(self.matcher.accept_token(token_id))
 
+    def num_acceptable(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts in a row (a speculative proposal is
+        cut there); the matcher is rolled back, so its state does not change."""
+        n = 0
+        for tok in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the output is done."""
         return bool(self.matcher.is_terminated())
@@ -196,7 +208,10 @@ class StructuredOutputManager:
 
         The bitmask is int32 ``[rows, ceil(vocab_size / 32)]`` (bit ``t % 32`` of word
         ``t // 32`` set = token ``t`` allowed), sent as bytes; ``structured_output_request_ids``
-        maps each request id to its row. Rows where every token is allowed are left out.
+        maps each request id to its row. Rows where every token is allowed are left out,
+        except for a speculating request: it gets one row per verified position (the matcher
+        advanced over its proposed tokens one by one, then rolled back), consecutive from its
+        row.
         """
         sampling = []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -208,14 +223,28 @@ class StructuredOutputManager:
             sampling.append(request)
         if not sampling:
             return
-        bitmask = self._rows(len(sampling))
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        bitmask = self._rows(len(sampling) + sum(len(drafts.get(r.request_id, ())) for r in sampling))
         rows: dict[str, int] = {}
+        used = 0
         for request in sampling:
-            if request.structured_output.matcher.fill_next_token_bitmask(bitmask, len(rows)):
-                rows[request.request_id] = len(rows)
+            matcher = request.structured_output.matcher
+            draft = drafts.get(request.request_id)
+            if not draft:
+                if matcher.fill_next_token_bitmask(bitmask, used):
+                    rows[request.request_id] = used
+                    used += 1
+                continue
+            rows[request.request_id] = used
+            for j, tok in enumerate(draft):
+                matcher.fill_next_token_bitmask(bitmask, used + j)
+                matcher.accept_token(tok)  # accepted: the scheduler cut the proposal to what the grammar takes
+            matcher.fill_next_token_bitmask(bitmask, used + len(draft))
+            matcher.rollback(len(draft))
+            used += 1 + len(draft)
         if rows:
             scheduler_output.structured_output_request_ids = rows
-            scheduler_output.grammar_bitmask = bitmask[: len(rows)].tobytes()
+            scheduler_output.grammar_bitmask = bitmask[:used].tobytes()
 
     def _rows(self, n: int) -> np.ndarray:
         if self._bitmask is None or self._bitmask.shape[0] < n:

@@ -231,11 +231,14 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         truncate_prompt_tokens: int | None = None,
+        prediction: str | None = None,
     ) -> ProcessedRequest:
         """Build the engine request(s) for a text prompt, a list of prompt token ids, or a
         text prompt tokenized already (``add_special_tokens`` and ``truncate_prompt_tokens``
         then as it was tokenized with). ``truncate_prompt_tokens`` keeps the prompt's last
         tokens (`truncate`); a truncated prompt has no text (echo decodes its ids).
+        ``prediction``: OpenAI Predicted Outputs' text, tokenized without special tokens and
+        sent as the engine's speculative draft source (`pkgd.engine.spec_decode`).
 
         Raises `ValueError`: invalid sampling parameters, an empty prompt, token ids outside
         the vocabulary (prompt, ``stop_token_ids``, ``logit_bias``, ``allowed_token_ids``,
@@ -266,12 +269,17 @@ class InputProcessor:
         self._check_prompt(token_ids)
         params = self._fill_max_tokens(params, len(token_ids))
         arrival = time.time() if arrival_time is None else arrival_time
+        engine_requests = self._fan_out(request_id, token_ids, params, arrival, priority)
+        if prediction:
+            predicted = self.tokenize(prediction, add_special_tokens=False)
+            for r in engine_requests:
+                r.prediction_token_ids = predicted
         return ProcessedRequest(
             request_id=request_id,
             prompt=text,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            engine_requests=self._fan_out(request_id, token_ids, params, arrival, priority),
+            engine_requests=engine_requests,
             arrival_time=arrival,
         )
 
@@ -285,6 +293,7 @@ class InputProcessor:
         priority: int = 0,
         add_special_tokens: bool = False,
         truncate_prompt_tokens: int | None = None,
+        prediction: str | None = None,
         **chat_kwargs: Any,
     ) -> ProcessedRequest:
         """`render_chat` then `process` (the rendered text already holds the template's special
@@ -299,6 +308,7 @@ class InputProcessor:
             arrival_time=arrival_time,
             priority=priority,
             truncate_prompt_tokens=truncate_prompt_tokens,
+            prediction=prediction,
         )
 
     def process_pooling(

@@ -403,6 +403,15 @@ class EngineStatsCollector:
                 lambda s: s.prefix_cache_hits,
             ),
             "num_preemptions": ("Cumulative number of preemption from the engine.", lambda s: s.num_preemptions),
+            "spec_decode_num_drafts": ("Number of spec decoding drafts.", lambda s: s.spec_decode_num_drafts),
+            "spec_decode_num_draft_tokens": (
+                "Number of draft tokens.",
+                lambda s: s.spec_decode_num_draft_tokens,
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Number of accepted tokens.",
+                lambda s: s.spec_decode_num_accepted_tokens,
+            ),
         }
         engines = sorted(self.engines().items())
         for name, (doc, get) in gauges.items():
@@ -415,6 +424,15 @@ class EngineStatsCollector:
             for index, (_, stats) in engines:
                 counter.add_metric([self.model_name, str(index)], get(stats))
             yield counter
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for index, (_, stats) in engines:
+            for pos, count in enumerate(stats.spec_decode_accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(index), str(pos)], count)
+        yield per_pos
         steps = HistogramMetricFamily(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=LABELS
         )

@@ -103,6 +103,7 @@ class RequestState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.num_cached_tokens = 0
+        self.prediction_counts = (0, 0)  # accepted, rejected (OpenAI Predicted Outputs)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.metrics = {"arrival_time": processed.arrival_time}
@@ -113,6 +114,8 @@ class RequestState:
         self.metrics["last_token_time"] = now
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
+        if out.accepted_prediction_tokens or out.rejected_prediction_tokens:  # cumulative
+            self.prediction_counts = (out.accepted_prediction_tokens, out.rejected_prediction_tokens)
         if out.new_prompt_logprobs is not None:
             prompt = self.prompt_token_ids
             self.prompt_logprobs = [
@@ -188,6 +191,8 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            accepted_prediction_tokens=self.prediction_counts[0],
+            rejected_prediction_tokens=self.prediction_counts[1],
         )
 
     def make_request_output(self, completion: CompletionOutput) -> RequestOutput:

@@ -28,7 +28,9 @@ from pkgd.sampling_params import SamplingParams
 # 3: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
 # 4: per-request engine timestamps and preemptions on EngineCoreOutput; the per-step token
 # histogram in SchedulerStats.
-PROTOCOL_VERSION = 4
+# 5: speculative decoding: EngineCoreRequest.prediction_token_ids, the prediction counts on
+# EngineCoreOutput, the spec_decode counters in SchedulerStats.
+PROTOCOL_VERSION = 5
 
 # Upper bounds of the SchedulerStats.iteration_tokens_counts buckets (tokens per engine step),
 # vLLM v1's ``vllm:iteration_tokens_total`` buckets (vllm/v1/metrics/buckets.py); the last
@@ -68,6 +70,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     Exactly one of ``sampling_params`` (generate) and ``pooling_params`` (a prefill-only
     pooling request, ``model.runner: pooling``) is set. ``arrival_time`` is Unix time in
     seconds; lower ``priority`` runs first under ``scheduler.policy: priority``.
+    ``prediction_token_ids``: OpenAI Predicted Outputs, the tokenized prediction the engine
+    proposes as this request's speculative draft (`pkgd.engine.spec_decode`).
     """
 
     request_id: str
@@ -77,6 +81,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    prediction_token_ids: list[int] | None = None
 
 
 class AddRequest(Message, tag="add"):
@@ -146,7 +151,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     sent with the first output, as Unix times in seconds of the engine's clock;
     ``num_preemptions`` (how often it lost its KV blocks) with the last. A pooling request has
     one output, its last, with ``pooling_output``: the pooled vector as little-endian float32
-    bytes (4 x its dimensions) and no tokens.
+    bytes (4 x its dimensions) and no tokens. A request with a prediction gets, with every
+    output, how many proposed prediction tokens verification has accepted and rejected so far.
     """
 
     request_id: str
@@ -160,6 +166,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
     num_preemptions: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -169,7 +177,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     preemption counters are cumulative since the engine started, and so is the histogram of
     tokens per step: ``iteration_tokens_counts[i]`` steps with at most
     ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before; the last entry
-    counts the rest), ``iteration_tokens_sum`` their tokens.
+    counts the rest), ``iteration_tokens_sum`` their tokens. Speculative decoding (cumulative,
+    vLLM's ``vllm:spec_decode_*``): proposals, proposed tokens, accepted tokens, and per
+    proposal position how many proposals had that position accepted.
     """
 
     num_running_reqs: int = 0
@@ -180,6 +190,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_preemptions: int = 0
     iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
     iteration_tokens_sum: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineOutputs(Message, tag="outputs"):

@@ -35,6 +35,10 @@ class AttentionMetadata:
     ``[S, max_blocks]`` (padding 0), ``seq_lens`` int32 ``[S]``, ``query_start_loc`` int32
     ``[S + 1]``. The first ``num_decodes`` sequences have one query token each.
     ``kv_bytes_per_token`` (K+V of one layer, as attended) sizes the CPU decode chunks.
+    ``shares_sequences``: some one-token sequences are consecutive positions of one request
+    (speculative verification: its last token and its proposals, each attending the positions
+    before it); the step's K/V must all be written before any attention reads it, which
+    `paged_attention` always does.
     """
 
     slot_mapping: torch.Tensor
@@ -45,6 +49,7 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     kv_bytes_per_token: int = 0
+    shares_sequences: bool = False
     _decode_plan: list[DecodeChunk] | None = dataclasses.field(default=None, repr=False)
     _prefill_plan: list[PrefillSeq] | None = dataclasses.field(default=None, repr=False)
 
@@ -63,6 +68,7 @@ class AttentionMetadata:
         block_size: int,
         kv_bytes_per_token: int,
         device: torch.device,
+        shares_sequences: bool = False,
     ) -> AttentionMetadata:
         """Build from host lists. Sequences with ``query_len == 1`` (decodes, and prefill chunks
         of one token, which attend the same way) must come first."""
@@ -86,6 +92,7 @@ class AttentionMetadata:
             num_tokens=qsl[-1],
             block_size=block_size,
             kv_bytes_per_token=kv_bytes_per_token,
+            shares_sequences=shares_sequences,
         )
 
     @functools.cached_property

@@ -8,7 +8,12 @@ sampling parameters and generator in a `RequestState`, and appends its own sampl
 `pkgd.runner.attention`) and produces the flattened inputs: ``input_ids``/``positions``
 (int64 ``[T]``), ``slot_mapping`` (int64 ``[T]``), per-sequence block tables and lengths, the
 rows whose logits are sampled, the rows whose logits give prompt logprobs, and the rows of
-pooling requests (`pkgd.runner.pooler`), which sample nothing.
+pooling requests (`pkgd.runner.pooler`), which sample nothing. A speculating request's
+proposed tokens (``SchedulerOutput.scheduled_spec_decode_tokens``) follow its last known
+token; its sample row is that token's, and ``drafts`` holds the proposal, whose rows follow
+it. Attention sees such a request as ``1 + k`` one-token sequences at consecutive positions
+over its block table (each attends up to its own position), so the step stays a decode step
+(the CPU one-call decode serves it, `AttentionMetadata.shares_sequences`).
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ class StepBatch:
     sample_states: list[RequestState]
     prompt_logprobs: list[PromptLogprobsSpan]
     pooling: list[PoolingSpan] = dataclasses.field(default_factory=list)  # rows of pooling requests
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # speculative proposals
+    # ``query_lens``/``seq_lens``/``block_table_rows`` are per attention sequence: one per
+    # request, except 1 + len(proposal) for a speculating one.
 
 
 def update_states(states: dict[str, RequestState], so: SchedulerOutput) -> None:
@@ -119,7 +127,8 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
     Raises:
         ValueError: a request is scheduled past its known tokens or its block table.
     """
-    order = sorted(so.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1)
+    spec = so.scheduled_spec_decode_tokens
+    order = sorted(so.num_scheduled_tokens.items(), key=lambda kv: kv[1] != 1 and kv[0] not in spec)
     ids: list[int] = []
     pos_parts: list[np.ndarray] = []
     slot_parts: list[np.ndarray] = []
@@ -128,7 +137,9 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
         st = states[req_id]
         start = st.num_computed_tokens
         end = start + n
-        if end > len(st.token_ids):
+        draft = so.scheduled_spec_decode_tokens.get(req_id, [])
+        known_end = end - len(draft)
+        if known_end > len(st.token_ids) or (draft and known_end != len(st.token_ids)):
             raise ValueError(
                 f"request {req_id!r}: {n} tokens scheduled from {start}, but only {len(st.token_ids)} are known"
             )
@@ -137,19 +148,27 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
                 f"request {req_id!r}: {end} tokens need {-(-end // block_size)} blocks, table has {len(st.block_ids)}"
             )
         offset = len(ids)
-        ids.extend(st.token_ids[start:end])
+        ids.extend(st.token_ids[start:known_end])
+        ids.extend(draft)
         pos = np.arange(start, end, dtype=np.int64)
         pos_parts.append(pos)
         slot_parts.append(np.asarray(st.block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
         batch.states.append(st)
-        batch.query_lens.append(n)
-        batch.seq_lens.append(end)
-        batch.block_table_rows.append(st.block_ids)
+        if draft:  # verified positions: one-token sequences, position start + j attends 0..start + j
+            batch.query_lens.extend([1] * n)
+            batch.seq_lens.extend(range(start + 1, end + 1))
+            batch.block_table_rows.extend([st.block_ids] * n)
+        else:
+            batch.query_lens.append(n)
+            batch.seq_lens.append(end)
+            batch.block_table_rows.append(st.block_ids)
         if st.pooling_params is not None:
             batch.pooling.append(PoolingSpan(st, offset, offset + n, start, end == len(st.token_ids)))
-        elif end == len(st.token_ids):
-            batch.sample_rows.append(offset + n - 1)
+        elif known_end == len(st.token_ids):
+            batch.sample_rows.append(offset + n - 1 - len(draft))
             batch.sample_states.append(st)
+            if draft:
+                batch.drafts[req_id] = list(draft)
         if st.prompt_logprobs_pending:
             _add_prompt_logprobs(batch, st, start, end, offset)
     batch.input_ids = torch.tensor(ids, dtype=torch.int64)

@@ -54,6 +54,7 @@ from pkgd.runner.models.classifier import is_classifier, labels_of, resolve_clas
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
 from pkgd.runner.pooler import Pooler, matryoshka_of, resolve_pooling_type
+from pkgd.runner.rejection_sampler import VerifyGroup, verify
 from pkgd.runner.sampler import Sampler, SamplingRow, batch_token_logprobs
 from pkgd.runner_output import ModelRunnerOutput
 from pkgd.sampling_params import SamplingParams
@@ -491,6 +492,7 @@ class ModelRunner:
             block_size=self.block_size,
             kv_bytes_per_token=self._kv_bytes_per_token(),
             device=self.device,
+            shares_sequences=bool(batch.drafts),
         )
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
@@ -531,6 +533,9 @@ class ModelRunner:
     def _sample(
         self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput
     ) -> None:
+        if batch.drafts:
+            self._verify(batch, hidden, sampled, logprobs, so)
+            return
         rows = torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)
         logits = self._logits(hidden.index_select(0, rows))
         apply_grammar_bitmask(logits, [st.req_id for st in batch.sample_states], so)
@@ -554,6 +559,40 @@ class ModelRunner:
             sampled[st.req_id] = [tok]
             if lp is not None:
                 logprobs[st.req_id] = [lp]
+
+    def _verify(
+        self, batch: StepBatch, hidden: torch.Tensor, sampled: dict, logprobs: dict, so: SchedulerOutput
+    ) -> None:
+        """A step with speculative proposals: logits at every verified position of every
+        sampling request, grammar masks per position, then `rejection_sampler.verify`."""
+        drafts = [batch.drafts.get(st.req_id, []) for st in batch.sample_states]
+        row_ids: list[int] = []
+        req_ids: list[str] = []
+        positions: list[int] = []
+        for st, row, draft in zip(batch.sample_states, batch.sample_rows, drafts):
+            for j in range(len(draft) + 1):
+                row_ids.append(row + j)
+                req_ids.append(st.req_id)
+                positions.append(j)
+        rows = torch.tensor(row_ids, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        apply_grammar_bitmask(logits, req_ids, so, positions)
+        groups = [
+            VerifyGroup(
+                SamplingRow(
+                    cast(SamplingParams, st.sampling_params), st.prompt_token_ids, st.output_token_ids, st.generator
+                ),
+                draft,
+            )
+            for st, draft in zip(batch.sample_states, drafts)
+        ]
+        emitted, lps = verify(self.sampler, logits.float().cpu(), groups)
+        for st, tokens, lp in zip(batch.sample_states, emitted, lps):
+            for tok in tokens:
+                st.append(tok)
+            sampled[st.req_id] = tokens
+            if lp is not None:
+                logprobs[st.req_id] = lp
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs | None]]:
         out: dict[str, list[TokenLogprobs | None]] = {}

@@ -136,6 +136,16 @@ class Sampler:
         r_idx = [i for i in range(len(rows)) if not greedy[i]]
         sub = logits[r_idx] if g_idx else logits
         rr = [rows[i] for i in r_idx]
+        probs = self.probs(sub, rr)
+        q = self._exponentials(probs, rr)
+        tokens[r_idx] = probs.div_(q).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def probs(sub: torch.Tensor, rr: list[SamplingRow]) -> torch.Tensor:
+        """The distribution sampled from: ``sub [M, V]`` (processed logits of non-greedy rows,
+        modified in place) divided by temperature, ``min_p``, top-k / top-p, softmax. Returns
+        float32 ``[M, V]`` probabilities."""
         temps = torch.tensor([r.params.temperature for r in rr], dtype=sub.dtype)
         sub.div_(temps.unsqueeze(1))
         min_p = [r.params.min_p for r in rr]
@@ -149,10 +159,7 @@ class Sampler:
             sub = pk.top_k_top_p_mask(
                 sub, torch.tensor(top_k, dtype=torch.int32), torch.tensor(top_p, dtype=torch.float32)
             )
-        probs = sub.softmax(dim=-1)
-        q = self._exponentials(probs, rr)
-        tokens[r_idx] = probs.div_(q).argmax(dim=-1)
-        return tokens
+        return sub.softmax(dim=-1)
 
     def _exponentials(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         q = torch.empty_like(probs)

@@ -138,12 +138,15 @@ static inline void layer_gemv(const float* x, int64_t ldx, void* xbuf, const voi
  *
  * emb: [m, hidden] embeddings of the new tokens; out: [m, hidden] final hidden states;
  * positions, slots: int64 [m] (slot -1: do not write); block_tables int32 [m, bt_stride];
- * seq_lens int32 [m] (including the new token). Requires head_dim % 16 == 0,
+ * seq_lens int32 [m] (including the new token). kv_first != 0: every row's K/V is written
+ * before any row attends (one more barrier a layer), so rows may be consecutive positions of
+ * one sequence sharing its block table (speculative verification); else each work item writes
+ * its own row's K/V just before it attends. Requires head_dim % 16 == 0,
  * num_heads % num_kv_heads == 0, num_heads <= 256. Returns 0, or -1 when scratch memory could
  * not be allocated (out is then undefined; the caches may hold the new tokens' K/V). */
 int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* layers, const float* emb,
                         float* out, int64_t m, const int64_t* positions, const int64_t* slots,
-                        const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens) {
+                        const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens, int64_t kv_first) {
     const int64_t H = md->hidden, hq = md->num_heads, hkv = md->num_kv_heads, d = md->head_dim;
     const int64_t I = md->intermediate, G = hq / hkv, nqkv = (hq + 2 * hkv) * d, qd = hq * d;
     const int64_t rot = md->rot_dim, bs = md->block_size;
@@ -211,6 +214,22 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
             }
             layer_gemv(xn, H, xp, L->qkv, wdt, impl, qimpl, L->qkv_bias, qkv, m, nqkv, H, p_qkv, b_qkv);
 #pragma omp barrier
+            if (kv_first) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < m; r++) {
+                    if (slots[r] < 0) continue;
+                    fixed_range(row, qkv + r * nqkv, 0, nqkv, p_qkv, b_qkv, nt, m, r, bw);
+                    for (int64_t kh = 0; kh < hkv; kh++) {
+                        float* v = qk + (hq + kh) * d;
+                        if (L->k_norm) rms_row(v, row + (hq + kh) * d, L->k_norm, d, md->eps);
+                        else memcpy(v, row + (hq + kh) * d, sizeof(float) * d);
+                        rope_head(v, md->cos_sin_cache + positions[r] * rot, rot);
+                        const int64_t off = (slots[r] * hkv + kh) * d;
+                        store_kv(L->k_cache, kvdt, off, v, d);
+                        store_kv(L->v_cache, kvdt, off, row + (hq + hkv + kh) * d, d);
+                    }
+                } /* the implicit barrier: every row's K/V is in the cache */
+            }
             /* per item: the sequence's Q/K (QK-norm, RoPE) on this thread's copy; the item
              * holding the last block first writes the new token's K/V into the cache */
 #pragma omp for schedule(dynamic, 1)
@@ -224,7 +243,7 @@ int pkgd_decode_forward(const pkgd_decoder_dims* md, const pkgd_decoder_layer* l
                     else memcpy(v, row + hd * d, sizeof(float) * d);
                     rope_head(v, md->cos_sin_cache + positions[r] * rot, rot);
                 }
-                if (sp == nsplit - 1 && slots[r] >= 0)
+                if (!kv_first && sp == nsplit - 1 && slots[r] >= 0)
                     for (int64_t kh = 0; kh < hkv; kh++) {
                         const int64_t off = (slots[r] * hkv + kh) * d;
                         store_kv(L->k_cache, kvdt, off, qk + (hq + kh) * d, d);

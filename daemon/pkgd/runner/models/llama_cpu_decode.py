@@ -25,7 +25,9 @@ It serves a step when all of these hold, else the model's per-layer forward runs
   ``pkgd_kernels.quant_linear``'s, on the path of the handle's ``quant.impl``);
 * ``head_dim % 16 == 0`` and at most 256 query heads;
 * contiguous KV caches of one dtype (float32, float16 or bfloat16);
-* every sequence of the step is a decode (one new token) and there are at most
+* every sequence of the step is a decode (one new token; a speculating request's verified
+  positions count as consecutive one-token sequences of one block table, and then every K/V
+  is written before any attention reads, ``AttentionMetadata.shares_sequences``) and there are at most
   `pkgd.runner.layers.linear.GEMV_MAX_BATCH` of them (beyond that the step is compute-bound
   and oneDNN's GEMM wins);
 * the model is Llama-shaped (``one_call_decode`` true on its class: Gemma's norms, scaled
@@ -112,7 +114,7 @@ class LlamaDecodeKernel:
     def __init__(self, kernels: CpuKernels) -> None:
         lib = kernels.load_library(LLAMA_DECODE)
         self._decode = lib.pkgd_decode_forward
-        self._decode.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _p, _i64, _p]
+        self._decode.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64]
         self._decode.restype = ctypes.c_int
 
     def decode_forward(
@@ -124,12 +126,15 @@ class LlamaDecodeKernel:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        kv_first: bool = False,
     ) -> torch.Tensor:
         """One decode step of ``S`` sequences through every layer: ``embeddings [S, H]`` float32
         of the new tokens -> ``[S, H]`` float32 hidden states after the final RMSNorm. Writes each
         new token's K/V at ``slot_mapping`` (int64 ``[S]``, -1 = not written) in every layer's
         cache; attends over ``seq_lens`` (int32 ``[S]``, including the new token) through
         ``block_tables`` (int32 ``[S, max_blocks]``); RoPE at ``positions`` (int64 ``[S]``).
+        ``kv_first``: write every row's K/V before any row attends, for rows that are
+        consecutive positions of one sequence (speculative verification).
 
         ``dims`` and ``layers`` (``DecoderLayerPointers * num_layers``) must point at live
         tensors of the layouts they document; the caller keeps those alive.
@@ -156,7 +161,7 @@ class LlamaDecodeKernel:
         out = torch.empty(s, dims.hidden, dtype=torch.float32)
         rc = self._decode(
             ctypes.byref(dims), layers, emb.data_ptr(), out.data_ptr(), s, pos.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), int(kv_first),
         )  # fmt: skip
         if rc:
             raise MemoryError("decode_forward: out of memory for scratch buffers")
@@ -298,7 +303,14 @@ class CpuDecodeStep:
         if self.quantized:
             self.dims.quant_impl = QUANT_IMPLS[self.kernels.quant.impl]
         out = self.kernel.decode_forward(
-            self.dims, self.layers, embeddings.float(), positions, meta.slot_mapping, meta.block_tables, meta.seq_lens
+            self.dims,
+            self.layers,
+            embeddings.float(),
+            positions,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.shares_sequences,
         )
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
