@@ -137,6 +137,8 @@ async def test_request_id_names_the_response_and_the_header_echoes(tokenizer):
         ) as s:
             assert s.headers["x-request-id"] == "chatcmpl-s-1"
             assert '"id":"chatcmpl-s-1"' in (await s.aread()).decode()
+        bad = await http.post(BASE["chat"][0], json={**BASE["chat"][1], "request_id": "a b\n"})
+        assert bad.status_code == 400 and "request_id" in bad.text
         fake.gate = asyncio.Event()
         first = asyncio.ensure_future(http.post(BASE["chat"][0], json={**BASE["chat"][1], "request_id": "busy"}))
         while not any(a.request_id == "chatcmpl-busy" for a in fake.added):

@@ -114,7 +114,8 @@ class SamplingFields(KnownFieldsModel):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1: the last max_model_len
-    request_id: str | None = Field(None, min_length=1, max_length=256)
+    # visible ASCII: it also goes out as the X-Request-Id header
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: dict[str, Any] | str | None = None
