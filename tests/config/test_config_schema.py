@@ -69,7 +69,9 @@ def test_leaves_cover_the_design_sections():
         "model.generation.temperature",
         "frontend.cors.allowed_origins",
     } <= keys
-    assert schema.children("") == ("model", "parallel", "lb", "frontend", "scheduler", "cache", "supervisor", "logging")
+    assert schema.children("") == (
+        "model", "parallel", "lb", "frontend", "scheduler", "cache", "supervisor", "logging", "lora",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("flag", VLLM_FLAGS)
