@@ -114,7 +114,7 @@ def _prepare(
     else:
         prompt = rendered
         build = lambda ip: ip.process(rid, prompt, params, add_special_tokens=False, priority=body.priority)  # noqa: E731
-    return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
+    return _Chat(state, body, rid, model, serving.process(state, build, model=model), use_tools, constraint)
 
 
 def _template_args(body: ChatCompletionRequest) -> dict[str, Any]:

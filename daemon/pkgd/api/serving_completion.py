@@ -108,6 +108,7 @@ def _prepare(
                         add_special_tokens=body.add_special_tokens,
                         priority=body.priority,
                     ),
+                    model=model,
                 )
             )
         except APIError as exc:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason
 from pkgd.logprobs import TokenLogprobs
+from pkgd.lora_request import LoRARequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
@@ -78,6 +79,7 @@ class Request:
             first output.
         structured_output: the constraint's compiled grammar and matcher
             (`pkgd.engine.structured_output.StructuredOutputRequest`), None when unconstrained.
+        lora_request: the adapter it runs with, None for the base model.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Request:
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
         skip_prefix_cache: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -102,6 +105,7 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.skip_prefix_cache = skip_prefix_cache
+        self.lora_request = lora_request
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
@@ -139,7 +143,13 @@ class Request:
             priority=req.priority,
             pooling_params=req.pooling_params,
             skip_prefix_cache=skip_prefix_cache,
+            lora_request=req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's counting)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def is_pooling(self) -> bool:

@@ -71,6 +71,9 @@ class Scheduler:
         kv_cache_manager: the block tables and prefix cache this scheduler fills.
         max_model_len: effective context length in tokens; requests stop there.
         admission_lookahead: tokens of growth reserved per request at admission (0 = none).
+        max_loras: most distinct LoRA adapters among running requests (``lora.max_loras``;
+            0 = LoRA off). A waiting request of another adapter waits while they are all in
+            use; requests behind it may go first (vLLM's rule).
     """
 
     def __init__(
@@ -80,7 +83,9 @@ class Scheduler:
         *,
         max_model_len: int,
         admission_lookahead: int = ADMISSION_LOOKAHEAD_TOKENS,
+        max_loras: int = 0,
     ) -> None:
+        self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -148,6 +153,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             iteration_tokens_counts=list(self.iteration_tokens_counts),
             iteration_tokens_sum=self.iteration_tokens_sum,
+            running_lora_adapters=sorted({r.lora_request.lora_name for r in self.running if r.lora_request}),
+            waiting_lora_adapters=sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request}),
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -167,6 +174,7 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in step.new
         ]
@@ -260,11 +268,23 @@ class Scheduler:
         return kv.get_num_free_blocks() >= reserve + need
 
     def _schedule_waiting(self, step: _Step) -> None:
+        skipped: list[Request] = []  # waiting for an adapter slot, put back in order
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.prepend(request)
+
+    def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
         now = time.time()
         reserve = sum(self._growth_blocks(r) for r in self.running) if self.admission_lookahead else 0
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         while len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.pop())  # every adapter slot is taken this step
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             # Without chunked prefill a prompt waits for a step with room for all of it,
@@ -287,6 +307,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.scheduled_ts = request.scheduled_ts or now
             self.running.append(request)
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             kv.cache_blocks(request, num_hit + num_new)
             step.add(request, num_new, block_ids, new=True)
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 from pkgd.logprobs import TokenLogprobs
+from pkgd.lora_request import LoRARequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
@@ -28,7 +29,8 @@ from pkgd.sampling_params import SamplingParams
 # 3: pooling requests and outputs, utility calls (prefix-cache reset, sleep mode).
 # 4: per-request engine timestamps and preemptions on EngineCoreOutput; the per-step token
 # histogram in SchedulerStats.
-PROTOCOL_VERSION = 4
+# 5: EngineCoreRequest.lora_request, the LoRA utility calls, LoRA counts in SchedulerStats.
+PROTOCOL_VERSION = 5
 
 # Upper bounds of the SchedulerStats.iteration_tokens_counts buckets (tokens per engine step),
 # vLLM v1's ``vllm:iteration_tokens_total`` buckets (vllm/v1/metrics/buckets.py); the last
@@ -77,6 +79,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class AddRequest(Message, tag="add"):
@@ -89,7 +92,9 @@ class AbortRequests(Message, tag="abort"):
     request_ids: list[str]
 
 
-UtilityMethod = Literal["reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+UtilityMethod = Literal[
+    "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "add_lora", "remove_lora", "list_loras"
+]
 
 
 class UtilityRequest(Message, tag="utility"):
@@ -164,7 +169,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     preemption counters are cumulative since the engine started, and so is the histogram of
     tokens per step: ``iteration_tokens_counts[i]`` steps with at most
     ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before; the last entry
-    counts the rest), ``iteration_tokens_sum`` their tokens.
+    counts the rest), ``iteration_tokens_sum`` their tokens. LoRA (vLLM's
+    ``vllm:lora_requests_info``): ``max_lora`` slots (0 = LoRA off), the names of the adapters
+    of running and of waiting requests.
     """
 
     num_running_reqs: int = 0
@@ -175,6 +182,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_preemptions: int = 0
     iteration_tokens_counts: list[int] = msgspec.field(default_factory=list)
     iteration_tokens_sum: int = 0
+    max_lora: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineOutputs(Message, tag="outputs"):
