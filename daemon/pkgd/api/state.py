@@ -99,7 +99,7 @@ class ServerState:
         if not self.config.lora.enable_lora:
             return
         results = await self.llm.client.call_utility("list_loras")
-        found = next((r.result for r in results if r.error is None and r.result is not None), [])
+        found: list[dict] = next((r.result for r in results if r.error is None and r.result is not None), [])
         self.loras = {d["lora_name"]: LoRARequest(**d) for d in found}
 
     # ---- readiness -------------------------------------------------------------------------
