@@ -117,3 +117,61 @@ def test_bad_adapter_is_a_clear_error_and_the_engine_keeps_serving(setup, tmp_pa
     (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == greedy(refs[None], PROMPTS[0], 2)
     llm.shutdown()
+
+
+FAMILY_TARGETS = {
+    "llama": None,  # all of q/k/v/o/gate/up/down
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # Phi-3's own fused modules
+    "gemma2": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj"],  # attention only: MoE experts take none
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILY_TARGETS))
+def test_families_match_peft(arch, tiny_dirs, tmp_path):
+    model_dir, hf = tiny_dirs(arch)
+    ref = make_adapter(hf, tmp_path / "a", r=8, targets=FAMILY_TARGETS[arch], seed=3)
+    llm = LLM(
+        str(model_dir), dtype="float32", num_blocks=128, block_size=4, max_model_len=128,
+        enable_lora=True, max_loras=1, max_lora_rank=8,
+    )  # fmt: skip
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    params = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS[:3], params, lora_request=[lora, None, lora], use_tqdm=False)
+    for prompt, out, model in zip(PROMPTS[:3], outs, (ref, hf, ref), strict=True):
+        tokens = list(out.outputs[0].token_ids)
+        assert tokens == greedy(model, prompt, N_OUT)
+        got = torch.tensor([d[t].logprob for d, t in zip(out.outputs[0].logprobs, tokens)])
+        torch.testing.assert_close(got, logprobs_of(model, prompt + tokens)[len(prompt) - 1 :], **TOL)
+    llm.shutdown()
+
+
+@pytest.mark.slow  # builds the C kernels for the quantized path (~40 s on 2 cores)
+def test_adapter_over_quantized_gguf_weights(tiny_dirs, tmp_path):
+    """GGUF Q8_0 weights kept quantized: the update adds to the quantized layers' outputs;
+    the log-probabilities stay within Q8_0's error of transformers + peft on the float
+    weights, and the adapter's effect (its difference from the base) is the reference's."""
+    from tests.runner.tiny_gguf import write_gguf
+
+    _, hf = tiny_dirs("llama-plain")  # default RoPE: what the GGUF describes exactly
+    ref = make_adapter(hf, tmp_path / "a", r=8, seed=4, scale=0.1)
+    path = write_gguf(hf, tmp_path / "tiny.Q8_0.gguf", quantize=True)
+    llm = LLM(
+        str(path), quantization="auto", num_blocks=128, block_size=4, max_model_len=128,
+        cache_dir=str(tmp_path / "cache"),
+        enable_lora=True, max_loras=1, max_lora_rank=8,
+    )  # fmt: skip
+    assert llm.engine.model_runner.model_info.quantization.startswith("gguf:")
+    lora = LoRARequest("a", 1, str(tmp_path / "a"))
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    with_a, base = llm.generate([prompt, prompt], params, lora_request=[lora, None], use_tqdm=False)
+
+    def lps(out):
+        return torch.tensor([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+    want_a, want_base = logprobs_of(ref, prompt), logprobs_of(hf, prompt)
+    torch.testing.assert_close(lps(with_a), want_a, atol=0.05, rtol=0)  # Q8_0 here: ~0.02
+    assert (want_a - want_base).abs().max() > 0.5  # the adapter matters at this scale
+    torch.testing.assert_close(lps(with_a) - lps(base), want_a - want_base, atol=0.05, rtol=0)
+    llm.shutdown()
