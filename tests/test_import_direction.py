@@ -30,7 +30,16 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"parsers"},
     # Seam types: what crosses a seam between packages or processes.
-    {"sampling_params", "pooling_params", "outputs", "scheduler_output", "runner_output", "logprobs", "host"},
+    {
+        "sampling_params",
+        "pooling_params",
+        "outputs",
+        "scheduler_output",
+        "runner_output",
+        "logprobs",
+        "host",
+        "lora_request",
+    },  # fmt: skip
 ]
 SEAMS = LAYERS[-1]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -32,12 +32,14 @@ _LAZY = {
     "BeamSearchOutput": "pkgd.offline.beam_search",
     "BeamSearchSequence": "pkgd.offline.beam_search",
     "VllmConfig": "pkgd.config.vllm_config",
+    "LoRARequest": "pkgd.lora_request",
 }
 
 __all__ = [*_LAZY, "__version__"]
 
 if TYPE_CHECKING:
     from pkgd.config.vllm_config import VllmConfig
+    from pkgd.lora_request import LoRARequest
     from pkgd.offline.beam_search import BeamSearchOutput, BeamSearchSequence
     from pkgd.offline.llm import LLM
     from pkgd.outputs import (

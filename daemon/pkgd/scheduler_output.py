@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pkgd.lora_request import LoRARequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ class NewRequestData:
     ``block_ids`` is the whole block table; ``num_computed_tokens`` counts tokens whose KV is
     already in the cache (prefix-cache hits), so computation starts there. A pooling request
     has ``pooling_params`` instead of ``sampling_params``: the runner pools its hidden states
-    instead of sampling.
+    instead of sampling. ``lora_request``: the adapter its tokens run with (None = base model).
     """
 
     req_id: str
@@ -35,6 +36,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass

@@ -28,6 +28,8 @@ quant_linear             ``x @ W^T`` on GGUF quantized blocks kept quantized, in
                          activations (:mod:`.quant`, layout in :mod:`.quant_layout`;
                          CPU only: ``_ref`` and C form)
 quant_gather             rows of such a quantized weight, dequantized (CPU only)
+add_lora                 each token's LoRA update ``B[s] @ (A[s] @ x)`` added in place,
+                         adapters batched by slot (:mod:`.lora`; Punica's BGMV)
 =======================  ===========================================================
 
 Importing this package never imports Triton: the ``*_triton`` modules holding the kernels
@@ -62,6 +64,7 @@ from pkgd_kernels.cache import (
     reshape_and_cache_ref,
     reshape_and_cache_triton,
 )
+from pkgd_kernels.lora import add_lora, add_lora_cpu, add_lora_ref, add_lora_triton
 from pkgd_kernels.norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_cpu,
@@ -97,6 +100,7 @@ OPS = (
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "top_k_top_p_mask",
+    "add_lora",
 )
 """Ops on every device: each has ``<name>``, ``<name>_ref``, ``<name>_cpu`` and ``<name>_triton``."""
 

@@ -39,6 +39,7 @@ MODULES = (
     "attention_decode_triton",
     "attention_prefill_triton",
     "sampling_triton",
+    "lora_triton",
 )
 # Most shared memory one block may use, by compute capability (CUDA C++ Programming Guide,
 # "Technical Specifications per Compute Capability": 163 KB on sm_80, 99 KB on sm_86/89,
@@ -129,6 +130,9 @@ def _run_ops(dtype: torch.dtype, head_dim: int) -> None:
         q = rand(num_tokens, num_heads, head_dim)
         K.paged_attention_prefill_triton(q, cache, cache, tables, starts, lens, 0.125, window, cap)
     K.top_k_top_p_mask_triton(torch.randn(4, 50000), torch.full((4,), 50, dtype=torch.int32), torch.full((4,), 0.9))
+    slots = torch.tensor([-1, 0, 1, 1] * (num_tokens // 4))
+    for rank in (8, 3 * 16):  # o/down at rank 8; Q/K/V parts stacked at rank 16
+        K.add_lora_triton(rand(num_tokens, 3 * hidden), x, rand(2, rank, hidden), rand(2, 3 * hidden, rank), slots)
 
 
 def _signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:

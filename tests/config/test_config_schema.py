@@ -70,16 +70,8 @@ def test_leaves_cover_the_design_sections():
         "frontend.cors.allowed_origins",
     } <= keys
     assert schema.children("") == (
-        "model",
-        "parallel",
-        "lb",
-        "frontend",
-        "scheduler",
-        "cache",
-        "supervisor",
-        "logging",
-        "speculative",
-    )
+        "model", "parallel", "lb", "frontend", "scheduler", "cache", "supervisor", "logging", "speculative", "lora",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("flag", VLLM_FLAGS)

@@ -51,15 +51,17 @@ def _problems(*tokens: str) -> list[str]:
 
 
 def test_refused_flag_is_one_line_naming_it_and_why(capsys):
-    assert main(["config", "show", "--enable-lora", "--max-loras", "4"]) == 2
+    assert main(["config", "show", "--grpc", "--enable-tower-connector-lora"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[1:] == [
-        "  --enable-lora: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters",
-        "  --max-loras: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters",
+        "  --grpc: a vLLM flag pkgd does not support: pkgd has no gRPC server; clients use the OpenAI HTTP API",
+        "  --enable-tower-connector-lora: a vLLM flag pkgd does not support: pkgd's LoRA adapters are text-only "
+        "(no multimodal tower or per-modality adapters)",
     ]
     # values of a refused flag never reach argparse as stray words, even nargs="+" ones
-    assert _problems("--lora-modules", "a=/x", "b=/y") == [
-        "--lora-modules: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"
+    assert _problems("--default-mm-loras", '{"image": "/x"}') == [
+        "--default-mm-loras: a vLLM flag pkgd does not support: pkgd's LoRA adapters are text-only "
+        "(no multimodal tower or per-modality adapters)"
     ]
     assert _problems("--compilation-config.level", "3")[0].startswith("--compilation-config: a vLLM flag")
 
@@ -141,12 +143,15 @@ def test_vllm_config_yaml_is_a_layer_below_the_other_arguments(tmp_path):
     assert cfg.frontend.port == 9200  # the explicit flag beats the file
     assert cfg.scheduler.max_num_seqs == 7 and cfg.frontend.served_model_names == ["a", "b"]
     assert cfg.cache.enable_prefix_caching is False and cfg.logging.http_server_level == "error"
-    path.write_text("enable-lora: true\n")
+    path.write_text("enable-lora: true\nlora-modules: [a=/x]\n")
+    cfg = _config(vllm_config=str(path))
+    assert cfg.lora.enable_lora and cfg.lora.lora_modules[0].path == "/x"
+    path.write_text("fully-sharded-loras: true\n")
     with pytest.raises(ConfigError) as err:
         _config(vllm_config=str(path))
-    assert err.value.problems == [
-        f"--config {path}: --enable-lora: a vLLM flag pkgd does not support: pkgd serves no LoRA adapters"
-    ]
+    assert err.value.problems[0].startswith(
+        f"--config {path}: --fully-sharded-loras: a vLLM flag pkgd does not support"
+    )
     path.write_text("max_num_seqs: many\n")
     with pytest.raises(
         ConfigError, match=r"scheduler.max_num_seqs: bad value 'many' \(set by --config .*max-num-seqs\)"
@@ -159,3 +164,25 @@ def test_config_flag_is_read_anywhere_on_the_command_line(tmp_path):
     path.write_text("max-num-seqs: 3\n")
     s = split_argv(["serve", "--config", str(path)])
     assert s.vllm_config == str(path) and s.rest == ["serve"]
+
+
+def test_lora_flags_map_to_the_lora_section():
+    cfg = _config(
+        "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
+        "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5", "--lora-dtype", "half",
+    )  # fmt: skip
+    lora = cfg.lora
+    assert lora.enable_lora and (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (3, 32, 5)
+    assert lora.lora_dtype == "float16"
+    assert [(m.name, m.path, m.base_model_name) for m in lora.lora_modules] == [("a", "/x", None), ("b", "/y", "m")]
+    assert _problems("--lora-modules", "nopath") == []  # the flag takes it; validation names it
+    with pytest.raises(ConfigError, match="name=path or a JSON object"):
+        _config("--enable-lora", "--lora-modules", "nopath")
+    with pytest.raises(ConfigError, match="lora.max_cpu_loras: 1 must be at least lora.max_loras: 2"):
+        _config("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1")
+
+
+def test_vllm_runtime_lora_variable_sets_the_key():
+    cfg = compose(ComposeRequest(env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})).config
+    assert cfg.frontend.allow_runtime_lora_updating is True
+    assert compose(ComposeRequest(env={})).config.frontend.allow_runtime_lora_updating is False

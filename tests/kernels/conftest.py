@@ -35,6 +35,7 @@ TRITON_MODULES = (
     "activation_triton",
     "rotary_triton",
     "sampling_triton",
+    "lora_triton",
 )
 
 

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pkgd.api import errors
 from pkgd.api.routes import install_request_schemas, router
 from pkgd.api.routes_admin import router as admin_router
+from pkgd.api.routes_lora import router as lora_router
 from pkgd.api.state import ServerState
 
 OPEN_PATHS = frozenset(
@@ -46,6 +47,7 @@ def build_app(state: ServerState, *, lifespan: Callable[[FastAPI], Any] | None =
     errors.install(app)
     app.include_router(router)
     app.include_router(admin_router)
+    app.include_router(lora_router)
     install_request_schemas(app)
     return LiveCORS(GuardMiddleware(app, state), state)
 

@@ -171,9 +171,14 @@ async def get_response(response_id: str, request: Request) -> Any:
 def _model_cards(state: ServerState) -> list[ModelCard]:
     hs = state.llm.handshake
     max_len = hs.max_model_len if hs is not None else None
-    return [
-        ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in state.served_model_names()
+    names = state.served_model_names()
+    cards = [ModelCard(id=name, root=state.config.model.source, max_model_len=max_len) for name in names]
+    # vLLM lists each adapter with its path as root and the base model as parent
+    cards += [
+        ModelCard(id=name, root=lora.lora_path, parent=lora.base_model_name or names[0], max_model_len=max_len)
+        for name, lora in state.loras.items()
     ]
+    return cards
 
 
 @router.get("/v1/models", response_model=ModelList, tags=["openai"])

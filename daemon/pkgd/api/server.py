@@ -56,6 +56,7 @@ from pkgd.config.vllm_config import VllmConfig
 from pkgd.frontend.async_llm import AsyncLLM
 from pkgd.frontend.metrics import EngineStatsCollector, Metrics, cache_config_labels
 from pkgd.ipc import child
+from pkgd.ipc.client import EngineUnavailableError
 from pkgd.ipc.messages import ApiServerReady
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ class ApiServer:
         except Exception as exc:  # TimeoutError, TokenizerError, ModelSourceError
             self.startup_error = exc
             raise
+        try:
+            await self.state.sync_loras()
+        except EngineUnavailableError as exc:  # the engine went away meanwhile; it serves none then
+            logger.warning("lora_sync_failed", error=str(exc))
         if cfg.logging.log_stats:
             hs = self.llm.handshake
             name = self.state.served_model_names()[0]

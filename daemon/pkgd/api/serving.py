@@ -206,14 +206,21 @@ def max_model_len(state: ServerState) -> int | None:
     return ip.max_model_len if ip is not None else None
 
 
-def process(state: ServerState, build: Callable[[InputProcessor], T]) -> T:
-    """Call the `InputProcessor` (``build(input_processor)``); its `ValueError` is a 400."""
+def process(state: ServerState, build: Callable[[InputProcessor], T], *, model: str | None = None) -> T:
+    """Call the `InputProcessor` (``build(input_processor)``); its `ValueError` is a 400.
+    ``model``: the resolved model name; when it names a LoRA adapter, the engine requests
+    carry it (`ServerState.lora_request`)."""
     ip = state.llm.input_processor
     assert ip is not None  # callers check_ready() first, and a ready engine has one
     try:
-        return build(ip)
+        processed = build(ip)
     except ValueError as exc:
         raise from_value_error(exc) from None
+    lora = state.lora_request(model)
+    if lora is not None:
+        reqs = processed.engine_requests  # type: ignore[attr-defined]  # a ProcessedRequest
+        processed.engine_requests = [msgspec.structs.replace(r, lora_request=lora) for r in reqs]  # type: ignore[attr-defined]
+    return processed
 
 
 async def final_output(state: ServerState, processed: ProcessedRequest) -> RequestOutput:

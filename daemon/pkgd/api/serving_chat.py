@@ -126,7 +126,7 @@ def _prepare(
         prompt = rendered
         build = lambda ip: ip.process(rid, prompt, params, priority=body.priority, **tokens)  # noqa: E731
     serving.check_request_id_free(state, rid)
-    return _Chat(state, body, rid, model, serving.process(state, build), use_tools, constraint)
+    return _Chat(state, body, rid, model, serving.process(state, build, model=model), use_tools, constraint)
 
 
 def template_args(body: ChatCompletionRequest) -> dict[str, Any]:

@@ -117,6 +117,7 @@ def _prepare(
                         truncate_prompt_tokens=body.truncate_prompt_tokens,
                         prediction=body.prediction.text() if body.prediction is not None else None,
                     ),
+                    model=model,
                 )
             )
         except APIError as exc:

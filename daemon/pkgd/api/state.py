@@ -13,6 +13,7 @@ from pkgd.api.errors import APIError
 from pkgd.api.preprocess import Preprocessor
 from pkgd.api.responses_store import ResponseStore
 from pkgd.frontend.structured_outputs import ConstraintValidator
+from pkgd.lora_request import LoRARequest
 from pkgd.parsers import load_parser
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class ServerState:
         )
         self.responses = ResponseStore(f.responses_store_size)  # /v1/responses with store: true
         self.constraints = ConstraintValidator()  # structured-output checks, off the event loop
+        # LoRA adapters served, by name: a copy of the engine core's registry (which owns it),
+        # taken at start-up (`sync_loras`) and kept by this server's load/unload calls.
+        self.loras: dict[str, LoRARequest] = {}
 
     def _tokenizer(self) -> Any:
         ip = self.llm.input_processor
@@ -69,15 +73,34 @@ class ServerState:
         names = self.served_model_names()
         if name is None or name in names:
             return name or names[0]
+        if name in self.loras:
+            return name
         if (
             name == self.config.model.source
             and not self.config.frontend.served_model_names
             and not self.config.model.name
         ):
             return name
+        served = [*names, *self.loras]
         raise APIError(
-            404, f"the model {name!r} does not exist; served: {', '.join(names)}", param="model", code="model_not_found"
+            404,
+            f"the model {name!r} does not exist; served: {', '.join(served)}",
+            param="model",
+            code="model_not_found",
         )
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a resolved model name selects, None for the base model."""
+        return self.loras.get(model) if model is not None else None
+
+    async def sync_loras(self) -> None:
+        """Take the engine core's adapters (it owns the registry, so a new API generation
+        after a reload knows the adapters loaded at run time). Nothing when LoRA is off."""
+        if not self.config.lora.enable_lora:
+            return
+        results = await self.llm.client.call_utility("list_loras")
+        found: list[dict] = next((r.result for r in results if r.error is None and r.result is not None), [])
+        self.loras = {d["lora_name"]: LoRARequest(**d) for d in found}
 
     # ---- readiness -------------------------------------------------------------------------
 

@@ -111,16 +111,23 @@ class RunResult:
 
 
 def run_pkgd(
-    llm: LLM, workload: Workload, *, ignore_eos: bool, temperature: float = 0.0, use_tqdm: bool = False
+    llm: LLM,
+    workload: Workload,
+    *,
+    ignore_eos: bool,
+    temperature: float = 0.0,
+    use_tqdm: bool = False,
+    lora_requests: list | None = None,
 ) -> RunResult:
-    """All prompts through `LLM.generate` at once (continuous batching)."""
+    """All prompts through `LLM.generate` at once (continuous batching); ``lora_requests``:
+    one `pkgd.lora_request.LoRARequest` (or None) per prompt."""
     params = [
         SamplingParams(max_tokens=n, ignore_eos=ignore_eos, temperature=temperature, seed=i, detokenize=False)
         for i, n in enumerate(workload.output_lens)
     ]
     llm.engine.reset_prefix_cache()  # a repeated workload must not be served from the cache
     t0 = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm)
+    outs = llm.generate(workload.prompts, params, use_tqdm=use_tqdm, lora_request=lora_requests)
     elapsed = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     timed = [o.metrics for o in outs if o.metrics and "first_token_time" in o.metrics]

@@ -108,6 +108,16 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
         "GGUF model: its weights kept quantized, or dequantized), with their weight memory as ratios too",
     )
     p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also spread the workload over N random LoRA adapters (PEFT files written to a temporary "
+        "directory) and print their output tokens/s as a ratio against the base model alone, both in one "
+        "engine with lora.max_loras = N, --repeats times alternating",
+    )
+    p.add_argument("--lora-rank", type=int, default=8, metavar="R", help="rank of the --lora adapters")
+    p.add_argument(
         "overrides",
         nargs="*",
         metavar="KEY=VALUE",
@@ -120,14 +130,17 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     plot.add_plot_args(p)
 
 
-def offline_llm(args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None) -> Any:
+def offline_llm(
+    args: argparse.Namespace, dtype: str | None = None, quantization: str | None = None, lora: dict | None = None
+) -> Any:
     """The offline `LLM` of a CLI command.
 
     Under ``pkgd`` the configuration is composed from every layer (packaged presets, system
     tree, environment, overrides and vLLM flags such as ``--model`` or ``--max-num-seqs``);
     run standalone, ``KEY=VALUE`` arguments (dotted keys) are applied to the defaults. Either
     way the engine uses every core unless ``parallel.cpu_threads`` is set. ``dtype`` and
-    ``quantization`` replace ``model.dtype`` and ``model.quantization``.
+    ``quantization`` replace ``model.dtype`` and ``model.quantization``; ``lora`` keys of the
+    ``lora`` section.
     """
     from pkgd.offline.llm import LLM
 
@@ -139,6 +152,9 @@ def offline_llm(args: argparse.Namespace, dtype: str | None = None, quantization
         update = {k: v for k, v in (("dtype", dtype), ("quantization", quantization)) if v is not None}
         if update:
             config = config.model_copy(update={"model": config.model.model_copy(update=update)})
+        if lora:
+            data = config.to_json_dict(reveal_secrets=True)
+            config = type(config).model_validate({**data, "lora": {**data["lora"], **lora}})
         return LLM(config=config)
     kwargs: dict[str, Any] = {}
     for item in getattr(args, "overrides", None) or []:
@@ -150,6 +166,8 @@ def offline_llm(args: argparse.Namespace, dtype: str | None = None, quantization
         kwargs["dtype"] = dtype
     if quantization is not None:
         kwargs["quantization"] = quantization
+    if lora:
+        kwargs["lora"] = lora
     return LLM(**kwargs)
 
 
@@ -160,6 +178,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     if args.dtypes or args.quantizations:
         return run_dtype_comparison(args)
+    if args.lora:
+        return run_lora_comparison(args)
     llm = offline_llm(args)
     engine = llm.engine
     torch.set_num_threads(llm.config.parallel.cpu_threads)
@@ -259,6 +279,54 @@ def run_throughput(args: argparse.Namespace) -> int:
         title=f"pkgd bench throughput: {fig['model']}, {args.num_prompts} prompts, "
         f"{args.input_len} in / {args.output_len} out, {fig['threads']} threads",
     )
+    return 0
+
+
+def run_lora_comparison(args: argparse.Namespace) -> int:
+    """``--lora N``: base model alone vs the workload spread over N adapters
+    (`pkgd.benchmarks.lora`), one engine, alternating runs."""
+    import torch
+
+    from pkgd.benchmarks import lora, throughput
+
+    if args.lora < 1 or args.lora_rank < 1:
+        raise SystemExit("--lora and --lora-rank must be at least 1")
+    llm = offline_llm(args, lora={"enable_lora": True, "max_loras": args.lora, "max_lora_rank": args.lora_rank})
+    torch.set_num_threads(llm.config.parallel.cpu_threads)
+    engine = llm.engine
+    workload = throughput.make_workload(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        vocab_size=engine.vocab_size,
+        random_range_ratio=args.random_range_ratio,
+        prompt_kind=args.prompts,
+        tokenizer=llm.get_tokenizer(),
+        seed=llm.config.model.seed,
+    )
+    result = lora.compare(llm, workload, args.lora, rank=args.lora_rank, repeats=args.repeats, ignore_eos=True)
+    fig = {
+        "model": engine.model_name,
+        "num_prompts": args.num_prompts,
+        "max_num_seqs": llm.config.scheduler.max_num_seqs,
+        "threads": torch.get_num_threads(),
+        "lora_adapters": args.lora,
+        "lora_rank": args.lora_rank,
+        "base_output_tokens_per_s": result.base.output_tokens_per_s,
+        "lora_output_tokens_per_s": result.lora.output_tokens_per_s,
+        "lora_vs_base": result.ratio,
+        "base_all_elapsed_s": result.all_base_s,
+        "lora_all_elapsed_s": result.all_lora_s,
+    }
+    print(f"Model: {fig['model']}  prompts: {args.num_prompts}  max_num_seqs: {fig['max_num_seqs']}  "
+          f"threads: {fig['threads']}")  # fmt: skip
+    print(f"Base model alone:        {result.base.output_tokens_per_s:9.1f} output tokens/s")
+    print(f"{args.lora} LoRA adapters (r={args.lora_rank}): {result.lora.output_tokens_per_s:9.1f} output tokens/s")
+    print(f"LoRA / base:             {result.ratio:9.3f}x")
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(fig, f, indent=2)
+    llm.shutdown()
     return 0
 
 

@@ -26,6 +26,8 @@ from pkgd.config.errors import ConfigError
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w\-]*(?:[./][\w\-]+)*=")
 _SOURCE_OPTIONS = ("--config-dir", "--config-name")
+# Flags whose values are ``name=path`` pairs (vLLM's --lora-modules), not Hydra overrides.
+_NAME_VALUE_FLAGS = frozenset({"--lora-modules"})
 
 
 @dataclasses.dataclass
@@ -84,7 +86,10 @@ def split_argv(argv: Sequence[str], commands: Collection[str] = ()) -> SplitArgv
             continue
         # a config key's list stops at an override too; the values of a flag pkgd refuses
         # (``--lora-modules name=path``) are taken whole so its one-line answer is the error
-        overrides_end = normalize_flag(token).partition("=")[0] in schema.alias_index()
+        flag_name = normalize_flag(token).partition("=")[0]
+        overrides_end: bool | str = flag_name in schema.alias_index()
+        if flag_name in _NAME_VALUE_FLAGS:
+            overrides_end = "dotted"  # ``name=path`` is a value; ``parallel.tp=2`` still ends the list
         if arity in (1, "+") and (
             i >= len(tokens) or (arity == "+" and _ends_values(tokens[i], commands, overrides_end=overrides_end))
         ):
@@ -101,6 +106,11 @@ def split_argv(argv: Sequence[str], commands: Collection[str] = ()) -> SplitArgv
     return out
 
 
-def _ends_values(token: str, commands: Collection[str], *, overrides_end: bool = True) -> bool:
-    """Whether ``token`` ends a flag's list of values: an option, an override, a command."""
-    return token.startswith("-") or (overrides_end and is_override(token)) or token in commands
+def _ends_values(token: str, commands: Collection[str], *, overrides_end: bool | str = True) -> bool:
+    """Whether ``token`` ends a flag's list of values: an option, an override (with
+    ``overrides_end="dotted"``: one setting a dotted key, or starting with ``+``/``~``), a command."""
+    if token.startswith("-") or token in commands:
+        return True
+    if overrides_end == "dotted":
+        return token.startswith(("+", "~")) or (is_override(token) and "." in token.partition("=")[0])
+    return bool(overrides_end) and is_override(token)

@@ -46,7 +46,10 @@ NON_CONFIG_ENV = frozenset({"PKGD_CPU_KERNELS", "PKGD_HUGEPAGES", "PKGD_KERNEL_C
 
 #: vLLM's environment variables that set a config key (vLLM's meaning), each a layer of its own
 #: (``env:VAR`` in `ComposedConfig.sources`) under the ``PKGD_`` variables.
-VLLM_ENV = {"VLLM_API_KEY": "frontend.api_keys"}
+VLLM_ENV = {
+    "VLLM_API_KEY": "frontend.api_keys",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "frontend.allow_runtime_lora_updating",
+}
 
 
 @dataclasses.dataclass(frozen=True)

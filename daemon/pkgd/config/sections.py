@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from pkgd.config.fields import ReloadClass, field, human_int, section
 
@@ -655,6 +655,85 @@ class FrontendConfig(Section):
         if any(not k.get_secret_value().strip() for k in v):
             raise ValueError("an API key must not be empty (an empty list turns authentication off)")
         return v
+
+
+class LoRAModule(Section):
+    """One adapter served from start-up (vLLM's ``LoRAModulePath``)."""
+
+    # Plain pydantic fields: an item of the lora.lora_modules list, not a leaf of the tree.
+    name: str = Field(..., description="Name a request gives as its model to use this adapter.", min_length=1)
+    path: str = Field(
+        ..., description="Directory in the PEFT format (adapter_config.json + adapter_model.safetensors).", min_length=1
+    )
+    base_model_name: str | None = Field(
+        None, description="The base model it was trained on (listed as its parent); null = the served model."
+    )
+
+
+class LoRAConfig(Section):
+    """LoRA adapters served over the base model, chosen per request by ``model`` (vLLM's LoRA flags)."""
+
+    enable_lora: bool = field(False, "Serve LoRA adapters.", aliases=("--enable-lora",))
+    max_loras: int = field(
+        1,
+        "Most distinct adapters in one engine step (the engine's adapter slots).",
+        aliases=("--max-loras",),
+        ge=1,
+        le=256,
+    )
+    max_lora_rank: int = field(
+        16, "Largest adapter rank accepted; sizes the slots' buffers.", aliases=("--max-lora-rank",), ge=1, le=512
+    )
+    max_cpu_loras: int | None = field(
+        None,
+        "Loaded adapters kept in host memory (LRU); null = max_loras. At least max_loras.",
+        aliases=("--max-cpu-loras",),
+        ge=1,
+    )
+    lora_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
+        "auto", "Dtype of the adapters' weights in the slots; auto = the model dtype.", aliases=("--lora-dtype",)
+    )
+    lora_modules: list[LoRAModule] = field(
+        [],
+        "Adapters served from start-up: objects {name, path, base_model_name}; the flag takes "
+        "name=path or vLLM's JSON form.",
+        aliases=("--lora-modules",),
+    )
+
+    @field_validator("lora_dtype", mode="before")
+    @classmethod
+    def _vllm_dtype_names(cls, v: object) -> object:
+        return {"half": "float16", "float": "float32"}.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _vllm_module_forms(cls, v: object) -> object:
+        """vLLM's ``--lora-modules`` forms: ``name=path`` or a JSON object string."""
+        if not isinstance(v, list):
+            return v
+        return [parse_lora_module(item) if isinstance(item, str) else item for item in v]
+
+
+def parse_lora_module(text: str) -> dict[str, object]:
+    """``name=path`` or ``{"name": .., "path": .., "base_model_name": ..}`` as a dict.
+
+    Raises:
+        ValueError: neither form.
+    """
+    import json
+
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"bad JSON in a lora module {text!r}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"a lora module must be a JSON object, got {text!r}")
+        return data
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise ValueError(f"a lora module is name=path or a JSON object, got {text!r}")
+    return {"name": name, "path": path}
 
 
 class SchedulerConfig(Section):

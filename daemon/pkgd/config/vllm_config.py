@@ -22,6 +22,7 @@ from pkgd.config.sections import (
     FrontendConfig,
     LBConfig,
     LoggingConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -65,6 +66,7 @@ class VllmConfig(Section):
         "Speculative decoding (n-gram prompt lookup or a draft model).",
         aliases=("--speculative-config", "-sc"),
     )
+    lora: LoRAConfig = section(LoRAConfig, "LoRA adapters over the base model.")
 
     @model_validator(mode="after")
     def _boundaries(self) -> VllmConfig:
@@ -139,6 +141,7 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
             "and needs scheduler.enable_chunked_prefill: true (or set it to 0)"
         )
     problems += speculative_problems(cfg.speculative, tp=p.tp)
+    problems += _lora_problems(cfg.lora)
     plan = cfg.serve_plan()
     if f.allow_runtime_lora_updating and plan.api_server_count > 1:
         problems.append(
@@ -146,6 +149,19 @@ def _boundary_problems(cfg: VllmConfig) -> list[str]:
             "API servers: runtime LoRA updates cannot be synchronised across API server "
             "processes; set frontend.api_server_count: 1"
         )
+    return problems
+
+
+def _lora_problems(lora: LoRAConfig) -> list[str]:
+    problems = []
+    if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+        problems.append(f"lora.max_cpu_loras: {lora.max_cpu_loras} must be at least lora.max_loras: {lora.max_loras}")
+    names = [m.name for m in lora.lora_modules]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        problems.append(f"lora.lora_modules: the adapter name {dup[0]!r} is given twice")
+    if lora.lora_modules and not lora.enable_lora:
+        problems.append("lora.lora_modules: serving adapters needs lora.enable_lora: true (--enable-lora)")
     return problems
 
 

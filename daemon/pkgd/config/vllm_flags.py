@@ -27,7 +27,11 @@ from importlib.resources import files
 from typing import Any, Literal
 
 # Features pkgd does not have; the "off" form of such a switch is satisfied below.
-_NO_LORA = "pkgd serves no LoRA adapters"
+_NO_LORA = "pkgd's LoRA adapters are text-only (no multimodal tower or per-modality adapters)"
+_LORA_TARGETS = (
+    "pkgd's LoRA covers the attention and dense MLP projections an adapter names (q/k/v/o, gate/up/down); "
+    "targets are not restricted, not specialised, and MoE experts and classifier heads take no adapters"
+)
 _NO_MM = "pkgd serves text-only models (no multimodal inputs)"
 _NO_MOE = (
     "pkgd places MoE experts one way (parallel.enable_expert_parallel: a contiguous num_experts / tp "
@@ -53,16 +57,13 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "with --grpc (frontend.grpc) the gRPC server listens on --port itself; pkgd has no second port serving "
     "gRPC beside HTTP": ("--grpc-port",),
     _NO_LORA: (
-        "--lora-modules",
-        "--enable-lora",
-        "--max-loras",
-        "--max-lora-rank",
-        "--lora-dtype",
         "--enable-tower-connector-lora",
-        "--max-cpu-loras",
-        "--fully-sharded-loras",
-        "--lora-target-modules",
         "--default-mm-loras",
+    ),
+    "pkgd shards every adapter as its base layer (B's outputs for column-parallel, A's inputs for "
+    "row-parallel); there is no fully sharded LoRA layout": ("--fully-sharded-loras",),
+    _LORA_TARGETS: (
+        "--lora-target-modules",
         "--specialize-active-lora",
         "--enable-mixed-moe-lora-format",
         "--enable-moe-shared-loras",
@@ -374,7 +375,6 @@ SATISFIED: dict[str, tuple[str, ...]] = {
         "--disable-access-log-for-endpoints",
     ),
     "the default of a feature pkgd does not have": (
-        "--disable-lora",
         "--no-trust-request-mm-kwargs",
         "--no-trust-request-chat-template",
         "--no-return-tokens-as-token-ids",

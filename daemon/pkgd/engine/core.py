@@ -25,6 +25,7 @@ from pkgd.config.errors import ModelConfigMismatch
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.engine.errors import EngineBusyError, EngineSleepingError
 from pkgd.engine.kv_cache_manager import KVCacheManager
+from pkgd.engine.lora import LoRARegistry
 from pkgd.engine.request import Request
 from pkgd.engine.scheduler import Scheduler
 from pkgd.engine.spec_decode import Speculator
@@ -292,7 +293,11 @@ class EngineCore:
                 draft_model=self.draft_model,
                 max_model_len=self.max_model_len,
             ),
+            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
         )
+        self.loras = LoRARegistry(self._runner_call("add_lora"), self._runner_call("remove_lora"))
+        for module in config.lora.lora_modules:  # config-time checks made enable_lora true
+            self.loras.add(module.name, module.path, module.base_model_name)
         self.kv_cache_bytes = bytes_per_block * self.num_kv_blocks
         self.runner_type: str = getattr(info, "runner", "generate")
         self.hidden_size: int = getattr(info, "hidden_size", 0)
@@ -333,6 +338,8 @@ class EngineCore:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
         if (request.sampling_params is None) == (request.pooling_params is None):
             raise ValueError("a request needs exactly one of sampling_params and pooling_params")
+        if request.lora_request is not None:
+            self._validate_lora(request)
         if request.pooling_params is not None:
             self._validate_pooling(request)
             return
@@ -358,6 +365,43 @@ class EngineCore:
                 else f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
                 f"{len(prompt) + max_tokens} exceeds max_model_len {self.max_model_len}"
             )
+
+    def _validate_lora(self, request: EngineCoreRequest) -> None:
+        if not self.config.lora.enable_lora:
+            raise ValueError("LoRA adapters are not enabled: start the engine with lora.enable_lora (--enable-lora)")
+        if request.pooling_params is not None:
+            raise ValueError("LoRA adapters apply to generation requests only")
+        assert request.lora_request is not None
+        self.loras.ensure(request.lora_request)
+
+    # ---- LoRA adapters (utility calls; the registry is the engine's) -----------------------
+
+    def add_lora(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> dict:
+        """Load and serve an adapter (``POST /v1/load_lora_adapter``); returns its
+        `LoRARequest` fields. Raises ``ValueError`` naming the problem, changing nothing."""
+        if not self.config.lora.enable_lora:
+            raise ValueError("LoRA adapters are not enabled: start the engine with lora.enable_lora (--enable-lora)")
+        r = self.loras.add(lora_name, lora_path, base_model_name)
+        return {"lora_name": r.lora_name, "lora_int_id": r.lora_int_id, "lora_path": r.lora_path}
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Stop serving an adapter (``POST /v1/unload_lora_adapter``); raises
+        `LoRANotFoundError` for a name not served."""
+        self.loras.remove(lora_name)
+        return True
+
+    def list_loras(self) -> list[dict]:
+        """Every adapter served: ``lora_name``, ``lora_int_id``, ``lora_path``, ``base_model_name``."""
+        return self.loras.list()
+
+    def _runner_call(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            method = getattr(self.model_runner, name, None)
+            if method is None:
+                raise ValueError("this engine's runner serves no LoRA adapters")
+            return method(*args)
+
+        return call
 
     def _validate_pooling(self, request: EngineCoreRequest) -> None:
         if self.runner_type != "pooling":
@@ -465,8 +509,11 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests() + len(self.awaiting_grammar)
 
     def stats(self) -> SchedulerStats:
-        """Running/waiting counts, KV usage and cumulative prefix-cache and preemption counters."""
-        return self.scheduler.make_stats()
+        """Running/waiting counts, KV usage, cumulative prefix-cache and preemption counters,
+        and the adapters of running and waiting requests."""
+        stats = self.scheduler.make_stats()
+        stats.max_lora = self.scheduler.max_loras
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes (True); False, changing nothing, while requests hold blocks."""

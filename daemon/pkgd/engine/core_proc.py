@@ -36,7 +36,7 @@ import zmq
 
 from pkgd import host, log, phases
 from pkgd.config.errors import ModelConfigMismatch
-from pkgd.engine.errors import EngineBusyError, EngineSleepingError
+from pkgd.engine.errors import EngineBusyError, EngineSleepingError, LoRANotFoundError
 from pkgd.ipc import child, transport
 from pkgd.ipc.messages import (
     PROTOCOL_VERSION,
@@ -222,7 +222,8 @@ class EngineCoreProc:
             try:
                 answer.result = method(**msg.args)
             except (ValueError, TypeError) as exc:
-                answer.error, answer.error_status = str(exc), 409 if isinstance(exc, EngineBusyError) else 400
+                status = 409 if isinstance(exc, EngineBusyError) else 404 if isinstance(exc, LoRANotFoundError) else 400
+                answer.error, answer.error_status = str(exc), status
             else:
                 logger.info("utility_call", method=msg.method, args=msg.args, result=answer.result)
         self._send(identity, answer)

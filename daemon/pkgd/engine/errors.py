@@ -8,3 +8,7 @@ class EngineSleepingError(RuntimeError):
 
 class EngineBusyError(ValueError):
     """A utility call that needs an idle engine came while requests run (an HTTP 409)."""
+
+
+class LoRANotFoundError(ValueError):
+    """A LoRA adapter name the engine does not serve (an HTTP 404)."""

@@ -11,10 +11,22 @@ returns them). Torch-free.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
-from pkgd.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from pkgd.engine.block_pool import ROOT_HASH, BlockPool, KVCacheBlock, hash_block_tokens
 from pkgd.engine.request import Request
+
+
+def lora_root_hash(request: Request) -> bytes | None:
+    """The parent hash of a request's first block: None (the shared root) for the base model;
+    for an adapter, a hash of the root and the adapter's id, name and path (its KV differs from
+    the base model's and from every other adapter's for the same tokens; vLLM keys on the id)."""
+    lora = request.lora_request
+    if lora is None:
+        return None
+    key = f"lora\0{lora.lora_int_id}\0{lora.lora_name}\0{lora.lora_path}".encode()
+    return hashlib.sha256(ROOT_HASH + key).digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -66,12 +78,15 @@ class KVCacheManager:
     # ---- prefix caching -----------------------------------------------------------------
 
     def update_block_hashes(self, request: Request) -> list[bytes]:
-        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        """Extend ``request.block_hashes`` to cover every full block of its tokens. A request
+        with a LoRA adapter chains from a root of its own (`lora_root_hash`), so the same
+        tokens under two adapters, or an adapter and the base model, never share a block."""
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else lora_root_hash(request)
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

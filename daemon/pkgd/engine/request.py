@@ -15,6 +15,7 @@ from typing import Any
 
 from pkgd.ipc.messages import EngineCoreRequest, FinishReason
 from pkgd.logprobs import TokenLogprobs
+from pkgd.lora_request import LoRARequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
@@ -84,6 +85,7 @@ class Request:
         num_accepted_prediction_tokens, num_rejected_prediction_tokens: proposed prediction
             tokens that verification accepted / rejected.
         draft_num_computed: draft_model: tokens whose draft-model KV is valid.
+        lora_request: the adapter it runs with, None for the base model.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         skip_prefix_cache: bool = False,
         prediction_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -109,6 +112,7 @@ class Request:
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
         self.skip_prefix_cache = skip_prefix_cache
+        self.lora_request = lora_request
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.priority = priority
@@ -152,7 +156,13 @@ class Request:
             pooling_params=req.pooling_params,
             skip_prefix_cache=skip_prefix_cache,
             prediction_token_ids=req.prediction_token_ids,
+            lora_request=req.lora_request,
         )
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model (vLLM's counting)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def is_pooling(self) -> bool:

@@ -78,6 +78,9 @@ class Scheduler:
         admission_lookahead: tokens of growth reserved per request at admission (0 = none).
         speculator: speculative decoding (`pkgd.engine.spec_decode.Speculator`); None = a
             speculator that only serves requests with a prediction.
+        max_loras: most distinct LoRA adapters among running requests (``lora.max_loras``;
+            0 = LoRA off). A waiting request of another adapter waits while they are all in
+            use; requests behind it may go first (vLLM's rule).
     """
 
     def __init__(
@@ -88,7 +91,9 @@ class Scheduler:
         max_model_len: int,
         admission_lookahead: int = ADMISSION_LOOKAHEAD_TOKENS,
         speculator: Speculator | None = None,
+        max_loras: int = 0,
     ) -> None:
+        self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -161,6 +166,8 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.speculator.stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
             spec_decode_accepted_per_pos=list(self.speculator.stats.accepted_per_pos),
+            running_lora_adapters=sorted({r.lora_request.lora_name for r in self.running if r.lora_request}),
+            waiting_lora_adapters=sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request}),
         )
 
     # ---- one step -----------------------------------------------------------------------
@@ -180,6 +187,7 @@ class Scheduler:
                 block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in step.new
         ]
@@ -299,11 +307,23 @@ class Scheduler:
         return kv.get_num_free_blocks() >= reserve + need
 
     def _schedule_waiting(self, step: _Step) -> None:
+        skipped: list[Request] = []  # waiting for an adapter slot, put back in order
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.prepend(request)
+
+    def _admit_waiting(self, step: _Step, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
         now = time.time()
         reserve = sum(self._growth_blocks(r) for r in self.running) if self.admission_lookahead else 0
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         while len(self.waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.pop())  # every adapter slot is taken this step
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             # Without chunked prefill a prompt waits for a step with room for all of it,
@@ -326,6 +346,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.scheduled_ts = request.scheduled_ts or now
             self.running.append(request)
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             kv.cache_blocks(request, num_hit + num_new)
             step.add(request, num_new, block_ids, new=True)
 

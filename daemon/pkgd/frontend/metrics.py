@@ -450,6 +450,28 @@ class EngineStatsCollector:
             if handshake is not None:
                 info.add_metric([*self.cache_info.values(), str(handshake.num_kv_blocks), str(index)], 1)
         yield info
+        yield from _lora_info(engines)
+
+
+def _lora_info(engines: list[tuple[int, tuple[Handshake | None, SchedulerStats]]]) -> Iterable[Any]:
+    """vLLM's ``vllm:lora_requests_info``: a gauge whose labels carry the adapter slots and the
+    comma-joined names of the adapters of running and waiting requests, and whose value is
+    the time of the engine's stats (seconds since the epoch); only while LoRA is on."""
+    served = [(index, stats) for index, (_, stats) in engines if stats.max_lora]
+    if not served:
+        return
+    family = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"],
+    )
+    for index, stats in served:
+        family.add_metric(
+            [str(stats.max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters),
+             str(index)],
+            time.time(),
+        )  # fmt: skip
+    yield family
 
 
 def _cumulative(counts: list[int]) -> list[tuple[str, float]]:

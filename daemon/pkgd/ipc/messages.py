@@ -21,6 +21,7 @@ from typing import Any, Literal
 import msgspec
 
 from pkgd.logprobs import TokenLogprobs
+from pkgd.lora_request import LoRARequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.sampling_params import SamplingParams
 
@@ -30,7 +31,8 @@ from pkgd.sampling_params import SamplingParams
 # histogram in SchedulerStats.
 # 5: speculative decoding: EngineCoreRequest.prediction_token_ids, the prediction counts on
 # EngineCoreOutput, the spec_decode counters in SchedulerStats.
-PROTOCOL_VERSION = 5
+# 6: EngineCoreRequest.lora_request, the LoRA utility calls, LoRA counts in SchedulerStats.
+PROTOCOL_VERSION = 6
 
 # Upper bounds of the SchedulerStats.iteration_tokens_counts buckets (tokens per engine step),
 # vLLM v1's ``vllm:iteration_tokens_total`` buckets (vllm/v1/metrics/buckets.py); the last
@@ -82,6 +84,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0
     prediction_token_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
 
 
 class AddRequest(Message, tag="add"):
@@ -94,7 +97,9 @@ class AbortRequests(Message, tag="abort"):
     request_ids: list[str]
 
 
-UtilityMethod = Literal["reset_prefix_cache", "sleep", "wake_up", "is_sleeping"]
+UtilityMethod = Literal[
+    "reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "add_lora", "remove_lora", "list_loras"
+]
 
 
 class UtilityRequest(Message, tag="utility"):
@@ -179,7 +184,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     ``ITERATION_TOKENS_BUCKETS[i]`` tokens (and more than the bound before; the last entry
     counts the rest), ``iteration_tokens_sum`` their tokens. Speculative decoding (cumulative,
     vLLM's ``vllm:spec_decode_*``): proposals, proposed tokens, accepted tokens, and per
-    proposal position how many proposals had that position accepted.
+    proposal position how many proposals had that position accepted. LoRA (vLLM's
+    ``vllm:lora_requests_info``): ``max_lora`` slots (0 = LoRA off), the names of the adapters
+    of running and of waiting requests.
     """
 
     num_running_reqs: int = 0
@@ -194,6 +201,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    max_lora: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineOutputs(Message, tag="outputs"):

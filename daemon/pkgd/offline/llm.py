@@ -35,6 +35,7 @@ from pkgd.frontend.pooling import activate, cosine, pair_index, pooling_request_
 from pkgd.frontend.structured_outputs import check as check_constraint
 from pkgd.frontend.tokenizer import load_tokenizer
 from pkgd.ipc.messages import EngineCoreRequest
+from pkgd.lora_request import LoRARequest
 from pkgd.offline.beam_search import BeamSearchOutput, beam_search
 from pkgd.offline.llm_config import build_llm_config
 from pkgd.offline.progress import ProgressBar, UseTqdm
@@ -118,6 +119,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: UseTqdm = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; returns one finished `RequestOutput` per prompt, in order.
@@ -128,10 +130,13 @@ class LLM:
         several prompts still running after 2 s, False none, a callable makes the bar (as
         ``tqdm``; see `pkgd.offline.progress`). Raises `ValueError` for bad input before
         anything runs; with several prompts the message starts with the index of the bad one
-        (``prompt 3: ...``).
+        (``prompt 3: ...``). ``lora_request``: the LoRA adapter of every prompt, or a list with
+        one per prompt (None = the base model); needs ``enable_lora=True``. The engine loads
+        an adapter on first use (a bad one is a `ValueError` naming the problem).
         """
         prompt_list = _as_prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
+        loras = _loras_per_prompt(lora_request, len(prompt_list))
         prios = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(prios) != len(prompt_list):
             raise ValueError(f"{len(prios)} priorities for {len(prompt_list)} prompts")
@@ -139,6 +144,11 @@ class LLM:
         for i, (p, sp, pr) in enumerate(zip(prompt_list, params, prios, strict=True)):
             try:
                 processed.append(self.input_processor.process(self.next_request_id(), _prompt_of(p), sp, priority=pr))
+                if loras[i] is not None:
+                    last = processed[-1]
+                    last.engine_requests = [
+                        msgspec.structs.replace(r, lora_request=loras[i]) for r in last.engine_requests
+                    ]
             except ValueError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -476,6 +486,18 @@ def _final_only(req: EngineCoreRequest) -> EngineCoreRequest:
 
 def _activated(logits, use_activation: bool):
     return activate(logits) if use_activation else logits
+
+
+def _loras_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, as vLLM's ``generate`` takes them."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} lora requests for {n} prompts")
+    return loras
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from pkgd.lora_request import LoRARequest
 from pkgd.pooling_params import PoolingParams
 from pkgd.runner.pooler import PoolingSpan
 from pkgd.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class RequestState:
     prompt_logprobs_started: bool = False
     pooling_params: PoolingParams | None = None
     pool_acc: torch.Tensor | None = None  # mean: float32 sum so far; cls: the first row
+    lora_request: LoRARequest | None = None  # the adapter its tokens run with
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> RequestState:
@@ -64,6 +66,7 @@ class RequestState:
             generator=gen,
             prompt_logprobs_pending=p is not None and p.prompt_logprobs is not None and not new.output_token_ids,
             pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
 
     def append(self, token: int) -> None:

@@ -35,6 +35,7 @@ import torch
 from pkgd import log, phases
 from pkgd.config.vllm_config import VllmConfig
 from pkgd.logprobs import TokenLogprobs
+from pkgd.lora_request import LoRARequest
 from pkgd.model_files.resolve import ModelFiles, default_cache_dir, ensure_float_weights
 from pkgd.runner.allocator import (
     collapse_to_huge_pages,
@@ -50,6 +51,7 @@ from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update
 from pkgd.runner.loader.dtype import DtypeChoice, MeasurementCache, choose_dtype, linear_shapes
 from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
 from pkgd.runner.loader.weights import load_model
+from pkgd.runner.lora.manager import LoRAManager
 from pkgd.runner.models.classifier import is_classifier, labels_of, resolve_classifier_tokens, uses_sep_token
 from pkgd.runner.models.config import ArchConfig, load_arch_config
 from pkgd.runner.models.llama import kv_heads_per_rank
@@ -236,6 +238,34 @@ class ModelRunner:
         self.block_size = 0
         self.num_blocks = 0
         self._offloaded: dict[torch.Tensor, torch.Tensor] | None = None  # sleep level 1 on a GPU
+        self.lora: LoRAManager | None = None
+        self._attach_lora()
+
+    # ---- LoRA adapters (`pkgd.runner.lora`) ----------------------------------------------
+
+    def _attach_lora(self) -> None:
+        """Adapter slots on the model when ``lora.enable_lora`` (again after a reload of the
+        weights, keeping the host cache)."""
+        cfg = self.config.lora
+        if not cfg.enable_lora or self.runner_type != "generate" or self.model is None:
+            return
+        dtype = self.dtype if cfg.lora_dtype == "auto" else getattr(torch, cfg.lora_dtype)
+        cache = self.lora.cache if self.lora is not None else None
+        self.lora = LoRAManager(self.model, cfg, dtype=dtype, device=self.device)
+        if cache is not None:
+            self.lora.cache = cache
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Read and check an adapter into the host cache; raises `LoRAAdapterError`
+        (a ``ValueError``) naming the problem, changing nothing."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (lora.enable_lora) or this model takes none")
+        self.lora.add_adapter(request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter's host copy and slot; whether it was held."""
+        return self.lora is not None and self.lora.remove_adapter(lora_int_id)
 
     def _load_model(self, progress: Any = None) -> torch.nn.Module:
         """The model: the GGUF's blocks kept quantized when `choose_quantization` said so (the
@@ -403,6 +433,8 @@ class ModelRunner:
         self.states.clear()
         if level >= 2:
             self.model = None
+            if self.lora is not None:
+                self.lora.slot_ids = [None] * self.lora.max_loras  # the slots go with the weights
             self._offloaded = None
         elif self.device.type != "cpu" and self._offloaded is None and self.model is not None:
             # No kernel keeps raw pointers off the CPU, so swapping each tensor's storage is safe.
@@ -419,6 +451,7 @@ class ModelRunner:
         if "weights" in tags:
             if self.model is None:
                 self.model = self._load_model()
+                self._attach_lora()
                 if self.device.type == "cpu":
                     self._to_huge_pages("weights", [tensor_span(t) for t in self.model.parameters()])
                     step_heap()  # the reload's garbage handed back
@@ -494,6 +527,8 @@ class ModelRunner:
             device=self.device,
             shares_sequences=bool(batch.drafts),
         )
+        if self.lora is not None:
+            self.lora.prepare_step([st.lora_request for st in batch.states], batch.query_lens, self.device)
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
     def _kv_bytes_per_token(self) -> int:

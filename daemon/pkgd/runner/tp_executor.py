@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pkgd.config.vllm_config import VllmConfig
+from pkgd.lora_request import LoRARequest
 from pkgd.model_files.resolve import ModelFiles
 from pkgd.runner.model_runner import ModelRunner
 from pkgd.runner.models.config import load_arch_config
@@ -62,7 +63,15 @@ class WakeUp(msgspec.Struct, tag="wake_up"):
     tags: list[str]
 
 
-TPFrame = InitKVCache | ExecuteStep | ShutdownWorkers | Sleep | WakeUp
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    request: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    lora_int_id: int
+
+
+TPFrame = InitKVCache | ExecuteStep | ShutdownWorkers | Sleep | WakeUp | AddLoRA | RemoveLoRA
 _decoder = msgspec.msgpack.Decoder(TPFrame)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -154,6 +163,17 @@ class TPExecutor:
         broadcast_frame(WakeUp(list(tags)))
         self.runner.wake_up(tags)
 
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Rank 0 checks the adapter first (a bad one goes no further), then every rank loads
+        its shard of it."""
+        self.runner.add_lora(request)
+        broadcast_frame(AddLoRA(request))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        broadcast_frame(RemoveLoRA(lora_int_id))
+        return self.runner.remove_lora(lora_int_id)
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             try:
@@ -203,6 +223,10 @@ def worker_main() -> None:
             runner.sleep(frame.level)
         elif isinstance(frame, WakeUp):
             runner.wake_up(frame.tags)
+        elif isinstance(frame, AddLoRA):
+            runner.add_lora(frame.request)
+        elif isinstance(frame, RemoveLoRA):
+            runner.remove_lora(frame.lora_int_id)
         else:
             runner.execute_model(frame.scheduler_output)
     dist.destroy_process_group()

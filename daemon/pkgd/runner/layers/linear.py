@@ -216,8 +216,13 @@ class MergedColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
         self.packed = False
         self.gemv_weight: torch.Tensor | None = None  # [out/64, in, 64] over the packed buffer
+        self.lora: Any = None  # `pkgd.runner.lora.layers.LinearSlots` when adapters are served
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        return y if self.lora is None else self.lora.apply(x, y)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             y = small_batch_gemv(self, x, self.bias)
             return y if y is not None else onednn_linear(x, self.weight, self.bias)
@@ -275,6 +280,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed = False
         self.gemv_weight: torch.Tensor | None = None
+        self.lora: Any = None  # `pkgd.runner.lora.layers.LinearSlots` when adapters are served
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -282,6 +288,8 @@ class RowParallelLinear(nn.Module):
             y = y if y is not None else onednn_linear(x, self.weight, None)
         else:
             y = F.linear(x, self.weight)
+        if self.lora is not None:  # this rank's share of the update, summed by the all-reduce
+            y = self.lora.apply(x, y)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

@@ -102,6 +102,7 @@ class QuantizedLinear(_Packed):
             nn.Parameter(torch.zeros(self.out_features, dtype=torch.float32), requires_grad=False) if bias else None
         )
         self.gemv_weight = None  # no float packing (the fused decode step reads `qweight`)
+        self.lora: Any = None  # `pkgd.runner.lora.layers.LinearSlots`: adapters over the quantized output
 
     @classmethod
     def replacing(cls, layer: Any, part_qtypes: list[int]) -> QuantizedLinear:
@@ -113,7 +114,8 @@ class QuantizedLinear(_Packed):
         return cls(layer.in_features, sizes, part_qtypes, bias=layer.bias is not None, kernels=layer.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        y = self._linear(x, self.bias)
+        return y if self.lora is None else self.lora.apply(x, y)
 
     def load_part(self, index: int, tensor: torch.Tensor, kind: str = "weight") -> None:
         """Part ``index``'s GGUF rows (``kind="weight"``), or its float ``bias [out_i]``."""

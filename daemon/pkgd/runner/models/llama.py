@@ -22,7 +22,7 @@ every layer instead (`pkgd.runner.models.llama_cpu_decode`, set up in
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -209,6 +209,9 @@ class LlamaForCausalLM(nn.Module):
             cfg.rot_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, is_neox=False
         )
         self.cpu_decode: CpuDecodeStep | None = None
+        # Set by `pkgd.runner.lora.manager.LoRAManager` when adapters are served: the one-call
+        # decode step computes the base model only, so it steps aside while a token uses one.
+        self.lora_step: Any = None
 
     def process_weights_after_loading(self) -> None:
         """Called after every submodule's own: on CPU, set up the one-call decode step
@@ -219,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        if self.cpu_decode is not None:  # built on CPU only
+        if self.cpu_decode is not None and (self.lora_step is None or not self.lora_step.any_active):  # CPU only
             out = self.cpu_decode(h, positions, kv_caches, meta)
             if out is not None:
                 return out
