@@ -69,7 +69,17 @@ def test_leaves_cover_the_design_sections():
         "model.generation.temperature",
         "frontend.cors.allowed_origins",
     } <= keys
-    assert schema.children("") == ("model", "parallel", "lb", "frontend", "scheduler", "cache", "supervisor", "logging")
+    assert schema.children("") == (
+        "model",
+        "parallel",
+        "lb",
+        "frontend",
+        "scheduler",
+        "cache",
+        "supervisor",
+        "logging",
+        "speculative",
+    )
 
 
 @pytest.mark.parametrize("flag", VLLM_FLAGS)
