@@ -51,10 +51,11 @@ def _problems(*tokens: str) -> list[str]:
 
 
 def test_refused_flag_is_one_line_naming_it_and_why(capsys):
-    assert main(["config", "show", "--grpc", "--enable-tower-connector-lora"]) == 2
+    assert main(["config", "show", "--kv-transfer-config", "{}", "--enable-tower-connector-lora"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[1:] == [
-        "  --grpc: a vLLM flag pkgd does not support: pkgd has no gRPC server; clients use the OpenAI HTTP API",
+        "  --kv-transfer-config: a vLLM flag pkgd does not support: pkgd has no disaggregated prefill / KV-cache "
+        "transfer",
         "  --enable-tower-connector-lora: a vLLM flag pkgd does not support: pkgd's LoRA adapters are text-only "
         "(no multimodal tower or per-modality adapters)",
     ]

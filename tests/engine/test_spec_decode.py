@@ -194,3 +194,25 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     build_tiny("llama", tmp_path, vocab_size=96)
     with pytest.raises(ValueError, match="speculative.model: .* vocabulary of 96 tokens"):
         make_engine(tiny_llama, {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_greedy_with_penalties_sees_kept_proposals_as_outputs(tiny_llama):
+    """Penalties at verified position j count proposals 0..j-1 as outputs, as the plain run does."""
+
+    def run_penalised(engine):
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(PROMPTS):
+            sp = SamplingParams(
+                max_tokens=40, temperature=0.0, ignore_eos=True, frequency_penalty=0.05, repetition_penalty=1.02
+            )
+            engine.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=p, sampling_params=sp))
+            out[f"r{i}"] = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return out
+
+    want = run_penalised(make_engine(tiny_llama))
+    engine = make_engine(tiny_llama, NGRAM)
+    assert run_penalised(engine) == want
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
