@@ -64,10 +64,13 @@ def resolve_model_files(pkgd_py: Path, cache_dir: Path) -> tuple[Path, Path | No
         f"model = {{'cache_dir': {str(cache_dir)!r}}}\n"
         "model.update({'quantization': 'none'} if 'quantization' in fields else {})\n"
         "m = resolve_model(VllmConfig.model_validate({'model': model}).model)\n"
-        "print(m.model_dir); print(m.gguf_path or '')\n"
+        "print('PEERS_MODEL_DIR', m.model_dir); print('PEERS_GGUF', m.gguf_path or '')\n"
     )
-    out = subprocess.run([str(pkgd_py), "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
-    return Path(out[0]), (Path(out[1]) if out[1] else None)
+    out = subprocess.run([str(pkgd_py), "-c", code], capture_output=True, text=True, check=True).stdout
+    # pkgd's own log lines (the conversion's progress) may come first on stdout
+    found = dict(line.split(" ", 1) for line in out.splitlines() if line.startswith("PEERS_"))
+    gguf = found.get("PEERS_GGUF", "").strip()
+    return Path(found["PEERS_MODEL_DIR"].strip()), (Path(gguf) if gguf else None)
 
 
 def cores() -> int:
@@ -110,7 +113,8 @@ class PkgdInstance:
 
     def __init__(self, work: Path, name: str, weights: Path, kernels: Path) -> None:
         self.weights, self.kernels = weights, kernels
-        self.cache = Path(tempfile.mkdtemp(prefix=f"{name}-cache-", dir=work))
+        (work / "instances").mkdir(parents=True, exist_ok=True)
+        self.cache = Path(tempfile.mkdtemp(prefix=f"{name}-cache-", dir=work / "instances"))
         self.runtime = Path(tempfile.mkdtemp(prefix="pkgd-rt-"))
         weights.mkdir(parents=True, exist_ok=True)
         kernels.mkdir(parents=True, exist_ok=True)
@@ -194,6 +198,7 @@ ALLOCATOR_GLOBS = (
     "/usr/lib64/libtcmalloc_minimal.so.4",
     "/usr/lib64/libtcmalloc.so.4",
     "{venv}/lib/libtcmalloc*.so*",
+    "{venv}/lib/python3*/site-packages/vllm/libs/libtcmalloc*.so*",  # where vLLM bundles it, when it does
     # Intel OpenMP, when the venv has it (the intel-openmp wheel): vLLM's docs preload it beside TCMalloc
     "{venv}/lib/libiomp5.so",
 )

@@ -194,3 +194,15 @@ def test_others_lines_warn_above_ten_percent():
     warning = [ln for ln in lines if ln.startswith("WARNING")]
     assert len(warning) == 1 and "vllm-bfloat16 busy64 light (25%)" in warning[0] and "pkgd" not in warning[0]
     assert summary.others_lines([]) == []
+
+
+def test_model_files_read_past_pkgd_log_lines_on_stdout(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo '2026-01-01 [info] model_phase phase=convert_gguf seconds=15'\n"
+        "echo 'PEERS_MODEL_DIR /c/abc'\n"
+        "echo 'PEERS_GGUF /m/model.gguf'\n"
+    )
+    fake.chmod(0o755)
+    assert systems.resolve_model_files(fake, tmp_path) == (Path("/c/abc"), Path("/m/model.gguf"))
