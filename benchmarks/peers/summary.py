@@ -419,13 +419,17 @@ def report(res: Results, names: list[str], load: tuple[float, float]) -> list[st
         f"{load[1]:.1f} at the end (ratios are within this run)",
         "",
     ]
-    width = max(len(label) for label, _, _ in METRICS.values()) + 2
+
+    def head(label: str, unit: str) -> str:
+        return f"{label} ({unit})" if unit and not label.endswith(unit) else label
+
+    width = max(len(head(label, unit)) for label, unit, _ in METRICS.values()) + 2
     lines.append("figure".ljust(width) + "".join(n.rjust(14) for n in names))
     for metric, (label, unit, _) in METRICS.items():
         row = [res.best(n, metric) for n in names]
         if all(v is None for v in row):
             continue
-        lines.append(f"{label} ({unit})".ljust(width) if unit else label.ljust(width))
+        lines.append(head(label, unit).ljust(width))
         lines[-1] += "".join(_fmt(v, unit).rjust(14) for v in row)
     pk = [n for n in names if n.startswith("pkgd")]
     peers = [n for n in names if not n.startswith("pkgd")]
@@ -487,6 +491,7 @@ QUICK = {
     "offline_prompts": 64,
     "single_stream_len": 64,
     "llama_bench_reps": 2,
+    "order": "system",
     "contention_prompts": 64,
     "contention_output_len": 32,
     "timeout": 300.0,
@@ -528,6 +533,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--clients", default="light,vllm", help="load generators: light (pkgd bench serve), vllm (vllm bench serve)"
     )
     ap.add_argument("--port-base", type=int, default=None, help="servers listen on this port and the next ones")
+    ap.add_argument(
+        "--order",
+        choices=("part", "system"),
+        default="part",
+        help="part: every system's offline run, then every system's serving; system: each system's parts back to back",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs of every system; the best is reported")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prompts-per-stream", type=int, default=4, help="serving requests = this x concurrency")
@@ -575,6 +586,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def schedule(order: str, repeats: int, parts: list[str], names: list[str]) -> list[tuple[int, str, str]]:
+    """``(repeat, part, system)`` in run order. ``part``: every system's offline run, then every
+    system's serving run (a part's figures close together in time); ``system``: each system's
+    parts back to back, the systems in the given order (a peer still installing in the
+    background is measured last)."""
+    if order == "part":
+        return [(r, part, n) for r in range(repeats) for part in parts for n in names]
+    return [(r, part, n) for r in range(repeats) for n in names for part in parts]
+
+
 def installed(p: systems.Paths, name: str) -> bool:
     if name.startswith("vllm"):
         return p.vllm.exists()
@@ -587,10 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     res, load0, started = Results(), os.getloadavg()[0], time.time()
     p = systems.default_paths()
-    missing = [n for n in args.names if not installed(p, n)]
+    names = args.names
+    missing = [n for n in names if not installed(p, n)]
     if missing:
-        log(f"not installed, skipped: {', '.join(missing)} (benchmarks/peers/install_vllm.sh, install_llamacpp.sh)")
-    names = [n for n in args.names if n not in missing]
+        log(f"not installed yet: {', '.join(missing)} (checked again before each of its phases)")
     weights, kernels = p.work / "pkgd-weights", p.work / "pkgd-kernels"
     p.model_dir, p.gguf = systems.resolve_model_files(p.pkgd_py, weights)
     args.pkgd_instance = lambda paths, name: systems.PkgdInstance(paths.work, name, weights, kernels)
@@ -602,19 +623,21 @@ def main(argv: list[str] | None = None) -> int:
         log(f"vLLM preloads: {', '.join(preloads)}")
     elif any(n.startswith("vllm") for n in names):
         log("vLLM: no TCMalloc / Intel OpenMP found to preload (its CPU docs recommend TCMalloc)")
-    for rep in range(args.repeats):
-        for part, fn in (("offline", offline), ("serve", serve)):
-            if part not in args.parts:
-                continue
-            for name in names:
-                log(f"{part} {name} (run {rep + 1}/{args.repeats})")
-                try:
-                    fn(args, p, res, rep, name)
-                except RUN_FAILURES as e:
-                    res.errors.append(f"{part} {name} run {rep + 1}: {e}")
-                    log(f"{part} {name} failed: {e}")
+    for rep, part, name in schedule(
+        args.order, args.repeats, [x for x in ("offline", "serve") if x in args.parts], names
+    ):
+        if not installed(p, name):
+            res.errors.append(f"{part} {name} run {rep + 1}: not installed (install_vllm.sh, install_llamacpp.sh)")
+            log(f"{part} {name}: not installed, skipped")
+            continue
+        log(f"{part} {name} (run {rep + 1}/{args.repeats})")
+        try:
+            (offline if part == "offline" else serve)(args, p, res, rep, name)
+        except RUN_FAILURES as e:
+            res.errors.append(f"{part} {name} run {rep + 1}: {e}")
+            log(f"{part} {name} failed: {e}")
     if "ppl" in args.parts:
-        ppl(args, p, res, [n for n in names if n.startswith("pkgd") or n == "llama.cpp"])
+        ppl(args, p, res, [n for n in names if (n.startswith("pkgd") or n == "llama.cpp") and installed(p, n)])
     lines = report(res, names, (load0, os.getloadavg()[0]))
     print("\n".join(lines))
     out = p.work / "results" / time.strftime("summary-%Y%m%d-%H%M%S.json", time.localtime(started))

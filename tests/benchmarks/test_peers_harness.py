@@ -206,3 +206,21 @@ def test_model_files_read_past_pkgd_log_lines_on_stdout(tmp_path):
     )
     fake.chmod(0o755)
     assert systems.resolve_model_files(fake, tmp_path) == (Path("/c/abc"), Path("/m/model.gguf"))
+
+
+def test_schedule_by_part_or_by_system():
+    by_part = summary.schedule("part", 1, ["offline", "serve"], ["pkgd", "llama.cpp"])
+    assert by_part == [
+        (0, "offline", "pkgd"),
+        (0, "offline", "llama.cpp"),
+        (0, "serve", "pkgd"),
+        (0, "serve", "llama.cpp"),
+    ]
+    by_sys = summary.schedule("system", 2, ["offline", "serve"], ["pkgd", "llama.cpp"])
+    assert by_sys[:4] == [
+        (0, "offline", "pkgd"),
+        (0, "serve", "pkgd"),
+        (0, "offline", "llama.cpp"),
+        (0, "serve", "llama.cpp"),
+    ]
+    assert len(by_sys) == 8 and by_sys[4][0] == 1
