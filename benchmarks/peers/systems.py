@@ -53,17 +53,20 @@ class Paths:
 
 def resolve_model_files(pkgd_py: Path, cache_dir: Path) -> tuple[Path, Path | None]:
     """pkgd's default model as ``(converted HF directory, GGUF file)``, converted into
-    ``cache_dir`` on first use (the harness's own weights cache, `PkgdInstance` links from it).
+    ``cache_dir`` on first use (the harness's own weights cache, `PkgdInstance` links from it),
+    with the dequantized ``model.safetensors`` vLLM loads.
 
     Asks for the float (dequantized) conversion where pkgd has a ``model.quantization`` key,
     since that directory is what vLLM loads."""
     code = (
         "from pkgd.config import VllmConfig\n"
-        "from pkgd.model_files.resolve import resolve_model\n"
+        "from pkgd.model_files import resolve\n"
         "fields = VllmConfig.model_fields['model'].annotation.model_fields\n"
         f"model = {{'cache_dir': {str(cache_dir)!r}}}\n"
         "model.update({'quantization': 'none'} if 'quantization' in fields else {})\n"
-        "m = resolve_model(VllmConfig.model_validate({'model': model}).model)\n"
+        "m = resolve.resolve_model(VllmConfig.model_validate({'model': model}).model)\n"
+        # pkgd loads a GGUF as is and writes float safetensors only on request; vLLM needs them
+        "getattr(resolve, 'ensure_float_weights', lambda m: None)(m)\n"
         "print('PEERS_MODEL_DIR', m.model_dir); print('PEERS_GGUF', m.gguf_path or '')\n"
     )
     out = subprocess.run([str(pkgd_py), "-c", code], capture_output=True, text=True, check=True).stdout
