@@ -12,9 +12,10 @@ Forms (same positional signature, ``y`` updated in place and returned):
 
 * `add_lora_ref`: the definition: each token's adapter gathered and applied with ``bmm``;
 * `add_lora_cpu`: one GEMM shrinks every token against the stacked ``A`` of the slots in use,
-  a mask keeps each token's own slot's columns, then one ``addmm`` per slot in use expands
-  (a loop over at most ``max_loras`` slots, never over requests; rows of other slots add
-  exact zeros);
+  a mask keeps each token's own slot's columns, then one ``addmm`` against the stacked
+  ``B^T`` of those slots expands (no loop over requests or slots; the masked columns add
+  exact zeros). The caller may pass ``B`` also laid out ``[S, R, N]`` (``lora_b_t``) so
+  that expand reads it as one matrix without a copy;
 * `add_lora_triton` (:mod:`.lora_triton`): a shrink kernel and an expand kernel, one program
   per token and block of outputs (BGMV).
 """
@@ -88,11 +89,14 @@ def add_lora_cpu(
     token_slots: torch.Tensor,
     *,
     active: list[int] | None = None,
+    lora_b_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`add_lora_ref` written for speed on CPU (module docstring): one shrink GEMM over the
-    slots in use, a mask, one ``addmm`` per slot in use. ``active``: the slots some token
-    uses, ascending (computed from ``token_slots`` when None; the runner passes its step's
-    list so each of a step's layers skips that scan). Same arguments, result and errors."""
+    slots in use, a mask, one expand ``addmm``. ``active``: the slots some token uses,
+    ascending (computed from ``token_slots`` when None; the runner passes its step's list so
+    each of a step's layers skips that scan). ``lora_b_t``: ``lora_b`` transposed to
+    ``[S, R, N]`` (contiguous), kept by the caller; None = transposed here (a copy). Same
+    arguments, result and errors otherwise."""
     _check(y, x, lora_a, lora_b, token_slots)
     if active is None:
         active = sorted(set(token_slots.tolist()) - {-1})
@@ -103,10 +107,8 @@ def add_lora_cpu(
     shrink = x @ lora_a[lo:hi].reshape((hi - lo) * r, k).t()  # [T, (hi-lo)*R]
     col_slot = torch.arange(lo, hi, device=x.device).repeat_interleave(r)
     shrink = shrink * (token_slots.unsqueeze(1) == col_slot.unsqueeze(0)).to(shrink.dtype)
-    for slot in active:
-        j = (slot - lo) * r
-        y.addmm_(shrink[:, j : j + r], lora_b[slot].t())
-    return y
+    b_t = lora_b_t[lo:hi] if lora_b_t is not None else lora_b[lo:hi].transpose(1, 2).contiguous()
+    return y.addmm_(shrink, b_t.reshape((hi - lo) * r, y.shape[1]))
 
 
 def add_lora_triton(
@@ -137,8 +139,10 @@ def add_lora(
     token_slots: torch.Tensor,
     *,
     active: list[int] | None = None,
+    lora_b_t: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch `add_lora_ref`'s computation: Triton on CUDA, `add_lora_cpu` elsewhere."""
+    """Dispatch `add_lora_ref`'s computation: Triton on CUDA, `add_lora_cpu` elsewhere
+    (``active``, ``lora_b_t``: its hints)."""
     if y.is_cuda:
         return add_lora_triton(y, x, lora_a, lora_b, token_slots)
-    return add_lora_cpu(y, x, lora_a, lora_b, token_slots, active=active)
+    return add_lora_cpu(y, x, lora_a, lora_b, token_slots, active=active, lora_b_t=lora_b_t)

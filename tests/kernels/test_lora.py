@@ -45,6 +45,8 @@ def test_cpu_form_matches_reference(generator, active):
     want = add_lora_ref(y.clone(), x, a, b, slots)
     got = add_lora_cpu(y.clone(), x, a, b, slots, active=active)
     torch.testing.assert_close(got, want, **FP32)
+    kept = add_lora_cpu(y.clone(), x, a, b, slots, active=active, lora_b_t=b.transpose(1, 2).contiguous())
+    torch.testing.assert_close(kept, got, **FP32)
     assert torch.equal(got[slots < 0], y[slots < 0])
     torch.testing.assert_close(add_lora(y.clone(), x, a, b, slots), want, **FP32)
 

@@ -68,12 +68,17 @@ class LinearSlots:
         out_local = sum(s.stop - s.start for s in part_rows)
         self.a = torch.zeros(num_slots, self.rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out_local, self.rank, dtype=dtype, device=device)
+        # B again as [slots, R, out] on CPU: the CPU form's expand reads the slots in use as one
+        # [n*R, out] matrix (`pkgd_kernels.add_lora_cpu`); the Triton kernel reads ``b``.
+        self.b_t = torch.zeros(num_slots, self.rank, out_local, dtype=dtype) if device.type == "cpu" else None
 
     def set_slot(self, slot: int, delta: LinearDelta | None) -> None:
         """Write one adapter's update of this linear into ``slot`` (None: it has none here:
         zeros, so the slot adds nothing for this linear)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
+        if self.b_t is not None:
+            self.b_t[slot].zero_()
         if delta is None:
             return
         r = delta.a.shape[0]
@@ -81,6 +86,8 @@ class LinearSlots:
         b = torch.cat([delta.b[rows] for rows in self.part_rows])
         self.a[slot, :r].copy_(a)
         self.b[slot, :, :r].copy_(b)
+        if self.b_t is not None:
+            self.b_t[slot].copy_(self.b[slot].t())
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y [T, out_local] += B[slot_t] A[slot_t] x[t]`` for every token with an adapter."""
@@ -88,8 +95,8 @@ class LinearSlots:
         if not step.active or step.token_slots is None:
             return y
         if x.dtype == self.a.dtype:
-            return pk.add_lora(y, x, self.a, self.b, step.token_slots, active=step.active)
+            return pk.add_lora(y, x, self.a, self.b, step.token_slots, active=step.active, lora_b_t=self.b_t)
         # lora.lora_dtype other than the activations': the update in the adapters' dtype
         delta = torch.zeros(y.shape, dtype=self.a.dtype, device=y.device)
-        pk.add_lora(delta, x.to(self.a.dtype), self.a, self.b, step.token_slots, active=step.active)
+        pk.add_lora(delta, x.to(self.a.dtype), self.a, self.b, step.token_slots, active=step.active, lora_b_t=self.b_t)
         return y.add_(delta.to(y.dtype))
