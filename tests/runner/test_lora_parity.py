@@ -175,3 +175,24 @@ def test_adapter_over_quantized_gguf_weights(tiny_dirs, tmp_path):
     assert (want_a - want_base).abs().max() > 0.5  # the adapter matters at this scale
     torch.testing.assert_close(lps(with_a) - lps(base), want_a - want_base, atol=0.05, rtol=0)
     llm.shutdown()
+
+
+def test_adapters_with_speculative_decoding_keep_peft_greedy_tokens(setup):
+    """n-gram speculation over a mixed batch of base and adapter requests: a speculating
+    request is 1 + k attention sequences, but its adapter covers all its tokens (the token map
+    once counted sequences, and the engine core crashed on the first proposal)."""
+    root, refs = setup
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [20, 21, 20, 21, 20, 21, 20], [9, 3, 9, 3, 9, 3, 9]]
+    adapters = ["a", None, "b"]
+    llm = LLM(
+        str(root / "base"), dtype="float32", num_blocks=128, block_size=4, max_model_len=128,
+        enable_lora=True, max_loras=2, max_lora_rank=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )  # fmt: skip
+    loras = {None: None, "a": LoRARequest("a", 1, str(root / "a")), "b": LoRARequest("b", 2, str(root / "b"))}
+    params = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=[loras[a] for a in adapters], use_tqdm=False)
+    assert llm.engine.scheduler.speculator.stats.num_drafts > 0  # proposals were verified
+    for prompt, name, out in zip(prompts, adapters, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == greedy(refs[name], prompt, N_OUT), f"adapter {name}"
+    llm.shutdown()

@@ -105,6 +105,7 @@ class StepBatch:
     prompt_logprobs: list[PromptLogprobsSpan]
     pooling: list[PoolingSpan] = dataclasses.field(default_factory=list)  # rows of pooling requests
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # speculative proposals
+    state_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens of each of ``states``
     # ``query_lens``/``seq_lens``/``block_table_rows`` are per attention sequence: one per
     # request, except 1 + len(proposal) for a speculating one.
 
@@ -157,6 +158,7 @@ def build_batch(states: dict[str, RequestState], so: SchedulerOutput, block_size
         pos_parts.append(pos)
         slot_parts.append(np.asarray(st.block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
         batch.states.append(st)
+        batch.state_tokens.append(n)
         if draft:  # verified positions: one-token sequences, position start + j attends 0..start + j
             batch.query_lens.extend([1] * n)
             batch.seq_lens.extend(range(start + 1, end + 1))

@@ -528,7 +528,8 @@ class ModelRunner:
             shares_sequences=bool(batch.drafts),
         )
         if self.lora is not None:
-            self.lora.prepare_step([st.lora_request for st in batch.states], batch.query_lens, self.device)
+            # per request, not per attention sequence: a speculating request is 1 + k sequences
+            self.lora.prepare_step([st.lora_request for st in batch.states], batch.state_tokens, self.device)
         return self.model(batch.input_ids.to(self.device), batch.positions.to(self.device), self.kv_caches, meta)
 
     def _kv_bytes_per_token(self) -> int:

@@ -131,7 +131,8 @@ class LoRAManager:
     def prepare_step(self, requests: list[LoRARequest | None], query_lens: list[int], device: torch.device) -> None:
         """Give every adapter of this step a slot and set the token map (module docstring).
 
-        ``requests[i]``: sequence i's adapter (None = base); ``query_lens[i]``: its tokens.
+        ``requests[i]``: request i's adapter (None = base); ``query_lens[i]``: its tokens this
+        step (all of them: a speculating request's 1 + k count as one request).
 
         Raises:
             LoRAAdapterError: more distinct adapters than slots (the scheduler's bound broken),
