@@ -62,3 +62,15 @@ def test_host_problems_reads_the_hosts_memory(monkeypatch):
     (problem,) = preflight.host_problems(_kv("16G"))
     assert problem.startswith("cache.kv_cache_memory_bytes: 16.0 GiB") and "8.0 GiB of memory" in problem
     assert preflight.host_problems(_kv("4G")) == []
+
+
+def test_a_lora_module_without_an_adapter_is_named_before_anything_loads(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "adapter_config.json").write_text("{}")
+    cfg = VllmConfig(lora={"enable_lora": True, "lora_modules": [f"ok={good}", f"gone={tmp_path / 'missing'}"]})
+    assert preflight.lora_module_problems(cfg) == [
+        f"lora.lora_modules.1 (gone): {tmp_path / 'missing'} holds no adapter_config.json "
+        "(a PEFT LoRA adapter directory is needed)"
+    ]
+    assert preflight.serve_problems(cfg)[0].startswith("lora.lora_modules.1 (gone)")

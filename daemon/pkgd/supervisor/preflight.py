@@ -22,7 +22,20 @@ def serve_problems(config: VllmConfig) -> list[str]:
     """Everything ``pkgd serve`` refuses a tree for on this host: a ``model.source`` /
     ``model.tokenizer`` that names nothing here, then `host_problems`. Run by the supervisor
     before it starts and before a reload starts a new generation."""
-    return model_source_problems(config.model) + host_problems(config)
+    return model_source_problems(config.model) + lora_module_problems(config) + host_problems(config)
+
+
+def lora_module_problems(config: VllmConfig) -> list[str]:
+    """A ``lora.lora_modules`` entry whose directory holds no PEFT adapter: found here, before the
+    engine spends its load on it (the engine checks the adapter's contents when it loads it)."""
+    problems = []
+    for i, module in enumerate(config.lora.lora_modules):
+        if not os.path.isfile(os.path.join(os.path.expanduser(module.path), "adapter_config.json")):
+            problems.append(
+                f"lora.lora_modules.{i} ({module.name}): {module.path} holds no adapter_config.json "
+                "(a PEFT LoRA adapter directory is needed)"
+            )
+    return problems
 
 
 def host_problems(config: VllmConfig) -> list[str]:
