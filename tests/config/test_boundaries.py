@@ -79,7 +79,7 @@ def test_runtime_lora_needs_one_api_server():
 def test_parsers_must_be_registered(field, kind):
     names = registered_names(kind)
     message = refused(frontend={field: "nope"})
-    assert f"'nope' is not a registered {kind} parser; registered: {', '.join(names)}" in message
+    assert f"'nope' is not a registered {kind} parser (registered: {', '.join(names)})" in message
     assert getattr(cfg(frontend={field: names[0]}).frontend, field) == names[0]
 
 

@@ -108,10 +108,10 @@ CASES = [
     ),
     (
         "unregistered tool parser",
-        cli("frontend.tool_call_parser=nope"),
+        cli("frontend.tool_call_parser=hermez"),
         [
-            "frontend.tool_call_parser: 'nope' is not a registered tool parser; "
-            "registered: deepseek_v3, hermes, llama3_json, mistral, pythonic, qwen3_coder"
+            "frontend.tool_call_parser: 'hermez' is not a registered tool parser; did you mean hermes? "
+            "(registered: deepseek_v3, hermes, llama3_json, mistral, pythonic, qwen3_coder)"
         ],
     ),
     ("unregistered reasoning parser", cli("frontend.reasoning_parser=nope"), ["registered: deepseek_r1, qwen3"]),

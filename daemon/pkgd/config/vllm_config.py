@@ -236,7 +236,12 @@ def _unregistered(path: str, name: str | None, kind: Literal["tool", "reasoning"
     names = registered_names(kind)
     if name in names:
         return []
-    return [f"{path}: {name!r} is not a registered {kind} parser; registered: {', '.join(sorted(names))}"]
+    from pkgd.config.errors import did_you_mean
+
+    return [
+        f"{path}: {name!r} is not a registered {kind} parser{did_you_mean(name, names)} "
+        f"(registered: {', '.join(sorted(names))})"
+    ]
 
 
 @functools.cache
