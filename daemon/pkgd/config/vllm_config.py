@@ -236,12 +236,11 @@ def _unregistered(path: str, name: str | None, kind: Literal["tool", "reasoning"
     names = registered_names(kind)
     if name in names:
         return []
-    from pkgd.config.errors import did_you_mean
+    import difflib  # not pkgd.config.errors' did_you_mean: that module imports this one
 
-    return [
-        f"{path}: {name!r} is not a registered {kind} parser{did_you_mean(name, names)} "
-        f"(registered: {', '.join(sorted(names))})"
-    ]
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return [f"{path}: {name!r} is not a registered {kind} parser{hint} (registered: {', '.join(sorted(names))})"]
 
 
 @functools.cache
