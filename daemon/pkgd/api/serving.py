@@ -161,10 +161,10 @@ def require_runner(state: ServerState, runner: str, api: str) -> None:
     if actual == runner:
         return
     how = (
-        "as a pooling model (model.runner: pooling): it computes embeddings and does not generate"
+        "as a pooling model (model.runner: pooling): it computes embeddings or classifier scores and does not generate"
         if actual == "pooling"
-        else "for generation (model.runner: generate); an embedding model needs model.runner: pooling (--runner "
-        "pooling)"
+        else "for generation (model.runner: generate); an embedding model or a sequence classifier needs "
+        "model.runner: pooling (--runner pooling)"
     )
     raise APIError(400, f"this model does not support the {api}: it is served {how}")
 
