@@ -10,6 +10,7 @@ import ...`` never picks another directory's conftest.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -23,11 +24,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from pkgd.supervisor.control import send_command
 
 HARNESS = Path(__file__).parent / "harness.py"
+
+# Tests of the real `pkgd serve` with its real children skip where those modules are absent.
+NEEDS_REAL_CHILDREN = pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("pkgd.engine.core_proc", "pkgd.api.server", "pkgd.cli.serve")),
+    reason="needs the real children and `pkgd serve`",
+)
 
 BASE_CONFIG: dict[str, Any] = {
     "frontend": {"port": 0},

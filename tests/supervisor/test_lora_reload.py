@@ -5,18 +5,13 @@ adapter (it asks the engine core, which owns the adapters)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import pytest
-from supervisor_helpers import reload_and_wait
+from supervisor_helpers import NEEDS_REAL_CHILDREN, reload_and_wait
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not all(importlib.util.find_spec(m) for m in ("pkgd.engine.core_proc", "pkgd.api.server", "pkgd.cli.serve")),
-        reason="needs the real children and `pkgd serve`",
-    ),
+    NEEDS_REAL_CHILDREN,
 ]
 
 MODEL = "smollm2"

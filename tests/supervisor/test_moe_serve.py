@@ -4,22 +4,17 @@ equal transformers' greedy ``generate`` on the same weights, chat and streaming 
 
 from __future__ import annotations
 
-import importlib.util
-
 import httpx
 import openai
 import pytest
 import torch
-from supervisor_helpers import Daemon
+from supervisor_helpers import NEEDS_REAL_CHILDREN, Daemon
 
 from pkgd.config.sections import DEFAULT_MODEL_SOURCE
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not all(importlib.util.find_spec(m) for m in ("pkgd.engine.core_proc", "pkgd.api.server", "pkgd.cli.serve")),
-        reason="needs the real children and `pkgd serve`",
-    ),
+    NEEDS_REAL_CHILDREN,
 ]
 
 NAME = "tiny-mixtral"

@@ -15,14 +15,11 @@ from collections import Counter
 import httpx
 import openai
 import pytest
-from supervisor_helpers import free_port_pair, merge, pid_alive, reload_and_wait
+from supervisor_helpers import NEEDS_REAL_CHILDREN, free_port_pair, merge, pid_alive, reload_and_wait
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not all(importlib.util.find_spec(m) for m in ("pkgd.engine.core_proc", "pkgd.api.server", "pkgd.cli.serve")),
-        reason="needs the real children and `pkgd serve`",
-    ),
+    NEEDS_REAL_CHILDREN,
 ]
 
 MODEL = "smollm2"

@@ -6,7 +6,6 @@ string, and seeded sampling repeated across prefix-cache hits."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import tempfile
@@ -14,16 +13,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from supervisor_helpers import Daemon
+from supervisor_helpers import NEEDS_REAL_CHILDREN, Daemon
 
 from pkgd.config.sections import DEFAULT_MODEL_SOURCE
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not all(importlib.util.find_spec(m) for m in ("pkgd.engine.core_proc", "pkgd.api.server", "pkgd.cli.serve")),
-        reason="needs the real children and `pkgd serve`",
-    ),
+    NEEDS_REAL_CHILDREN,
 ]
 
 NAME = "tiny-llama"

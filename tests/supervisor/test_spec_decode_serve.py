@@ -5,21 +5,17 @@ daemon without it and reports accepted tokens in ``/metrics``; a request's ``pre
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 
 import httpx
 import openai
 import pytest
-from supervisor_helpers import merge
+from supervisor_helpers import NEEDS_REAL_CHILDREN, merge
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not all(importlib.util.find_spec(m) for m in ("pkgd.engine.core_proc", "pkgd.api.server", "pkgd.cli.serve")),
-        reason="needs the real children and `pkgd serve`",
-    ),
+    NEEDS_REAL_CHILDREN,
 ]
 
 MODEL = "smollm2"
