@@ -9,8 +9,8 @@ in each chunk when the tokenizer adds one, as here). Perplexity = ``exp(-mean lo
 the scored tokens. Pass the same file and ``-c`` to ``llama-perplexity`` for its figure on
 the same GGUF.
 
-    .venv/bin/python benchmarks/perplexity.py                          # auto and none
-    .venv/bin/python benchmarks/perplexity.py --quantization auto --ctx 512 --model FILE.gguf
+    .venv/bin/python benchmarks/perplexity.py                          # gguf (kept quantized) and none
+    .venv/bin/python benchmarks/perplexity.py --quantization gguf --ctx 512 --model FILE.gguf
 """
 
 from __future__ import annotations
@@ -65,14 +65,14 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL_SOURCE, help="model.source (a .gguf file for the comparison)")
     ap.add_argument("--file", type=Path, default=TEXT, help="the text (default: %(default)s)")
     ap.add_argument("--ctx", type=int, default=256, help="tokens per chunk (llama-perplexity's -c)")
-    ap.add_argument("--quantization", choices=["auto", "none", "both"], default="both")
+    ap.add_argument("--quantization", choices=["gguf", "none", "both"], default="both")
     ap.add_argument("--threads", type=int, default=None, help="parallel.cpu_threads")
     args = ap.parse_args()
     from pkgd.offline.llm import LLM
 
     text = args.file.read_text(encoding="utf-8")
     results = {}
-    for q in ("auto", "none") if args.quantization == "both" else (args.quantization,):
+    for q in ("gguf", "none") if args.quantization == "both" else (args.quantization,):
         llm = LLM(
             model=args.model, quantization=q, dtype="float32", cpu_threads=args.threads
         )  # one arithmetic for both
@@ -86,7 +86,7 @@ def main() -> None:
             f"over {n} tokens ({args.ctx}-token chunks of {args.file.name}), {seconds:.1f} s"
         )
     if len(results) == 2:
-        print(f"perplexity ratio quantized / dequantized: {results['auto'] / results['none']:.4f}")
+        print(f"perplexity ratio quantized / dequantized: {results['gguf'] / results['none']:.4f}")
 
 
 if __name__ == "__main__":

@@ -152,11 +152,11 @@ def test_16_requests_on_a_few_blocks_match_a_large_cache(llm):
 
 
 def test_quantized_engine_runs_the_quantized_blocks_and_completes_like_the_float_one(llm):
-    """``model.quantization: auto`` keeps SmolLM2's Q4_1 blocks: no float copy in
+    """``model.quantization: gguf`` keeps SmolLM2's Q4_1 blocks: no float copy in
     memory, and greedy completions that start as the float engine's. (Greedy outputs diverge
     once an int8 activation rounding flips a near-tie; the chat question above is one: its
     first token's two best candidates are 0.08 nats apart.)"""
-    quantized = LLM(max_model_len=512, quantization="auto")
+    quantized = LLM(max_model_len=512, quantization="gguf")
     try:
         runner = quantized.engine.model_runner
         assert runner.quantization.quantized and runner.model_info.quantization.startswith("gguf:Q4_1")

@@ -95,6 +95,6 @@ def test_dequantized_gguf_matches_transformers(tiny_family_gguf, model_cache, ar
 @pytest.mark.parametrize("arch", ARCHES)
 def test_quantized_gguf_runs_close_to_transformers(tiny_family_gguf, model_cache, arch):
     path, hf = tiny_family_gguf(arch)
-    runner = make_runner(path, cache_dir=model_cache, quantization="auto")
+    runner = make_runner(path, cache_dir=model_cache, quantization="gguf")
     assert isinstance(runner.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
     assert (_last_logits(runner) - _hf_last(hf)).abs().max() < 0.3

@@ -157,7 +157,7 @@ def test_adapter_over_quantized_gguf_weights(tiny_dirs, tmp_path):
     ref = make_adapter(hf, tmp_path / "a", r=8, seed=4, scale=0.1)
     path = write_gguf(hf, tmp_path / "tiny.Q8_0.gguf", quantize=True)
     llm = LLM(
-        str(path), quantization="auto", num_blocks=128, block_size=4, max_model_len=128,
+        str(path), quantization="gguf", num_blocks=128, block_size=4, max_model_len=128,
         cache_dir=str(tmp_path / "cache"),
         enable_lora=True, max_loras=1, max_lora_rank=8,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""GGUF weights kept quantized (``model.quantization: auto``) in the runner: the choice, the
+"""GGUF weights kept quantized (``model.quantization: gguf``) in the runner: the choice, the
 loading, the logits against the dequantized float path on the same file, and the one-call
 decode step on quantized weights against the per-layer forward.
 
@@ -82,7 +82,7 @@ def tiny_quantized(tmp_path_factory):
     return out
 
 
-def _runner(path, quantization="auto", **model_kw):
+def _runner(path, quantization="gguf", **model_kw):
     from pkgd.runner.model_runner import ModelRunner
 
     cfg = VllmConfig(
@@ -276,10 +276,90 @@ def test_vllm_quantization_flag(tiny_quantized):
     from pkgd.config.overrides import parse_flags
 
     ops, problems = parse_flags(["--quantization", "gguf"])
-    assert not problems and VllmConfig(model={"quantization": ops[0].value}).model.quantization == "auto"
+    assert not problems and VllmConfig(model={"quantization": ops[0].value}).model.quantization == "gguf"
+    assert VllmConfig().model.quantization == "auto"  # the default decides by measurement
+    assert VllmConfig(model={"quantization": "GGUF"}).model.quantization == "gguf"
     with pytest.raises(Exception, match="no kernels for 'awq'"):
         VllmConfig(model={"quantization": "awq"})
     assert ConfigError  # the CLI reports it as a config error with exit 2 (tests/cli)
+
+
+def _fake_measure(decode, batched, calls):
+    def measure(layers, float_dtype, kernels):
+        calls.append((len(layers), float_dtype))
+        return {"decode_speedup": decode, "batched_speedup": batched, "decode_layers": 1.0}
+
+    return measure
+
+
+def test_auto_keeps_the_blocks_only_when_measured_faster_than_the_float_path(tiny_quantized, tmp_path):
+    """``auto``: decode at least `QUANT_MIN_SPEEDUP` faster and batched steps no more than that
+    slower keeps the blocks; anything else dequantizes; the figures and the float dtype they
+    were measured against are in the reason; ``gguf`` never measures."""
+    from pkgd.runner.loader import quant_choice as QC
+    from pkgd.runner.loader.dtype import MeasurementCache
+
+    path = tiny_quantized["legacy"]
+    runner = _runner(path)
+    kw = dict(device=torch.device("cpu"), tp_size=1, kernels=runner.cpu_kernels)
+    layers = runner.arch.num_hidden_layers
+    cases = [((1.9, 1.2), True), ((1.9, 0.92), True), ((1.9, 0.85), False), ((1.05, 2.0), False), ((0.5, 0.5), False)]
+    calls: list = []
+    for (decode, batched), keep in cases:
+        measure = _fake_measure(decode, batched, calls)
+        choice, weights = choose_quantization(
+            "auto", path, runner.arch, measure=measure, float_dtype=lambda: torch.bfloat16, **kw
+        )
+        assert choice.quantized == keep and (weights is not None) == keep, (decode, batched, choice)
+        assert f"decode {decode:.2f}x" in choice.reason and "than bfloat16" in choice.reason, choice.reason
+        assert choice.figures["batched_speedup"] == batched
+        if weights is not None:
+            weights.close()
+    assert calls == [(layers, torch.bfloat16)] * len(cases)  # every decoder layer offered
+
+    def no_float_dtype():
+        raise AssertionError("gguf asked for the float dtype")
+
+    choice, weights = choose_quantization("gguf", path, runner.arch, measure=None, float_dtype=no_float_dtype, **kw)
+    assert choice.quantized and "model.quantization is gguf" in choice.reason and not choice.figures
+    weights.close()
+
+    # the figures are kept: a second start with the same cache decides without measuring
+    cache, calls = MeasurementCache(tmp_path / "quantization-choice"), []
+    for _ in range(2):
+        measure = _fake_measure(0.8, 1.0, calls)
+        choice, _ = choose_quantization("auto", path, runner.arch, measure=measure, cache=cache, **kw)
+        assert not choice.quantized and "than float32" in choice.reason
+    assert len(calls) == 1 and "cached" in choice.reason and len(list(cache.directory.glob("*.json"))) == 1
+    choice, weights = choose_quantization(
+        "auto",
+        path,
+        runner.arch,
+        measure=_fake_measure(2.0, 1.0, calls),
+        cache=cache,
+        float_dtype=lambda: torch.bfloat16,
+        **kw,
+    )
+    assert choice.quantized and len(calls) == 2  # another float dtype is another measurement
+    weights.close()
+    assert QC.decode_layers(1 << 20, 30, cache_bytes=32 << 20) == 30 and QC.decode_layers(1 << 20, 100, 32 << 20) == 64
+    assert QC.decode_layers(1 << 30, 30, cache_bytes=32 << 20) == 1
+
+
+def test_auto_measures_the_files_layers_and_the_runner_follows_the_figures(tiny_quantized):
+    """The real measurement on a tiny file (no speed asserted: its figures decide, and the
+    runner loads what they decided)."""
+    from pkgd.runner.loader import quant_choice as QC
+
+    runner = _runner(tiny_quantized["kquant"], quantization="auto")
+    figures = runner.quantization.figures
+    assert {"decode_speedup", "batched_speedup", "decode_quant_ms", "decode_float_ms"} <= set(figures)
+    assert all(figures[k] > 0 for k in ("decode_quant_ms", "decode_float_ms", "batched_quant_ms", "batched_float_ms"))
+    assert 1 <= figures["decode_layers"] <= runner.arch.num_hidden_layers
+    assert runner.quantization.quantized == QC.decide(figures)
+    assert isinstance(runner.model.lm_head, QuantizedLMHead) == runner.quantization.quantized
+    _, out = _logits(runner, [[5, 6, 7]], 2)
+    assert len(out["0"]) == 2
 
 
 MOE_TYPES = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0", "ffn_gate_inp": "Q8_0"}

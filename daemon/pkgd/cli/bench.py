@@ -104,8 +104,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
         "--quantizations",
         default=None,
         metavar="LIST",
-        help="comma-separated model.quantization values (auto, none): as --dtypes, one engine each (of a "
-        "GGUF model: its weights kept quantized, or dequantized), with their weight memory as ratios too",
+        help="comma-separated model.quantization values (auto, gguf, none): as --dtypes, one engine each (of a "
+        "GGUF model: gguf keeps its weights quantized, none dequantizes them, auto decides by measurement), "
+        "with their weight memory as ratios too",
     )
     p.add_argument(
         "--lora",
@@ -331,7 +332,7 @@ def run_lora_comparison(args: argparse.Namespace) -> int:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 def run_dtype_comparison(args: argparse.Namespace) -> int:

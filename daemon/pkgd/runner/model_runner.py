@@ -171,6 +171,7 @@ class ModelRunner:
         self.model_files = model_files
         self.device = device or resolve_device(config.parallel.device)
         self.tp = TPGroup(rank, world_size, expert_parallel=config.parallel.enable_expert_parallel)
+        self._float_choice: DtypeChoice | None = None
         self.arch: ArchConfig = arch_config_for(config, model_files)
         bar = rank == 0  # one bar per terminal: the other ranks log their phases only
         self.cpu_kernels = None
@@ -195,12 +196,15 @@ class ModelRunner:
             kernels=self.cpu_kernels,
             dtype=config.model.dtype,
             pooling=self.runner_type == "pooling",
+            float_dtype=lambda: self._float_dtype_choice().dtype,
+            cache=MeasurementCache(default_cache_dir(config.model.cache_dir) / "quantization-choice"),
         )
         logger.info(
             "quantization_choice",
             quantized=self.quantization.quantized,
             reason=self.quantization.reason,
             tensor_types=self.quantization.tensor_types,
+            figures=self.quantization.figures,
         )
         self.dtype_choice = self._choose_dtype()
         self.dtype = self.dtype_choice.dtype
@@ -287,15 +291,12 @@ class ModelRunner:
             pooling=self.runner_type == "pooling",
         )
 
-    def _choose_dtype(self) -> DtypeChoice:
-        """``model.dtype`` resolved (`pkgd.runner.loader.dtype`), measured on rank 0 only and
-        broadcast, so every rank of a TP group runs one dtype; float32 activations for weights
-        kept quantized; logged as ``dtype_choice``."""
-        first = self.tp.rank == 0
-        if self.quantization.quantized:  # kept only for model.dtype auto or float32 (choose_quantization)
-            choice = DtypeChoice(torch.float32, self.config.model.dtype, "quantized weights take float32 activations")
-        else:
-            choice = choose_dtype(
+    def _float_dtype_choice(self) -> DtypeChoice:
+        """``model.dtype`` resolved for float weights (`pkgd.runner.loader.dtype`; measured on
+        rank 0 only, once: `choose_quantization`'s ``auto`` compares against it)."""
+        if self._float_choice is None:
+            first = self.tp.rank == 0
+            self._float_choice = choose_dtype(
                 self.config.model.dtype,
                 self.arch.checkpoint_dtype,
                 self.device.type,
@@ -304,6 +305,17 @@ class ModelRunner:
                 kernels=self.cpu_kernels,
                 cache=MeasurementCache(default_cache_dir(self.config.model.cache_dir) / "dtype-choice"),
             )
+        return self._float_choice
+
+    def _choose_dtype(self) -> DtypeChoice:
+        """The dtype the model runs in, broadcast from rank 0 so every rank of a TP group runs
+        one dtype: float32 activations for weights kept quantized, else
+        `_float_dtype_choice`; logged as ``dtype_choice``."""
+        first = self.tp.rank == 0
+        if self.quantization.quantized:  # kept only for model.dtype auto or float32 (choose_quantization)
+            choice = DtypeChoice(torch.float32, self.config.model.dtype, "quantized weights take float32 activations")
+        else:
+            choice = self._float_dtype_choice()
         if self.tp.size > 1:
             codes = list(_DTYPE_CODES)
             agreed = codes[int(self.tp.broadcast(torch.tensor([codes.index(choice.dtype)], device=self.device)).item())]

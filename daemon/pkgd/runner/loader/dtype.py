@@ -177,16 +177,23 @@ class MeasurementCache:
     @staticmethod
     def key(shapes: Sequence[Shape], kernels: Any = None, flags: frozenset[str] | None = None, layers: int = 1) -> str:
         """A 16-hex-digit digest of what the figures depend on (module docstring)."""
-        ident = {
-            "version": MEASUREMENT_VERSION,
-            "torch": torch.__version__,
-            "cpu": cpu_model_name(),
-            "flags": sorted(cpu_flags() if flags is None else flags),
-            "shapes": [list(s) for s in shapes],
-            "layers": layers,
-            "kernels": None if kernels is None else [Path(kernels.path).name, kernels.bf16_impl],
-        }
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        return MeasurementCache.digest(
+            {
+                "version": MEASUREMENT_VERSION,
+                "shapes": [list(s) for s in shapes],
+                "layers": layers,
+                "kernels": None if kernels is None else [Path(kernels.path).name, kernels.bf16_impl],
+            },
+            flags,
+        )
+
+    @staticmethod
+    def digest(ident: dict[str, Any], flags: frozenset[str] | set[str] | None = None) -> str:
+        """A 16-hex-digit digest of ``ident`` (JSON-ready) together with this host's torch
+        version, CPU name and ``flags`` (default: this CPU's): the key of a measurement."""
+        full = {**ident, "torch": torch.__version__, "cpu": cpu_model_name()}
+        full["flags"] = sorted(cpu_flags() if flags is None else flags)
+        return hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:16]
 
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
@@ -257,32 +264,58 @@ def measure_bf16_speedup(
         torch.set_num_threads(before)
 
 
-def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int, copies: int = 1) -> dict[str, float]:
+def float_linear_call(
+    x: torch.Tensor, weight: torch.Tensor, kernels: Any, alive: list[torch.Tensor]
+) -> Callable[[], object]:
+    """``x @ weight^T`` as the model calls it, as a callable to time: oneDNN's packed GEMM, or
+    one row through the C GEMV of ``kernels`` where it reads the packing, else ``F.linear``.
+    ``alive`` keeps the packed weights a GEMV view reads until the caller drops it."""
     import pkgd_kernels as pk
     from pkgd.runner.layers.linear import onednn_linear, pack_for_onednn, packed_view
 
+    pack = pack_for_onednn(weight)
+    if pack is None:
+        return functools.partial(torch.nn.functional.linear, x, weight)
+    n, k = weight.shape
+    view = packed_view(pack, n, k) if kernels is not None and x.shape[0] == 1 else None
+    if view is None:
+        return functools.partial(onednn_linear, x, pack, None)
+    alive.append(pack)
+    return functools.partial(pk.gemv_packed, x, view, None, kernels=kernels)
+
+
+def time_pairs(pairs: Sequence[Sequence[Callable[[], object]]], repeat: int) -> tuple[float, float]:
+    """Seconds of two forms of the same calls (``pair[0]``, ``pair[1]`` of each pair), each
+    call's best of ``repeat`` after one warm-up (oneDNN builds its kernels on a shape's first
+    call), summed over the pairs. The two forms of a call run back to back, in alternating
+    order, so a burst of load from other processes hits both alike."""
+    total = [0.0, 0.0]
+    for pair in pairs:
+        best = [float("inf"), float("inf")]
+        for call in pair:
+            call()
+        for rep in range(repeat):
+            for i in (0, 1) if rep % 2 == 0 else (1, 0):
+                t0 = time.perf_counter()
+                pair[i]()
+                best[i] = min(best[i], time.perf_counter() - t0)
+        total = [total[0] + best[0], total[1] + best[1]]
+    return total[0], total[1]
+
+
+def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int, copies: int = 1) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     dtypes = (torch.float32, torch.bfloat16)
     plain = [{dt: torch.randn(n, k, generator=g).to(dt) for dt in dtypes} for n, k in shapes]
     alive: list[torch.Tensor] = []  # the packed weights the GEMV views read, until the end
-
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> Callable[[], object]:
-        """The packed oneDNN call the model makes on ``weight``, or ``F.linear`` where none."""
-        pack = pack_for_onednn(weight)
-        if pack is None:
-            return functools.partial(torch.nn.functional.linear, x, weight)
-        n, k = weight.shape
-        view = packed_view(pack, n, k) if kernels is not None and x.shape[0] == 1 else None
-        if view is None:
-            return functools.partial(onednn_linear, x, pack, None)
-        alive.append(pack)
-        return functools.partial(pk.gemv_packed, x, view, None, kernels=kernels)
-
     pairs: dict[str, list[list[Callable[[], object]]]] = {"batched": [], "decode": []}
     for w in plain:
         for m in BATCH_SIZES:
             pairs["batched"].append(
-                [linear(torch.randn(m, w[dt].shape[1], generator=g).to(dt), w[dt]) for dt in dtypes]
+                [
+                    float_linear_call(torch.randn(m, w[dt].shape[1], generator=g).to(dt), w[dt], kernels, alive)
+                    for dt in dtypes
+                ]
             )
     # One decode pass runs layer after layer: every linear of copy 0, then of copy 1, ...; a
     # copy beyond the first is a fresh buffer, so each is read from memory, not the cache.
@@ -291,30 +324,22 @@ def _measure(shapes: Sequence[Shape], kernels: Any, repeat: int, copies: int = 1
         for w in plain:
             for dt in dtypes:
                 weight = w[dt] if c == 0 else w[dt].clone()
-                passes[dt].append(linear(torch.randn(1, weight.shape[1], generator=g).to(dt), weight))
-    pairs["decode"].append([functools.partial(_run_all, passes[dt]) for dt in dtypes])
+                x = torch.randn(1, weight.shape[1], generator=g).to(dt)
+                passes[dt].append(float_linear_call(x, weight, kernels, alive))
+    pairs["decode"].append([functools.partial(run_all, passes[dt]) for dt in dtypes])
     out: dict[str, float] = {}
     for kind, calls in pairs.items():
-        total = [0.0, 0.0]
-        for pair in calls:
-            best = [float("inf"), float("inf")]
-            for call in pair:
-                call()
-            for rep in range(repeat):
-                for i in (0, 1) if rep % 2 == 0 else (1, 0):
-                    t0 = time.perf_counter()
-                    pair[i]()
-                    best[i] = min(best[i], time.perf_counter() - t0)
-            total = [total[0] + best[0], total[1] + best[1]]
+        fp32, bf16 = time_pairs(calls, repeat)
         per = copies if kind == "decode" else 1
-        out[f"{kind}_fp32_ms"] = round(total[0] * 1e3 / per, 3)
-        out[f"{kind}_bf16_ms"] = round(total[1] * 1e3 / per, 3)
-        out[f"{kind}_speedup"] = round(total[0] / total[1], 3)
+        out[f"{kind}_fp32_ms"] = round(fp32 * 1e3 / per, 3)
+        out[f"{kind}_bf16_ms"] = round(bf16 * 1e3 / per, 3)
+        out[f"{kind}_speedup"] = round(fp32 / bf16, 3)
     out["decode_copies"] = copies
     return out
 
 
-def _run_all(calls: Sequence[Callable[[], object]]) -> None:
+def run_all(calls: Sequence[Callable[[], object]]) -> None:
+    """Call each of ``calls`` in turn (one timed pass)."""
     for call in calls:
         call()
 

@@ -1,11 +1,12 @@
 """Load a GGUF file's weights kept quantized, and decide whether to (``model.quantization``).
 
-`choose_quantization` is the one place that decides: ``auto`` keeps the file's quantized
+`choose_quantization` is the one place that decides: ``gguf`` keeps the file's quantized
 blocks when every tensor can stay so (each 2-D weight of a type `pkgd_kernels.quant_layout`
 reads, norms and biases in float; an MoE router is dequantized) and the C kernels for them load,
-on CPU without tensor parallelism; otherwise, and for ``none``, the runner loads the dequantized
-float weights (`pkgd.model_files.resolve.ensure_float_weights`). The choice and its reason are
-logged.
+on CPU without tensor parallelism; ``auto`` (the default) when, besides, a measurement on this
+host finds them faster than the float path (`pkgd.runner.loader.quant_choice`); otherwise, and
+for ``none``, the runner loads the dequantized float weights
+(`pkgd.model_files.resolve.ensure_float_weights`). The choice and its reason are logged.
 
 `load_quantized_model` builds the model, swaps its linears, MoE MLPs, LM head and embedding for
 the layers of `pkgd.runner.layers.quantized`, and feeds the GGUF tensors through the model's own
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ from pkgd.model_files.gguf_convert import (
 )
 from pkgd.runner.layers.moe import MoELayer
 from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead, QuantizedMoE
+from pkgd.runner.loader.dtype import MeasurementCache
+from pkgd.runner.loader.quant_choice import choose_auto, layer_weights, measure_quantized_speedup
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
 from pkgd_kernels.quant_layout import BLOCK, GROUP_ROWS, QTYPE_NAMES, supports
@@ -48,11 +51,14 @@ _FUSED_PARTS = ("q_proj", "k_proj", "gate_proj", "ffn_gate_exps")
 @dataclasses.dataclass(frozen=True)
 class QuantizationChoice:
     """``quantized``: whether the GGUF blocks are kept; ``reason``: why (logged);
-    ``tensor_types``: type name -> tensor count of the file (empty for a non-GGUF source)."""
+    ``tensor_types``: type name -> tensor count of the file (empty for a non-GGUF source);
+    ``figures``: the measurement ``auto`` decided by (`pkgd.runner.loader.quant_choice`),
+    empty when none ran."""
 
     quantized: bool
     reason: str
     tensor_types: dict[str, int]
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class GGUFWeights:
@@ -180,14 +186,31 @@ def choose_quantization(
     kernels: Any,
     dtype: str = "auto",
     pooling: bool = False,
+    float_dtype: Callable[[], torch.dtype] | None = None,
+    cache: MeasurementCache | None = None,
+    measure: Callable[..., dict[str, float]] | None = None,
 ) -> tuple[QuantizationChoice, GGUFWeights | None]:
     """Whether to keep ``gguf_path``'s weights quantized (module docstring), and the opened
-    file when so. ``dtype``: ``model.dtype`` (the kernels take float32 activations, so a 16-bit
-    one asked for dequantizes); ``pooling``: ``model.runner`` is pooling (float weights).
+    file when so.
+
+    Args:
+        requested: ``model.quantization``: ``gguf`` keeps the blocks wherever the kernels can
+            run them; ``auto`` also needs them measured faster than the float path
+            (`pkgd.runner.loader.quant_choice`); ``none`` never keeps them.
+        dtype: ``model.dtype`` (the kernels take float32 activations, so a 16-bit one asked
+            for dequantizes).
+        pooling: ``model.runner`` is pooling (float weights).
+        float_dtype: what the dequantized weights would run in (called only when ``auto``
+            measures; default float32).
+        cache: where ``auto``'s figures are looked up and stored; None measures every time.
+        measure: the measurement (tests pass a fake); default `measure_quantized_speedup`.
 
     Raises:
         ModelSourceError: a GGUF that cannot be read.
+        ValueError: an unknown ``requested``.
     """
+    if requested not in ("auto", "gguf", "none"):
+        raise ValueError(f"model.quantization {requested!r} is not one of auto, gguf, none")
     if requested == "none":
         return QuantizationChoice(False, "model.quantization is none", {}), None
     if gguf_path is None:
@@ -217,7 +240,17 @@ def choose_quantization(
     if reason is not None:
         weights.close()
         return QuantizationChoice(False, reason, types), None
-    return QuantizationChoice(True, f"kernels for every tensor type of {gguf_path.name}", types), weights
+    layers = layer_weights(weights.tensors, cfg.num_hidden_layers) if requested == "auto" else []
+    if not layers:
+        why = "model.quantization is gguf" if requested == "gguf" else "no layer linears to measure"
+        return QuantizationChoice(True, f"kernels for every tensor type of {gguf_path.name} ({why})", types), weights
+    resolved = float_dtype() if float_dtype is not None else torch.float32
+    keep, reason, figures = choose_auto(layers, resolved, kernels, cache, measure or measure_quantized_speedup)
+    del layers  # views of the file's mapping, which `close` drops
+    if not keep:
+        weights.close()
+        return QuantizationChoice(False, reason, types, figures), None
+    return QuantizationChoice(True, reason, types, figures), weights
 
 
 def load_quantized_model(cfg: ArchConfig, weights: GGUFWeights, *, kernels: Any, progress: Any = None) -> nn.Module:
