@@ -21,7 +21,15 @@ pytestmark = pytest.mark.slow
 SETTINGS = {
     # float32 on both sides: the comparison is serving path against offline path, and bf16's
     # batch-shape-dependent rounding (auto picks it on some hosts) would swamp the tolerance.
-    "model": {"max_model_len": 512, "runner": "pooling", "enable_sleep_mode": True, "dtype": "float32"},
+    # quantization none on both sides too: the dequantized float weights, whose size the sleep
+    # test counts on (the quantized path is tested in its own tests).
+    "model": {
+        "max_model_len": 512,
+        "runner": "pooling",
+        "enable_sleep_mode": True,
+        "dtype": "float32",
+        "quantization": "none",
+    },
     "frontend": {"server_dev_mode": True, "enable_tokenizer_info_endpoint": True},
     "cache": {"num_blocks": 256},
 }
@@ -40,7 +48,7 @@ def daemon(tmp_path_factory):
 def offline():
     from pkgd import LLM
 
-    llm = LLM(runner="pooling", max_model_len=512, num_blocks=64, dtype="float32")
+    llm = LLM(runner="pooling", max_model_len=512, num_blocks=64, dtype="float32", quantization="none")
     yield llm
     llm.shutdown()
 

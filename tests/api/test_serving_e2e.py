@@ -24,6 +24,9 @@ from .test_errors import CASES
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# model.quantization none: the dequantized float path, whose greedy answers (Paris) the assertions
+# here and in the files importing Daemon expect; the quantized path is tested in its own tests.
+MODEL_SETTINGS = {"max_model_len": 2048, "quantization": "none"}
 
 
 class Daemon:
@@ -31,7 +34,7 @@ class Daemon:
         pytest.importorskip("pkgd.engine.core", reason="the engine is not merged yet")
         pytest.importorskip("pkgd.runner.model_runner", reason="the runner is not merged yet")
         self.tmp = tmp
-        self.config_file = write_config(tmp, config or VllmConfig.model_validate({"model": {"max_model_len": 2048}}))
+        self.config_file = write_config(tmp, config or VllmConfig.model_validate({"model": MODEL_SETTINGS}))
         self.address = transport.ipc_address(tmp, 0)
         self.engine = spawn_engine(self.config_file, self.address, fake=False)
         self.engine.wait_ready(600)
@@ -246,7 +249,7 @@ def test_large_bodies_go_to_the_preprocessing_process_started_with_the_api_serve
 def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
     d = Daemon(
         tmp_path,
-        config=VllmConfig.model_validate({"model": {"max_model_len": 2048}, "supervisor": {"drain_timeout": 30}}),
+        config=VllmConfig.model_validate({"model": MODEL_SETTINGS, "supervisor": {"drain_timeout": 30}}),
     )
     try:
 
@@ -272,7 +275,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
 def test_drain_timeout_fails_the_rest_with_an_error(tmp_path):
     d = Daemon(
         tmp_path,
-        config=VllmConfig.model_validate({"model": {"max_model_len": 2048}, "supervisor": {"drain_timeout": 1}}),
+        config=VllmConfig.model_validate({"model": MODEL_SETTINGS, "supervisor": {"drain_timeout": 1}}),
     )
     try:
         body = {"model": MODEL, "prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}

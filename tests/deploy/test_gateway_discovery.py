@@ -167,7 +167,9 @@ def test_smg_with_the_overlays_arguments_discovers_pkgd_pods_and_routes_chat(tmp
             (tmp_path / f"d{i}").mkdir()
             config = {
                 "frontend": {"host": ip, "port": port},
-                "model": {"max_model_len": 1024},
+                # quantization none: the dequantized float path, whose greedy answer (Paris) the
+                # assertion expects; the quantized path is tested in its own tests
+                "model": {"max_model_len": 1024, "quantization": "none"},
                 "cache": {"kv_cache_memory_bytes": 64 << 20},
                 "supervisor": {"engine_ready_timeout": 300},
             }

@@ -35,7 +35,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc  # noqa: E402
 
 MODEL = "smollm2"
 CONFIG = {
-    "model": {"name": MODEL, "max_model_len": 1024},
+    # quantization none: the dequantized float path, whose greedy answer (Paris) the assertions
+    # expect; the quantized path is tested in its own tests
+    "model": {"name": MODEL, "max_model_len": 1024, "quantization": "none"},
     "cache": {"kv_cache_memory_bytes": 64 << 20},
     "parallel": {"cpu_threads": 1},
     "supervisor": {"drain_timeout": 30, "engine_ready_timeout": 600},

@@ -24,7 +24,9 @@ pytestmark = [
 
 MODEL = "smollm2"
 REAL = {
-    "model": {"name": MODEL, "max_model_len": 1024},
+    # quantization none: the dequantized float path, whose greedy answer (Paris) the assertions
+    # expect; the quantized path is tested in its own tests
+    "model": {"name": MODEL, "max_model_len": 1024, "quantization": "none"},
     "cache": {"kv_cache_memory_bytes": 64 << 20},
     "supervisor": {"drain_timeout": 10, "restart_backoff": 1.0, "engine_ready_timeout": 300},
 }

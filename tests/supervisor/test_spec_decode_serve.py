@@ -23,8 +23,10 @@ MODEL = "smollm2"
 # start-up wait on a loaded machine). Answers are kept short: verification computes 1 + k
 # positions in one batch whose attention spans are split differently from a one-token step's,
 # which in bf16 can resolve a near tie the other way (docs/speculative-decoding.md).
+# quantization none: both daemons on the dequantized float path, so their greedy texts compare
+# (a start-up choice could differ between them); the quantized path is tested in its own tests.
 REAL = {
-    "model": {"name": MODEL, "max_model_len": 1024},
+    "model": {"name": MODEL, "max_model_len": 1024, "quantization": "none"},
     "cache": {"kv_cache_memory_bytes": 64 << 20},
     "supervisor": {"drain_timeout": 10, "engine_ready_timeout": 300},
 }

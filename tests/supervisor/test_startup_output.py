@@ -30,12 +30,13 @@ pytestmark = [
     pytest.mark.skipif(not importlib.util.find_spec("pkgd.engine.core_proc"), reason="needs the real children"),
 ]
 
-# a cold start of the default model (its GGUF dequantized once: model.quantization none)
+# a cold start of the default model, its GGUF dequantized once (model.quantization pinned to
+# none: these are the float path's phases; the quantized path is tested in its own tests)
 PHASES = ("convert_gguf", "dequantize_gguf", "cpu_kernels", "load_weights", "kv_cache")
 CONFIG = {
     "frontend": {"port": 0},
     "cache": {"kv_cache_memory_bytes": 32 << 20},
-    "model": {"max_model_len": 512},
+    "model": {"max_model_len": 512, "quantization": "none"},
     "supervisor": {"engine_ready_timeout": 300},
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
