@@ -53,6 +53,21 @@ def test_a_contended_core_drops_to_one_thread_within_a_few_steps():
     assert used.count(2) <= 8 and used[-5:] == [1] * 5
 
 
+def test_a_contended_core_is_noticed_as_fast_after_a_long_quiet_run():
+    """Unprompted probes on a quiet host back off (each changes nothing), but that backoff
+    must not delay reacting to a slowdown: with the busy loop started after many quiet
+    probes, one thread runs after as few slow steps as on a fresh start, not after the
+    backed-off interval's tenth (24 busy s at 8 x 30 s: 19 steps of this host's)."""
+    host = Host({1: 1.8e-3, 2: 1.0e-3})
+    gov = _governor(host, probe_every_s=30.0)
+    host.run(gov, 40_000)  # 2,560 busy s: probes at 30, 60, 120, 240, 240 ... s, none won
+    assert gov.threads == 2
+    host.per_token = {1: 2.0e-3, 2: 20e-3}
+    used = host.run(gov, 40)
+    assert gov.threads == 1 and used[-5:] == [1] * 5
+    assert used.count(2) <= 8, used  # as soon as after a fresh start (the test above)
+
+
 def test_the_cores_come_back_when_the_load_goes():
     host = Host({1: 2.0e-3, 2: 20e-3})
     gov = _governor(host, probe_every_s=2.0)

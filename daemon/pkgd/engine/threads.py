@@ -10,7 +10,7 @@ How: `ThreadGovernor` watches the time per scheduled token of each step, grouped
 shape (power-of-two buckets of its token count and of its request count: a prefill token costs
 far less than a decode token). When steps of a shape become ``SLOWDOWN`` times slower than the
 fastest of the recent ones at the current thread count (at most once per ``MIN_GAP`` of the
-probe interval), or every ``probe_every_s`` seconds of busy stepping, it probes: ``PAIRS`` pairs
+base probe interval), or every ``probe_every_s`` seconds of busy stepping, it probes: ``PAIRS`` pairs
 of consecutive steps, one at the current count and one at the alternative (half of it while
 above one thread; ``max_threads`` again from below, so a load that went away gives the cores
 back). Paired steps see nearly the same batch, so the median of their per-token time ratios
@@ -111,8 +111,10 @@ class ThreadGovernor:
         hist = self._history.setdefault((self.threads, *shape), collections.deque(maxlen=HISTORY))
         hist.append(per_token)
         interval = self._probe_every_s * self._backoff
+        # A slowdown is gated by the base interval, not the backed-off one: the backoff spaces
+        # the unprompted probes of a steady load, and must not delay noticing a new one.
         slowed = (
-            self._busy_s >= MIN_GAP * interval
+            self._busy_s >= MIN_GAP * self._probe_every_s
             and len(hist) > RECENT
             and statistics.median(list(hist)[-RECENT:]) > SLOWDOWN * min(hist)
         )
