@@ -61,13 +61,27 @@ def test_a_contended_core_is_noticed_as_fast_after_a_long_quiet_run():
     host = Host({1: 1.8e-3, 2: 1.0e-3})
     gov = _governor(host, probe_every_s=30.0)
     host.run(gov, 20_000)  # 1,280 busy s: probes at 30, 60, 120, 240, 240 ... s, none won
-    while gov._busy_s > 0.5:  # the load arrives just after an unprompted probe
+    while gov._probe is None:  # the load arrives just after an unprompted probe
+        host.run(gov, 1)
+    while gov._probe is not None:
         host.run(gov, 1)
     assert gov.threads == 2
     host.per_token = {1: 2.0e-3, 2: 20e-3}
     used = host.run(gov, 40)
     assert gov.threads == 1 and used[-5:] == [1] * 5
     assert used.count(2) <= 8, used  # as soon as after a fresh start (the test above)
+
+
+def test_a_slowdown_fewer_threads_do_not_cure_backs_off_its_probes():
+    """Steps 10x slower at every count (the whole box loaded): each probe the slowdown starts
+    ends after its first pair, and they back off (3, 6, 12, 24, 24 ... busy s apart)."""
+    host = Host({1: 1.8e-3, 2: 1.0e-3})
+    gov = _governor(host, probe_every_s=30.0)
+    host.run(gov, 400)
+    host.per_token = {1: 36e-3, 2: 10e-3}
+    used = host.run(gov, 1000)  # 640 busy s
+    assert gov.threads == 2 and gov.changes == 0
+    assert 0 < used.count(1) <= 40, used.count(1)  # about 30 one-step probes, not one per 3 s (213)
 
 
 def test_the_cores_come_back_when_the_load_goes():

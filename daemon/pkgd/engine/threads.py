@@ -70,7 +70,9 @@ class ThreadGovernor:
         self._probe_every_s = probe_every_s
         self._busy_s = 0.0
         self._history: dict[tuple[int, int, int], collections.deque[float]] = {}  # (threads, *shape)
-        self._backoff = 1
+        self._backoff = 1  # of unprompted probes: doubles with each that changes nothing
+        self._slow_backoff = 1  # of probes a slowdown started: the same, separately
+        self._prompted = False  # the open probe was started by a slowdown
         self._probe: list[float] | None = None  # alternative / current per-token time of each pair
         # The current count's (per-token time, shape) of an open pair.
         self._pending: tuple[float, tuple[int, int]] | None = None
@@ -111,15 +113,15 @@ class ThreadGovernor:
         hist = self._history.setdefault((self.threads, *shape), collections.deque(maxlen=HISTORY))
         hist.append(per_token)
         interval = self._probe_every_s * self._backoff
-        # A slowdown is gated by the base interval, not the backed-off one: the backoff spaces
-        # the unprompted probes of a steady load, and must not delay noticing a new one.
+        # A slowdown is gated by its own backoff, not the unprompted probes': those space the
+        # probes of a steady load, and must not delay noticing a new one.
         slowed = (
-            self._busy_s >= MIN_GAP * self._probe_every_s
+            self._busy_s >= MIN_GAP * self._probe_every_s * self._slow_backoff
             and len(hist) > RECENT
             and statistics.median(list(hist)[-RECENT:]) > SLOWDOWN * min(hist)
         )
         if slowed or self._busy_s >= interval:
-            self._probe, self._pending, self._busy_s = [], None, 0.0
+            self._probe, self._pending, self._busy_s, self._prompted = [], None, 0.0, slowed
 
     def _record_probe(self, per_token: float, shape: tuple[int, int]) -> None:
         assert self._probe is not None
@@ -148,8 +150,13 @@ class ThreadGovernor:
             )
             self.threads = alternative
             self.changes += 1
-            self._backoff = 1
+            self._backoff = self._slow_backoff = 1
+            self._history.clear()  # baselines of the old load no longer apply
+        elif self._prompted:
+            self._slow_backoff = min(MAX_BACKOFF, self._slow_backoff * 2)
         else:
+            # The load is what the baselines saw: kept, so a load arriving right after this
+            # probe is a slowdown against them (cleared, its slow steps became the baseline
+            # and only the next unprompted probe, up to MAX_BACKOFF intervals on, noticed it).
             self._backoff = min(MAX_BACKOFF, self._backoff * 2)
         self._probe = None
-        self._history.clear()  # baselines of the old load no longer apply
