@@ -17,8 +17,10 @@ back). Paired steps see nearly the same batch, so the median of their per-token 
 compares the two counts under the load of that moment; the alternative wins when it is at least
 ``1 / WIN`` times faster. A pair whose alternative step is ``GIVE_UP`` times slower ends the
 probe at once (a contended core makes a wider step many times slower: one such step is the whole
-cost), and each probe that changes nothing doubles the interval to the next unprompted one (up
-to ``MAX_BACKOFF`` times). A pair whose two steps differ in shape is not counted. Nothing here
+cost), and each probe that changes nothing doubles the interval to the next one of its kind (up
+to ``MAX_BACKOFF`` times; unprompted probes and those a slowdown started back off separately, so a
+quiet run's long unprompted interval never delays noticing a new load); such a probe keeps the
+baselines, which still describe the load. A pair whose two steps differ in shape is not counted. Nothing here
 is timed against a fixed figure: every decision is a ratio of two measurements taken side by
 side.
 """
