@@ -122,7 +122,7 @@ class PackedWeightsCache:
                 f.write(struct.pack("<Q", len(raw)))
                 f.write(raw)
                 for w in weights.values():
-                    f.write(memoryview(w.data.contiguous().numpy()))
+                    f.write(w.data.contiguous().numpy().data)
             os.replace(tmp, target)
         except OSError as e:
             logger.warning("packed_weights_not_cached", path=str(target), error=str(e))
@@ -156,7 +156,7 @@ def _read(f: Any, expected: dict[str, Any]) -> tuple[dict[str, QuantWeight] | No
     base = 8 + size
     # One allocation read in one pass (not a mapping: see the module docstring).
     buf = torch.empty(file_size - base, dtype=torch.uint8)
-    view, done = memoryview(buf.numpy()), 0
+    view, done = buf.numpy().data, 0
     while done < len(view):
         n = f.readinto(view[done:])
         if not n:
