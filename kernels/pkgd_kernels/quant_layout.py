@@ -40,6 +40,9 @@ BLOCK = {2: 32, 3: 32, 8: 32, 12: 256, 14: 256}
 """Inputs per block of each type."""
 GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 12: 144, 14: 210}
 GROUP_BLOCK_BYTES = {2: 320, 3: 320, 8: 576, 12: 2368, 14: 3392}
+LAYOUT_VERSION = 1
+"""Bump whenever `pack_gguf_rows` writes other bytes for the same blocks: packed weights
+stored on disk (the runner's packed-weights cache) record it and are ignored when it differs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,25 @@ class QuantWeight:
 def supports(qtype: int, k: int) -> bool:
     """Whether the kernels read GGML type ``qtype`` for rows of ``k`` inputs."""
     return qtype in BLOCK and k % BLOCK[qtype] == 0
+
+
+def packed_segments(parts: Sequence[tuple[int, int]], k: int) -> tuple[QuantSegment, ...]:
+    """The segments `pack_gguf_rows` makes of parts ``(qtype, rows)`` of ``k`` inputs per row
+    (adjacent parts of one type merged, each segment padded to 16 rows), without packing: what
+    a stored `QuantWeight` of those parts must hold."""
+    merged: list[list[int]] = []
+    for qtype, rows in parts:
+        if merged and merged[-1][0] == qtype:
+            merged[-1][1] += rows
+        else:
+            merged.append([qtype, rows])
+    out, offset = [], 0
+    for qtype, rows in merged:
+        rows += -rows % GROUP_ROWS
+        nbytes = rows // GROUP_ROWS * (k // BLOCK[qtype]) * GROUP_BLOCK_BYTES[qtype]
+        out.append(QuantSegment(qtype, rows, offset, nbytes))
+        offset += nbytes
+    return tuple(out)
 
 
 def pack_gguf_rows(parts: Sequence[tuple[int, torch.Tensor]], k: int) -> QuantWeight:

@@ -19,7 +19,7 @@ from tests.runner.tiny_gguf import quantize_blocks
 import pkgd_kernels as pk
 from pkgd_kernels import cpu
 from pkgd_kernels.quant import dequantized_activations, quantize_activations
-from pkgd_kernels.quant_layout import BLOCK, GGUF_BLOCK_BYTES, QTYPES, dequantize, pack_gguf_rows
+from pkgd_kernels.quant_layout import BLOCK, GGUF_BLOCK_BYTES, QTYPES, dequantize, pack_gguf_rows, packed_segments
 
 TYPES = list(QTYPES)
 EPS = torch.finfo(torch.float32).eps
@@ -86,6 +86,8 @@ def test_segments_of_several_types_and_padding_rows():
     w = _weight(parts, k)
     assert [s.qtype for s in w.segments] == [QTYPES[t] for t in ("Q4_1", "Q6_K", "Q8_0")]  # same-type parts merged
     assert (w.n, w.rows) == (71, 80)
+    assert packed_segments([(QTYPES[t], r.shape[0]) for t, r in parts], k) == w.segments  # what a stored copy must hold
+    assert sum(s.nbytes for s in w.segments) == w.nbytes
     want = torch.cat([_gguf_dequant(r, t) for t, r in parts])
     assert torch.equal(dequantize(w), want)
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -170,7 +170,9 @@ class ModelConfig(Section):
     )
     cache_dir: str | None = field(
         None,
-        "Where converted weights (GGUF dequantized to safetensors) are cached; null = "
+        "Where converted weights (GGUF dequantized to safetensors), a GGUF's packed quantized "
+        "weights (quantized-weights/), the start-up measurements (dtype-choice/, "
+        "quantization-choice/) and the built C kernels (kernels/) are cached; null = "
         "$CACHE_DIRECTORY under systemd, else ~/.cache/pkgd.",
         aliases=("--download-dir",),
     )

@@ -50,6 +50,8 @@ from pkgd.runner.grammar_bitmask import apply_grammar_bitmask
 from pkgd.runner.input_batch import RequestState, StepBatch, build_batch, update_states
 from pkgd.runner.loader.dtype import DtypeChoice, MeasurementCache, choose_dtype, linear_shapes
 from pkgd.runner.loader.gguf_weights import GGUFWeights, choose_quantization, load_quantized_model
+from pkgd.runner.loader.packed_cache import DIRECTORY as PACKED_WEIGHTS_DIR
+from pkgd.runner.loader.packed_cache import PackedWeightsCache
 from pkgd.runner.loader.weights import load_model
 from pkgd.runner.lora.manager import LoRAManager
 from pkgd.runner.models.classifier import is_classifier, labels_of, resolve_classifier_tokens, uses_sep_token
@@ -278,7 +280,8 @@ class ModelRunner:
             path = self.model_files.gguf_path
             assert path is not None, "choose_quantization keeps quantized weights of a GGUF source only"
             gguf, self._gguf = self._gguf or GGUFWeights(path, self.arch), None
-            return load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=progress)
+            cache = PackedWeightsCache(default_cache_dir(self.config.model.cache_dir) / PACKED_WEIGHTS_DIR)
+            return load_quantized_model(self.arch, gguf, kernels=self.cpu_kernels, progress=progress, cache=cache)
         ensure_float_weights(self.model_files)
         return load_model(
             self.arch,

@@ -17,7 +17,9 @@ blocks: uint8 ``[out, row_bytes]``, rows already permuted as the model wants the
 
 They are tensor-parallel size 1 only (the runner keeps the float path for TP). The packed bytes
 are a uint8 parameter (``qdata``), so the runner's huge-page pass covers them;
-``num_weights`` counts the matrix's elements.
+``num_weights`` counts the matrix's elements. A weight packed earlier (the loader's
+packed-weights cache, `pkgd.runner.loader.packed_cache`) is set with ``preload``; the loading
+then delivers each part as its rows only (uint8 ``[rows, 0]``), which are checked and dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 
 import pkgd_kernels as pk
 from pkgd.runner.layers.moe import MoELayer
-from pkgd_kernels.quant_layout import QuantWeight, pack_gguf_rows
+from pkgd_kernels.quant_layout import QuantWeight, pack_gguf_rows, packed_segments
 
 
 class _Packed(nn.Module):
@@ -45,6 +47,7 @@ class _Packed(nn.Module):
         self.qweight: QuantWeight | None = None
         self.qdata: nn.Parameter | None = None
         self._parts: dict[int, torch.Tensor] = {}
+        self._preloaded = False  # `preload` set the weight; the parts still to arrive are rows only
 
     @property
     def num_weights(self) -> int:
@@ -59,14 +62,47 @@ class _Packed(nn.Module):
             )
         return self.qweight
 
+    def preload(self, weight: QuantWeight) -> None:
+        """Hold ``weight``, packed earlier from this layer's parts (its ``data`` is used as is,
+        e.g. a view of the cache file's data); the loading then passes each part's rows only.
+
+        Raises:
+            ValueError: ``weight`` is not of this layer's shape, types and segments.
+            RuntimeError: a weight is held already.
+        """
+        if self.qweight is not None or self._parts:
+            raise RuntimeError("weights are already (being) loaded")
+        expected = packed_segments(list(zip(self.part_qtypes, self.part_sizes)), self.in_features)
+        if (weight.n, weight.k, weight.segments) != (self.out_features, self.in_features, expected) or (
+            weight.data.dtype != torch.uint8 or weight.nbytes != sum(s.nbytes for s in expected)
+        ):
+            raise ValueError(
+                f"packed weight [{weight.n}, {weight.k}] {weight.qtype_names()} ({weight.nbytes} bytes) does not "
+                f"fit a layer [{self.out_features}, {self.in_features}] of parts {self.part_sizes} "
+                f"({sum(s.nbytes for s in expected)} bytes)"
+            )
+        self.qweight, self._preloaded = weight, True
+        self.qdata = nn.Parameter(weight.data, requires_grad=False)
+
+    def clear(self) -> None:
+        """Drop the weight and any parts received: the state before loading."""
+        self.qweight, self.qdata, self._preloaded = None, None, False
+        self._parts.clear()
+
     def _take(self, index: int, raw: torch.Tensor, what: str) -> None:
-        if self.qweight is not None:
+        if self.qweight is not None and not self._preloaded:
             raise RuntimeError(f"{what}: weights are already packed")
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[0] != self.part_sizes[index]:
             raise ValueError(
                 f"{what}: expected the GGUF rows uint8 [{self.part_sizes[index]}, row bytes], got "
                 f"{raw.dtype} {tuple(raw.shape)}"
             )
+        if self._preloaded:  # the bytes are in `qweight` already: the part only confirms its rows
+            self._parts[index] = raw
+            if len(self._parts) == len(self.part_sizes):
+                self._preloaded = False
+                self._parts.clear()
+            return
         self._parts[index] = raw
         if len(self._parts) == len(self.part_sizes):
             parts = [(self.part_qtypes[i], self._parts[i]) for i in range(len(self.part_sizes))]
@@ -76,6 +112,11 @@ class _Packed(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         _ = self.packed  # raises ValueError when a part is missing
+        if self._preloaded:
+            raise ValueError(
+                f"quantized weight preloaded, but only parts {sorted(self._parts)} of {len(self.part_sizes)} "
+                "in the checkpoint"
+            )
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = pk.quant_linear(x if x.dtype == torch.float32 else x.float(), self.packed, bias, kernels=self.kernels)
@@ -228,3 +269,8 @@ class QuantizedMoE(MoELayer):
             cast(QuantizedLinear, self.gate_up[expert]).load_part(0 if part == "gate" else 1, tensor)
         else:
             raise ValueError(f"unknown expert part {part!r}")
+
+
+def packed_layers(model: nn.Module) -> dict[str, _Packed]:
+    """The layers of ``model`` that hold a `QuantWeight`, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, _Packed)}

@@ -11,7 +11,10 @@ for ``none``, the runner loads the dequantized float weights
 `load_quantized_model` builds the model, swaps its linears, MoE MLPs, LM head and embedding for
 the layers of `pkgd.runner.layers.quantized`, and feeds the GGUF tensors through the model's own
 ``load_weights`` (HF names, llama.cpp's Q/K row permutation undone on the rows of blocks, as
-the float conversion does on floats), read from the memory-mapped file.
+the float conversion does on floats), read from the memory-mapped file. Packing those blocks
+into the kernels' layout is most of the loading's time, so the packed weights are stored in
+``model.cache_dir`` after the first load and read from there by later ones
+(`pkgd.runner.loader.packed_cache`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 from torch import nn
 
@@ -36,12 +40,21 @@ from pkgd.model_files.gguf_convert import (
     unpermute_qk,
 )
 from pkgd.runner.layers.moe import MoELayer
-from pkgd.runner.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedLMHead, QuantizedMoE
+from pkgd.runner.layers.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedLMHead,
+    QuantizedMoE,
+    packed_layers,
+)
 from pkgd.runner.loader.dtype import MeasurementCache
+from pkgd.runner.loader.packed_cache import PackedWeightsCache
 from pkgd.runner.loader.quant_choice import choose_auto, layer_weights, measure_quantized_speedup
 from pkgd.runner.models import get_model_class
 from pkgd.runner.models.config import ArchConfig
 from pkgd_kernels.quant_layout import BLOCK, GROUP_ROWS, QTYPE_NAMES, supports
+
+logger = structlog.get_logger(__name__)
 
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 # Parts of fused projections: every part but the last of a fused weight starts a 16-row group.
@@ -135,13 +148,24 @@ class GGUFWeights:
         return [c.intermediate_size]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.items()
+
+    def items(self, rows_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, tensor)``: float32 for float tensors, the uint8 rows of blocks
-        ``[rows, row_bytes]`` for quantized ones (a copy, so the mapping can close)."""
+        ``[rows, row_bytes]`` for quantized ones (a copy, so the mapping can close); with
+        ``rows_only``, empty uint8 ``[rows, 0]`` in their place (nothing read: for layers whose
+        packed weights came from the cache; not ``meta`` tensors, whose ops import
+        torch._dynamo, ~2 s)."""
         from gguf.quants import dequantize
 
         c = self.cfg
         for name, t in self.tensors.items():
             qt = int(t.tensor_type)
+            if qt in QTYPE_NAMES and name not in self._routers and rows_only:
+                rows = int(t.shape[1]) if len(t.shape) > 1 else 1  # GGUF lists dims innermost first
+                for expert_name in self._experts.get(name, [name]):
+                    yield expert_name, torch.empty((rows, 0), dtype=torch.uint8)
+                continue
             if qt in QTYPE_NAMES and name not in self._routers:
                 a = np.asarray(t.data)
             else:
@@ -253,10 +277,23 @@ def choose_quantization(
     return QuantizationChoice(True, reason, types, figures), weights
 
 
-def load_quantized_model(cfg: ArchConfig, weights: GGUFWeights, *, kernels: Any, progress: Any = None) -> nn.Module:
+def load_quantized_model(
+    cfg: ArchConfig,
+    weights: GGUFWeights,
+    *,
+    kernels: Any,
+    progress: Any = None,
+    cache: PackedWeightsCache | None = None,
+) -> nn.Module:
     """Build ``cfg.architecture`` (float32 activations) with quantized layers and load the
     GGUF's tensors into them. ``progress`` is told one step per tensor, then one for the
-    post-loading processing.
+    post-loading processing (and one for storing the packed weights when that runs).
+
+    With ``cache``, the packed weights stored by an earlier load of the same file are read
+    from it (`pkgd.runner.loader.packed_cache`) and only the float tensors are read from the
+    GGUF (the quantized ones pass as shapes, checked against the layers); otherwise every
+    weight is packed from the GGUF's blocks and the result stored for the next load. Logged
+    as ``packed_weights`` (``action``: ``read``, or ``packed`` with the reason).
 
     Raises:
         UnsupportedArchitectureError: the architecture is not registered.
@@ -264,9 +301,12 @@ def load_quantized_model(cfg: ArchConfig, weights: GGUFWeights, *, kernels: Any,
     """
     model = get_model_class(cfg.architecture)(cfg, dtype=torch.float32, kernels=kernels)
     _swap_layers(model, weights, kernels)
-    tensors: Iterator[tuple[str, torch.Tensor]] = iter(weights)
+    layers = packed_layers(model)
+    cached, why = (False, "no cache") if cache is None else _preload(layers, cache, weights, cfg)
+    store = cache is not None and not cached
+    tensors: Iterator[tuple[str, torch.Tensor]] = weights.items(rows_only=cached)
     if progress is not None:
-        progress.set_total(weights.num_items() + 1)
+        progress.set_total(weights.num_items() + 1 + store)
         tensors = _counted(tensors, progress)
     with torch.no_grad():
         model.load_weights(tensors)
@@ -276,7 +316,33 @@ def load_quantized_model(cfg: ArchConfig, weights: GGUFWeights, *, kernels: Any,
                 module.process_weights_after_loading()
     if progress is not None:
         progress.advance()
+    logger.info("packed_weights", action="read" if cached else "packed", reason=why, layers=len(layers))
+    if store:
+        assert cache is not None
+        cache.store(weights.path, cfg.architecture, cfg.raw, {name: m.packed for name, m in layers.items()})
+        if progress is not None:
+            progress.advance()
     return model.eval()
+
+
+def _preload(
+    layers: dict[str, Any], cache: PackedWeightsCache, weights: GGUFWeights, cfg: ArchConfig
+) -> tuple[bool, str]:
+    """Set every packed layer's weight from ``cache``; whether it did, else why not (and no
+    layer set)."""
+    stored, why = cache.load(weights.path, cfg.architecture, cfg.raw)
+    if stored is None:
+        return False, why
+    if missing := sorted(set(layers) - set(stored)):
+        return False, f"does not fit the model: {len(missing)} layers not stored, e.g. {missing[0]}"
+    try:
+        for name, layer in layers.items():
+            layer.preload(stored[name])
+    except ValueError as e:
+        for layer in layers.values():  # back to empty: the weights are packed from the GGUF instead
+            layer.clear()
+        return False, f"does not fit the model: {name}: {e}"
+    return True, "stored by an earlier load"
 
 
 def _counted(tensors: Iterator[tuple[str, torch.Tensor]], progress: Any) -> Iterator[tuple[str, torch.Tensor]]:
