@@ -83,6 +83,13 @@ class RequestStream:
         self._items.append(item)
         self._event.set()
 
+    def fail_now(self, error: BaseException) -> None:
+        """End the stream with ``error`` next, dropping the outputs not yet taken: a stream cut
+        at a drain deadline must reach its client within the close grace, and a client that
+        reads slower than the engine generates has a backlog here it would never get through."""
+        self._items.clear()
+        self.put(error)
+
     async def get(self) -> Any:
         while not self._items:
             self._event.clear()
@@ -279,7 +286,7 @@ class AsyncLLM:
         if self.metrics is not None and self._streams:
             self.metrics.count_cut(reason, len(self._streams))
         for rid, stream in list(self._streams.items()):
-            stream.put(error)
+            stream.fail_now(error)
             self._forget(rid, abort=True)
 
     def _forget(self, rid: str, *, abort: bool) -> None:
