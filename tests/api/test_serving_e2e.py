@@ -27,6 +27,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # model.quantization none: the dequantized float path, whose greedy answers (Paris) the assertions
 # here and in the files importing Daemon expect; the quantized path is tested in its own tests.
 MODEL_SETTINGS = {"max_model_len": 2048, "quantization": "none"}
+# Greedy equality of two runs of one prompt (streamed and not) needs the same arithmetic in
+# both: a fixed thread count (the governor may change it between them on a busy host, and a
+# bf16 sum's order with it).
+FIXED_THREADS = {"cpu_threads_adaptive": False}
 
 
 class Daemon:
@@ -34,7 +38,9 @@ class Daemon:
         pytest.importorskip("pkgd.engine.core", reason="the engine is not merged yet")
         pytest.importorskip("pkgd.runner.model_runner", reason="the runner is not merged yet")
         self.tmp = tmp
-        self.config_file = write_config(tmp, config or VllmConfig.model_validate({"model": MODEL_SETTINGS}))
+        self.config_file = write_config(
+            tmp, config or VllmConfig.model_validate({"model": MODEL_SETTINGS, "parallel": FIXED_THREADS})
+        )
         self.address = transport.ipc_address(tmp, 0)
         self.engine = spawn_engine(self.config_file, self.address, fake=False)
         self.engine.wait_ready(600)
