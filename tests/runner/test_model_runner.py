@@ -185,5 +185,6 @@ def test_auto_kv_cache_is_float16_under_quantized_weights_on_cpu():
     cpu = torch.device("cpu")
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu, quantized=True) == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu, quantized=False) == torch.float32
-    assert resolve_kv_cache_dtype("float32", torch.float32, cpu, quantized=True) == torch.float32  # an explicit dtype wins
+    # an explicit dtype wins
+    assert resolve_kv_cache_dtype("float32", torch.float32, cpu, quantized=True) == torch.float32
     assert resolve_kv_cache_dtype("auto", torch.float16, torch.device("cuda"), quantized=True) == torch.float16
