@@ -110,14 +110,22 @@ class ModelInfo:
     weight_bytes: int = 0
 
 
-def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """``cache.cache_dtype`` as a torch dtype: ``auto`` is the model dtype (vLLM's rule).
+def resolve_kv_cache_dtype(
+    cache_dtype: str, model_dtype: torch.dtype, device: torch.device, quantized: bool = False
+) -> torch.dtype:
+    """``cache.cache_dtype`` as a torch dtype: ``auto`` is the model dtype (vLLM's rule), except
+    under GGUF weights kept quantized on CPU, where it is float16: llama.cpp's default K/V type
+    for the same files (its ``--cache-type-k/v f16``), half the bytes a cached token takes of
+    float32, with attention still computed in float32.
 
     Raises:
         ValueError: a cache dtype other than the model's on CUDA (the Triton kernels read and
             write the cache in the model dtype).
     """
-    kv = model_dtype if cache_dtype == "auto" else getattr(torch, cache_dtype)
+    if cache_dtype == "auto":
+        kv = torch.float16 if quantized and device.type == "cpu" else model_dtype
+    else:
+        kv = getattr(torch, cache_dtype)
     if kv != model_dtype and device.type != "cpu":
         raise ValueError(
             f"cache.cache_dtype: {cache_dtype} differs from the model dtype "
@@ -234,7 +242,9 @@ class ModelRunner:
                 one_call_decode=getattr(self.model, "cpu_decode", None) is not None,
             )
         self.num_kv_heads_local, _ = kv_heads_per_rank(self.arch.num_key_value_heads, self.tp)
-        self.kv_dtype = resolve_kv_cache_dtype(config.cache.cache_dtype, self.dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(
+            config.cache.cache_dtype, self.dtype, self.device, quantized=self.quantization.quantized
+        )
         self.model_info = self._model_info()
         gen = torch.Generator().manual_seed(config.model.seed)
         self.sampler = Sampler(self.model_info.eos_token_ids, gen)
