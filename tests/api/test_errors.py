@@ -11,6 +11,21 @@ from .fakes import MAX_MODEL_LEN
 pytestmark = pytest.mark.anyio
 MESSAGES = [{"role": "user", "content": "hi"}]
 
+
+def _nested(levels: int, key: str) -> dict:
+    """A schema of ``levels`` objects (key "properties") or arrays (key "items") in one another."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = (
+            {"type": "object", "properties": {"a": schema}}
+            if key == "properties"
+            else {"type": "array", "items": schema}
+        )
+    return schema
+
+
+DEEP = "deep, more than 100"
+
 CASES = [
     # (path, body, status, words the message must contain)
     ("/v1/chat/completions", {"model": "gpt-5", "messages": MESSAGES}, 404, ["gpt-5", "SmolLM2-135M-Instruct"]),
@@ -73,6 +88,29 @@ CASES = [
         ["response_format", "strnig"],
     ),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400, ["response_format"]),
+    (  # the schema checks recurse per level: too deep is the request's error, not a RecursionError's 500
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": _nested(100, "properties")},
+            },
+        },
+        400,
+        ["response_format", DEEP],
+    ),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": _nested(200, "items")}}, 400, [DEEP]),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(100, "properties")}}],
+            "tool_choice": "required",
+        },
+        400,
+        ["tool_choice", DEEP],
+    ),
     (
         "/v1/completions",
         {"prompt": "x", "structured_outputs": {"regex": "[a-"}},

@@ -89,3 +89,21 @@ def test_validator_caches_verdicts_and_bounds_pending_checks():
     results = asyncio.run(go())
     assert any(isinstance(r, ValueError) and "retry" in str(r) for r in results)  # only one admitted at once
     v.close()
+
+
+def test_schema_nesting_is_bounded_and_running_out_of_stack_is_a_value_error(monkeypatch):
+    from pkgd.frontend import structured_outputs
+
+    schema: dict = {"type": "string"}
+    for _ in range(structured_outputs.MAX_SCHEMA_DEPTH - 1):
+        schema = {"type": "array", "items": schema}
+    check(S(json=schema))  # at the bound: checked as any schema
+    with pytest.raises(ValueError, match="nested 101 deep, more than 100"):
+        check(S(json={"type": "array", "items": schema}))
+
+    def deep(*args):
+        raise RecursionError
+
+    monkeypatch.setattr(structured_outputs, "_walk", deep)
+    with pytest.raises(ValueError, match="response_format: invalid JSON schema: nested too deeply"):
+        structured_outputs.check_json_schema({"type": "string"}, "response_format")

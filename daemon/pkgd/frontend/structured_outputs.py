@@ -51,6 +51,11 @@ UNENFORCED_KEYWORDS = (
     "uniqueItems",
 )
 MAX_CONSTRAINT_BYTES = 256 * 1024
+# JSON objects and arrays nested in a schema: the meta-schema check and the walk below recurse
+# once or more per level, and Python's default recursion limit ran out near 128 nested arrays
+# (100 nested properties, 200 deep) as schemas; real ones nest a few levels. A schema within
+# the bound that still runs out of stack is refused all the same (check_json_schema)
+MAX_SCHEMA_DEPTH = 100
 _lock = threading.Lock()
 _xgr: Any = None
 
@@ -156,12 +161,31 @@ def check_json_schema(schema: Any, field: str) -> None:
         raise ValueError(
             f"{field}: invalid JSON schema: a schema is an object or a boolean, got {type(schema).__name__}"
         )
+    if (depth := _nesting(schema)) > MAX_SCHEMA_DEPTH:
+        raise ValueError(
+            f"{field}: invalid JSON schema: objects and arrays nested {depth} deep, more than {MAX_SCHEMA_DEPTH}"
+        )
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        _walk(schema, field, "#")
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         raise ValueError(f"{field}: invalid JSON schema at {where}: {exc.message}") from None
-    _walk(schema, field, "#")
+    except RecursionError:  # within the depth bound but on a deep stack: still the request's schema
+        raise ValueError(f"{field}: invalid JSON schema: nested too deeply to check") from None
+
+
+def _nesting(value: Any) -> int:
+    """How deep JSON objects and arrays nest in ``value`` (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
 
 
 def _walk(node: Any, field: str, path: str) -> None:
