@@ -64,7 +64,7 @@ def test_statefulset_ranks_serve_one_model_with_the_head_reaching_rank_1_by_dns_
                 PKGD_PARALLEL__CPU_THREADS="1",
                 PKGD_CACHE__KV_CACHE_MEMORY_BYTES=str(
                     128 << 20
-                ),  # max_model_len 2048 in K/V (float16 under quantized weights)
+                ),  # max_model_len 2048 in K/V (bfloat16 under quantized weights)
                 PYTHONPATH=os.environ.get("PYTHONPATH", ""),
             )
             pod = f'mount --bind {hosts} /etc/hosts && exec sh -c "$POD_SCRIPT"'

@@ -179,11 +179,11 @@ def test_a_16_bit_kv_cache_is_refused_off_cpu():
         resolve_kv_cache_dtype("bfloat16", torch.float16, torch.device("cuda"))
 
 
-def test_auto_kv_cache_is_float16_under_quantized_weights_on_cpu():
+def test_auto_kv_cache_is_bfloat16_under_quantized_weights_on_cpu():
     from pkgd.runner.model_runner import resolve_kv_cache_dtype
 
     cpu = torch.device("cpu")
-    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, quantized=True) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, quantized=True) == torch.bfloat16
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu, quantized=False) == torch.float32
     # an explicit dtype wins
     assert resolve_kv_cache_dtype("float32", torch.float32, cpu, quantized=True) == torch.float32

@@ -115,7 +115,7 @@ def test_auto_keeps_every_type_quantized_and_writes_no_float_copy(tiny_quantized
     float_bytes = 4 * runner.model_info.num_params
     assert runner.model_info.weight_bytes < float_bytes / 3.5
     assert runner.dtype == torch.float32 and "quantized" in runner.dtype_choice.reason  # no bf16 measurement
-    assert runner.kv_dtype == torch.float16  # llama.cpp's K/V type under its quantized files
+    assert runner.kv_dtype == torch.bfloat16  # 16-bit K/V under quantized weights
 
 
 def test_sleep_level_2_reloads_the_quantized_weights(tiny_quantized):
@@ -144,11 +144,11 @@ def test_logits_match_the_dequantized_float_path_within_activation_rounding(tiny
     the quantized path against the float path on the same tokens: within `ROUNDED_BOUND` of
     the float path with its linears' inputs rounded as the kernels round them (float32 K/V on
     both sides, so only that rounding differs), and within `LOGIT_BOUND` of the plain float
-    path, also with the default float16 K/V (decode steps read the rounded cache)."""
+    path, also with the default bfloat16 K/V (decode steps read the rounded cache)."""
     torch.set_num_threads(2)
     quantized = _runner(tiny_quantized[name], cache_dtype="float32")
     default_kv = _runner(tiny_quantized[name])
-    assert default_kv.kv_dtype == torch.float16
+    assert default_kv.kv_dtype == torch.bfloat16
     dequantized = _runner(tiny_quantized[name], quantization="none")
     assert dequantized.model_files.has_float_weights() and not dequantized.quantization.quantized
     worst = rounded_worst = 0.0

@@ -799,8 +799,8 @@ class CacheConfig(Section):
     )
     cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
         "auto",
-        "Dtype of the stored K/V (vLLM's --kv-cache-dtype). 'auto' = the model dtype, except float16 "
-        "under GGUF weights kept quantized on CPU (llama.cpp's f16 K/V for the same files). A 16-bit "
+        "Dtype of the stored K/V (vLLM's --kv-cache-dtype). 'auto' = the model dtype, except bfloat16 "
+        "under GGUF weights kept quantized on CPU (half the memory per token, and faster to read). A 16-bit "
         "cache under a float32 model holds twice the tokens in the same bytes (rounded K/V, "
         "attention still computed in float32); CPU only.",
         aliases=("--kv-cache-dtype",),
